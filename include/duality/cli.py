@@ -1,0 +1,164 @@
+"""The `duality` command line: parses arguments, calls the library, renders text or JSON.
+
+Exit codes: 0 success, 1 a check failed, 2 bad input or usage (including an unreachable broker).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from duality import kafka
+from duality.config import Settings
+from duality.errors import DualityError
+from duality.local import LocalBroker
+
+Handler = Callable[[Settings, argparse.Namespace, Console], Any]
+
+_out = Console(highlight=False)
+_err = Console(stderr=True, highlight=False)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that says what to do next when the usage is wrong (exit code 2)."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+# -- commands ------------------------------------------------------------------------------
+
+
+def _cmd_up(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    broker = LocalBroker(settings)
+    with console.status(f"starting the Kafka broker on {settings.bootstrap_servers}"):
+        state = broker.start()
+    if not args.json:
+        verb = "already running" if state["already_running"] else "started"
+        console.print(
+            f"Kafka broker {verb} at [bold]{state['bootstrap_servers']}[/] "
+            f"(pid {state['pid']}); logs in {state['log']}"
+        )
+    return {"broker": state}
+
+
+def _cmd_down(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    state = LocalBroker(settings).stop()
+    if not args.json:
+        console.print(
+            f"Kafka broker stopped (pid {state['pid']})"
+            if state["was_running"]
+            else "Kafka broker was not running"
+        )
+    return {"broker": state}
+
+
+def _cmd_status(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    state = LocalBroker(settings).status()
+    if state["state"] == "stopped":
+        # Not ours: maybe a remote cluster that DUALITY_BOOTSTRAP_SERVERS names.
+        try:
+            state["brokers"] = kafka.ensure_reachable(settings, timeout=5)
+            state["reachable"] = True
+            state["state"] = "external"
+        except DualityError:
+            state["reachable"] = False
+    if not args.json:
+        table = Table(title="duality local stack", show_header=True)
+        for column in ("service", "state", "address", "pid", "reachable", "log"):
+            table.add_column(column)
+        table.add_row(
+            "kafka",
+            state["state"],
+            state["bootstrap_servers"],
+            str(state["pid"] or "-"),
+            "yes" if state["reachable"] else "no",
+            state["log"],
+        )
+        console.print(table)
+    return {"broker": state}
+
+
+def _cmd_lag(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    kafka.ensure_reachable(settings)
+    rows = kafka.lag(settings, args.group or None)
+    if not args.json:
+        table = Table(title=f"consumer lag on {settings.bootstrap_servers}")
+        for column in ("group", "topic", "partition", "committed", "end", "lag"):
+            table.add_column(column, justify="right" if column != "group" else "left")
+        for row in rows:
+            table.add_row(
+                row.group, row.topic, str(row.partition), str(row.committed), str(row.end),
+                str(row.lag),
+            )
+        console.print(table if rows else "no consumer group has committed offsets")
+    return {
+        "lag": [
+            {
+                "group": r.group,
+                "topic": r.topic,
+                "partition": r.partition,
+                "committed": r.committed,
+                "end": r.end,
+                "lag": r.lag,
+            }
+            for r in rows
+        ]
+    }
+
+
+# -- parser --------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="duality",
+        description="Streams into tables and tables into streams, on Kafka, Spark and Delta.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    commands.required = True
+
+    def add(name: str, handler: Handler, help_text: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub.add_argument("--json", action="store_true", help="print the result as JSON")
+        sub.set_defaults(handler=handler)
+        return sub
+
+    add("up", _cmd_up, "start the local stack (idempotent)")
+    add("down", _cmd_down, "stop the local stack")
+    add("status", _cmd_status, "report the local stack")
+    lag = add("lag", _cmd_lag, "consumer lag per group, topic and partition")
+    lag.add_argument("--group", action="append", help="only this consumer group (repeatable)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = _err if args.json else _out
+    try:
+        settings = Settings.from_env()
+        result = args.handler(settings, args, console)
+    except DualityError as error:
+        if args.json:
+            print(json.dumps({"error": str(error), "exit_code": error.exit_code}))
+        _err.print(
+            f"duality {args.command}: error: {error}", style="red", markup=False, soft_wrap=True
+        )
+        return error.exit_code
+    except KeyboardInterrupt:
+        _err.print(f"duality {args.command}: interrupted")
+        return 130
+    if args.json:
+        print(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

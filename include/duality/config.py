@@ -1,0 +1,170 @@
+"""The one settings object: every host, port and path duality uses comes from here.
+
+Settings are read from `DUALITY_*` environment variables (the table in README.md lists them).
+Inside Airflow, the connections `kafka_default` and `spark_default` override the Kafka and Spark
+fields through `Settings.replace`, so the library itself never imports Airflow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from duality.errors import UsageError
+
+PREFIX = "DUALITY_"
+
+_SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+
+
+def _checkout_root() -> Path:
+    """The checkout this package was installed from (editable install), else the current folder."""
+    here = Path(__file__).resolve().parents[2]
+    if (here / "pyproject.toml").is_file() and (here / "include" / "duality").is_dir():
+        return here
+    return Path.cwd()
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Where duality finds Kafka, Spark, Airflow and its folders.
+
+    Relative paths in the environment are taken relative to `home`.
+    """
+
+    home: Path
+    bootstrap_servers: str = "localhost:9092"
+    security_protocol: str = "PLAINTEXT"
+    sasl_mechanism: str | None = None
+    sasl_username: str | None = None
+    sasl_password: str | None = None
+    # The dev broker's KRaft controller listener (`duality up` only).
+    controller_port: int = 9093
+    spark_master: str = "local[2]"
+    spark_driver_memory: str = "2g"
+    warehouse: Path = Path("warehouse")
+    checkpoint_root: Path = Path("checkpoints")
+    jar_cache: Path = Path(".cache/jars")
+    pipelines: Path = Path("include/pipelines")
+    local_dir: Path = Path(".local")
+    airflow_url: str = "http://localhost:8080"
+    # How long a command waits for the broker before it gives up with a clear error.
+    connect_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.security_protocol not in _SECURITY_PROTOCOLS:
+            raise UsageError(
+                f"{PREFIX}SECURITY_PROTOCOL={self.security_protocol!r} is not a Kafka security "
+                f"protocol: use one of {', '.join(_SECURITY_PROTOCOLS)}"
+            )
+        if not self.bootstrap_servers.strip():
+            raise UsageError(f"{PREFIX}BOOTSTRAP_SERVERS is empty: set it to host:port[,host:port]")
+        for server in self.bootstrap_servers.split(","):
+            host, _, port = server.strip().rpartition(":")
+            if not host or not port.isdigit():
+                raise UsageError(
+                    f"{PREFIX}BOOTSTRAP_SERVERS={self.bootstrap_servers!r}: {server.strip()!r} "
+                    "is not host:port; write it like localhost:9092"
+                )
+        # Paths are made absolute once, here, so no other module resolves them.
+        for field in ("warehouse", "checkpoint_root", "jar_cache", "pipelines", "local_dir"):
+            value = getattr(self, field)
+            if not value.is_absolute():
+                object.__setattr__(self, field, (self.home / value).resolve())
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if environ is None else environ
+        home = Path(env.get(f"{PREFIX}HOME") or _checkout_root()).resolve()
+        values: dict[str, object] = {"home": home}
+        for field in dataclasses.fields(cls):
+            if field.name == "home":
+                continue
+            raw = env.get(PREFIX + field.name.upper())
+            if raw is None or raw == "":
+                continue
+            values[field.name] = _convert(field.name, field.type, raw)
+        return cls(**values)  # type: ignore[arg-type]
+
+    def replace(self, **changes: object) -> Settings:
+        """A copy with some fields changed (Airflow connections, tests)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    @property
+    def first_bootstrap(self) -> tuple[str, int]:
+        host, _, port = self.bootstrap_servers.split(",")[0].strip().rpartition(":")
+        return host, int(port)
+
+    def kafka_client_config(self) -> dict[str, str]:
+        """librdkafka properties for connecting and authenticating; no behaviour settings."""
+        config = {
+            "bootstrap.servers": self.bootstrap_servers,
+            "security.protocol": self.security_protocol,
+        }
+        if self.sasl_mechanism:
+            config["sasl.mechanism"] = self.sasl_mechanism
+        if self.sasl_username is not None:
+            config["sasl.username"] = self.sasl_username
+        if self.sasl_password is not None:
+            config["sasl.password"] = self.sasl_password
+        return config
+
+    def spark_kafka_options(self) -> dict[str, str]:
+        """The same connection as options of Spark's Kafka source and sink (Java client names)."""
+        options = {
+            "kafka.bootstrap.servers": self.bootstrap_servers,
+            "kafka.security.protocol": self.security_protocol,
+        }
+        if self.sasl_mechanism:
+            options["kafka.sasl.mechanism"] = self.sasl_mechanism
+            if self.sasl_mechanism.upper() == "PLAIN":
+                module = "org.apache.kafka.common.security.plain.PlainLoginModule"
+            else:
+                module = "org.apache.kafka.common.security.scram.ScramLoginModule"
+            options["kafka.sasl.jaas.config"] = (
+                f'{module} required username="{self.sasl_username or ""}" '
+                f'password="{self.sasl_password or ""}";'
+            )
+        return options
+
+
+def _convert(name: str, kind: object, raw: str) -> object:
+    env_name = PREFIX + name.upper()
+    kind_text = str(kind)
+    if "Path" in kind_text:
+        return Path(raw).expanduser()
+    if kind_text in ("int", "float"):
+        try:
+            return int(raw) if kind_text == "int" else float(raw)
+        except ValueError:
+            raise UsageError(f"{env_name}={raw!r} is not a number: set it to a {kind_text}") from None
+    return raw
+
+
+def describe() -> list[tuple[str, str, str]]:
+    """(variable, default, meaning) for the README table and `duality status`."""
+    meanings = {
+        "home": "folder that relative paths below are taken from (default: the checkout)",
+        "bootstrap_servers": "Kafka bootstrap servers, host:port[,host:port]",
+        "security_protocol": "PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL",
+        "sasl_mechanism": "SASL mechanism (PLAIN, SCRAM-SHA-256, SCRAM-SHA-512)",
+        "sasl_username": "SASL user name",
+        "sasl_password": "SASL password",
+        "controller_port": "KRaft controller port of the dev broker started by `duality up`",
+        "spark_master": "Spark master URL (`local[N]`, `spark://host:7077`)",
+        "spark_driver_memory": "memory of the Spark driver",
+        "warehouse": "folder of Delta tables",
+        "checkpoint_root": "folder of streaming checkpoints",
+        "jar_cache": "folder the Maven-fetched jars are copied into",
+        "pipelines": "folder of pipeline specs",
+        "local_dir": "data, logs and pid files of the local stack",
+        "airflow_url": "Airflow UI and API address",
+        "connect_timeout_s": "seconds a command waits for the broker before it gives up",
+    }
+    rows = []
+    for field in dataclasses.fields(Settings):
+        default = "" if field.default is dataclasses.MISSING else str(field.default)
+        rows.append((PREFIX + field.name.upper(), default, meanings[field.name]))
+    return rows

@@ -1,0 +1,330 @@
+"""The local stack: a single-node KRaft Kafka broker run from the Maven-fetched jars.
+
+`LocalBroker` formats its storage on first start, starts `kafka.Kafka` detached with its data,
+logs and pid file under `<local_dir>/kafka`, waits until the broker answers, and stops it without
+leaving a process behind. Starting a running broker reports it instead of starting another.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from duality import kafka
+from duality.config import Settings
+from duality.errors import BrokerUnavailable, LocalStackError, UsageError
+
+_LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
+_MAIN_CLASS = "kafka.Kafka"
+_START_TIMEOUT_S = 90.0
+_STOP_TIMEOUT_S = 30.0
+
+# Tuned so that compaction is visible within seconds: short segments, an eager cleaner.
+_DEV_BROKER_CONFIG = {
+    "num.partitions": "1",
+    "auto.create.topics.enable": "false",
+    "offsets.topic.replication.factor": "1",
+    "offsets.topic.num.partitions": "8",
+    "transaction.state.log.replication.factor": "1",
+    "transaction.state.log.min.isr": "1",
+    "transaction.state.log.num.partitions": "8",
+    "share.coordinator.state.topic.replication.factor": "1",
+    "share.coordinator.state.topic.min.isr": "1",
+    "group.initial.rebalance.delay.ms": "0",
+    "log.roll.ms": "10000",
+    "log.cleaner.backoff.ms": "500",
+    "log.cleaner.min.cleanable.ratio": "0.01",
+    "log.cleaner.min.compaction.lag.ms": "0",
+    "log.cleaner.dedupe.buffer.size": "33554432",
+    "log.retention.check.interval.ms": "5000",
+    "log.segment.delete.delay.ms": "1000",
+}
+
+_LOG4J2 = """\
+status = warn
+appender.file.type = RollingFile
+appender.file.name = server
+appender.file.fileName = {logs}/server.log
+appender.file.filePattern = {logs}/server.log.%i
+appender.file.layout.type = PatternLayout
+appender.file.layout.pattern = [%d] %p %m (%c)%n
+appender.file.policies.type = Policies
+appender.file.policies.size.type = SizeBasedTriggeringPolicy
+appender.file.policies.size.size = 50MB
+appender.file.strategy.type = DefaultRolloverStrategy
+appender.file.strategy.max = 3
+rootLogger.level = info
+rootLogger.appenderRef.file.ref = server
+logger.cleaner.name = kafka.log.LogCleaner
+logger.cleaner.level = info
+"""
+
+
+class LocalBroker:
+    """The dev broker of one `local_dir`, listening where `settings.bootstrap_servers` says."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.root = settings.local_dir / "kafka"
+        self.data_dir = self.root / "data"
+        self.logs_dir = self.root / "logs"
+        self.config_file = self.root / "server.properties"
+        self.pid_file = self.root / "broker.pid"
+        self.jar_dir = settings.jar_cache / "broker"
+
+    # -- what is there ---------------------------------------------------------------------
+
+    @property
+    def log_file(self) -> Path:
+        return self.logs_dir / "server.log"
+
+    def pid(self) -> int | None:
+        """The pid of this broker's running process, or None (a stale pid file is ignored)."""
+        try:
+            pid = int(self.pid_file.read_text().strip())
+        except (FileNotFoundError, ValueError):
+            return None
+        try:
+            cmdline = psutil.Process(pid).cmdline()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            return None
+        if _MAIN_CLASS in cmdline and str(self.config_file) in cmdline:
+            return pid
+        return None
+
+    def _listening(self) -> str | None:
+        if self.pid() is None or not self.config_file.is_file():
+            return None
+        for line in self.config_file.read_text().splitlines():
+            if line.startswith("advertised.listeners="):
+                return line.split("://", 1)[1]
+        return None
+
+    def status(self) -> dict[str, Any]:
+        pid = self.pid()
+        reachable = False
+        if pid is not None:
+            address = self._listening() or self.settings.bootstrap_servers
+            try:
+                kafka.ensure_reachable(self.settings.replace(bootstrap_servers=address), timeout=3)
+                reachable = True
+            except BrokerUnavailable:
+                reachable = False
+        return {
+            "state": "running" if pid is not None else "stopped",
+            "pid": pid,
+            # Where the running broker listens, which may differ from the current settings.
+            "bootstrap_servers": self._listening() or self.settings.bootstrap_servers,
+            "reachable": reachable,
+            "data_dir": str(self.data_dir),
+            "log": str(self.log_file),
+        }
+
+    # -- start -----------------------------------------------------------------------------
+
+    def start(self) -> dict[str, Any]:
+        """Start the broker unless it runs already; returns its status plus `already_running`."""
+        if self.pid() is not None:
+            return {**self.status(), "already_running": True}
+        self._check_can_start()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        self._write_config()
+        if not (self.data_dir / "meta.properties").is_file():
+            self._format_storage()
+        process = self._launch()
+        self.pid_file.write_text(f"{process.pid}\n")
+        self._wait_until_ready(process)
+        return {**self.status(), "already_running": False}
+
+    def _check_can_start(self) -> None:
+        host, port = self.settings.first_bootstrap
+        if host not in _LOCAL_HOSTS or "," in self.settings.bootstrap_servers:
+            raise UsageError(
+                f"DUALITY_BOOTSTRAP_SERVERS={self.settings.bootstrap_servers!r} names a remote "
+                "cluster; `duality up` starts a broker on this machine only: unset the variable "
+                "or set it to localhost:<port>"
+            )
+        if self.settings.security_protocol != "PLAINTEXT":
+            raise UsageError(
+                f"DUALITY_SECURITY_PROTOCOL={self.settings.security_protocol}: the local broker "
+                "speaks PLAINTEXT only; unset the variable for the local stack"
+            )
+        if shutil.which("java") is None:
+            raise LocalStackError("java is not on PATH: install Java 17 and try again")
+        if not list(self.jar_dir.glob("kafka_2.13-*.jar")):
+            raise LocalStackError(
+                f"no Kafka jars in {self.jar_dir}: run `make setup` to fetch them from Maven"
+            )
+        for busy in (port, self.settings.controller_port):
+            if _port_in_use(host, busy):
+                raise LocalStackError(
+                    f"port {busy} on {host} is taken by another process: stop it, or choose free "
+                    "ports with DUALITY_BOOTSTRAP_SERVERS and DUALITY_CONTROLLER_PORT"
+                )
+
+    def _write_config(self) -> None:
+        host, port = self.settings.first_bootstrap
+        cport = self.settings.controller_port
+        config = {
+            "process.roles": "broker,controller",
+            "node.id": "1",
+            "controller.quorum.voters": f"1@{host}:{cport}",
+            "listeners": f"PLAINTEXT://{host}:{port},CONTROLLER://{host}:{cport}",
+            "advertised.listeners": f"PLAINTEXT://{host}:{port}",
+            "controller.listener.names": "CONTROLLER",
+            "inter.broker.listener.name": "PLAINTEXT",
+            "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            "log.dirs": str(self.data_dir),
+            **_DEV_BROKER_CONFIG,
+        }
+        self.config_file.write_text("".join(f"{k}={v}\n" for k, v in config.items()))
+        (self.root / "log4j2.properties").write_text(_LOG4J2.format(logs=self.logs_dir))
+
+    def _java(self, main: str, *args: str, heap: str = "256m") -> list[str]:
+        return [
+            "java",
+            f"-Xmx{heap}",
+            "-XX:+UseG1GC",
+            "-Djava.awt.headless=true",
+            f"-Dlog4j2.configurationFile={self.root / 'log4j2.properties'}",
+            f"-Dkafka.logs.dir={self.logs_dir}",
+            "-cp",
+            f"{self.jar_dir}/*",
+            main,
+            *args,
+        ]
+
+    def _format_storage(self) -> None:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        command = self._java(
+            "kafka.tools.StorageTool",
+            "format",
+            "--cluster-id",
+            cluster_id,
+            "--config",
+            str(self.config_file),
+            "--ignore-formatted",
+        )
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            raise LocalStackError(
+                f"formatting the broker storage in {self.data_dir} failed:\n"
+                f"{result.stdout}{result.stderr}"
+            )
+
+    def _launch(self) -> subprocess.Popen[bytes]:
+        stdout = open(self.logs_dir / "stdout.log", "ab")  # noqa: SIM115 - handed to the child
+        try:
+            return subprocess.Popen(
+                self._java(_MAIN_CLASS, str(self.config_file), heap="1g"),
+                stdin=subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # survives the command that started it
+                cwd=self.root,
+            )
+        finally:
+            stdout.close()
+
+    def _wait_until_ready(self, process: subprocess.Popen[bytes]) -> None:
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                self.pid_file.unlink(missing_ok=True)
+                raise LocalStackError(
+                    f"the broker exited with code {process.returncode} while starting; "
+                    f"last lines of {self.log_file}:\n{self.log_tail()}"
+                )
+            try:
+                kafka.ensure_reachable(self.settings, timeout=2)
+                return
+            except BrokerUnavailable:
+                continue
+        self.stop()
+        raise LocalStackError(
+            f"the broker did not answer on {self.settings.bootstrap_servers} within "
+            f"{_START_TIMEOUT_S:g}s; last lines of {self.log_file}:\n{self.log_tail()}"
+        )
+
+    def log_tail(self, lines: int = 20) -> str:
+        texts = []
+        for path in (self.log_file, self.logs_dir / "stdout.log"):
+            if path.is_file():
+                texts.extend(path.read_text(errors="replace").splitlines()[-lines:])
+        return "\n".join(texts[-lines:]) or "(no log output)"
+
+    # -- stop ------------------------------------------------------------------------------
+
+    def stop(self) -> dict[str, Any]:
+        """Stop the broker (SIGTERM, then SIGKILL after a grace period); idempotent."""
+        pid = self.pid()
+        if pid is None:
+            self.pid_file.unlink(missing_ok=True)
+            return {"state": "stopped", "was_running": False}
+        process = psutil.Process(pid)
+        group = os.getpgid(pid)
+        process.terminate()
+        try:
+            process.wait(timeout=_STOP_TIMEOUT_S)
+        except psutil.TimeoutExpired:
+            os.killpg(group, signal.SIGKILL)
+            process.wait(timeout=10)
+        # Anything the broker spawned in its session goes with it.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+        self.pid_file.unlink(missing_ok=True)
+        return {"state": "stopped", "was_running": True, "pid": pid}
+
+    def wipe(self) -> None:
+        """Delete the broker's data and logs; it must be stopped."""
+        assert self.pid() is None, "wipe() on a running broker"
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((host, port)) == 0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def ephemeral_broker(settings: Settings) -> Iterator[Settings]:
+    """A throw-away broker on free ports in a temporary folder; yields settings that point at it.
+
+    Tests and benchmarks use it when DUALITY_BOOTSTRAP_SERVERS does not name a cluster.
+    """
+    root = Path(tempfile.mkdtemp(prefix="duality-broker-"))
+    scoped = settings.replace(
+        bootstrap_servers=f"localhost:{free_port()}",
+        controller_port=free_port(),
+        local_dir=root,
+    )
+    broker = LocalBroker(scoped)
+    try:
+        broker.start()
+        yield scoped
+    finally:
+        broker.stop()
+        if sys.exc_info()[0] is None:
+            shutil.rmtree(root, ignore_errors=True)
