@@ -28,7 +28,7 @@ _err = Console(stderr=True, highlight=False)
 class _Parser(argparse.ArgumentParser):
     """argparse that says what to do next when the usage is wrong (exit code 2)."""
 
-    def error(self, message: str) -> Any:  # type: ignore[override]
+    def error(self, message: str) -> Any:
         self.print_usage(sys.stderr)
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
@@ -95,7 +95,11 @@ def _cmd_lag(settings: Settings, args: argparse.Namespace, console: Console) -> 
             table.add_column(column, justify="right" if column != "group" else "left")
         for row in rows:
             table.add_row(
-                row.group, row.topic, str(row.partition), str(row.committed), str(row.end),
+                row.group,
+                row.topic,
+                str(row.partition),
+                str(row.committed),
+                str(row.end),
                 str(row.lag),
             )
         console.print(table if rows else "no consumer group has committed offsets")
@@ -112,6 +116,26 @@ def _cmd_lag(settings: Settings, args: argparse.Namespace, console: Console) -> 
             for r in rows
         ]
     }
+
+
+def _cmd_demo(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    from duality import demo
+
+    result = demo.run(settings, args.events, console)
+    if not args.json:
+        table = Table(title=f"per-product sales in {result['delta_table']}")
+        for column in ("product", "orders", "units", "revenue"):
+            table.add_column(column, justify="left" if column == "product" else "right")
+        for row in result["products"][: args.top]:
+            table.add_row(
+                row["product"], f"{row['orders']:,}", f"{row['units']:,}", f"{row['revenue']:,.2f}"
+            )
+        console.print(table)
+        console.print(
+            f"{result['produced']:,} orders produced to {result['topic']} on "
+            f"{settings.bootstrap_servers}, read back by Spark, totals written to Delta."
+        )
+    return result
 
 
 # -- parser --------------------------------------------------------------------------------
@@ -136,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("status", _cmd_status, "report the local stack")
     lag = add("lag", _cmd_lag, "consumer lag per group, topic and partition")
     lag.add_argument("--group", action="append", help="only this consumer group (repeatable)")
+    demo = add("demo", _cmd_demo, "produce orders, aggregate them with Spark into Delta")
+    demo.add_argument("--events", type=int, default=20_000, help="orders to produce")
+    demo.add_argument("--top", type=int, default=10, help="products to show")
     return parser
 
 

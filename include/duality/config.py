@@ -139,7 +139,9 @@ def _convert(name: str, kind: object, raw: str) -> object:
         try:
             return int(raw) if kind_text == "int" else float(raw)
         except ValueError:
-            raise UsageError(f"{env_name}={raw!r} is not a number: set it to a {kind_text}") from None
+            raise UsageError(
+                f"{env_name}={raw!r} is not a number: set it to a {kind_text}"
+            ) from None
     return raw
 
 

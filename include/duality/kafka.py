@@ -243,10 +243,7 @@ def _list_offsets(
     futures = client.list_offsets(
         request, isolation_level=level, request_timeout=settings.connect_timeout_s
     )
-    return {
-        tp.partition: _result(future, settings).offset
-        for tp, future in futures.items()
-    }
+    return {tp.partition: _result(future, settings).offset for tp, future in futures.items()}
 
 
 def end_offsets(
@@ -268,10 +265,7 @@ def delete_records(settings: Settings, topic: str, before: Mapping[int, int]) ->
     futures = client.delete_records(
         request, request_timeout=settings.connect_timeout_s, operation_timeout=30
     )
-    return {
-        tp.partition: _result(future, settings).low_watermark
-        for tp, future in futures.items()
-    }
+    return {tp.partition: _result(future, settings).low_watermark for tp, future in futures.items()}
 
 
 def consumer_groups(settings: Settings) -> list[str]:
@@ -286,11 +280,7 @@ def group_offsets(settings: Settings, group: str) -> dict[tuple[str, int], int]:
     client = admin(settings)
     futures = client.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group)])
     result = _result(futures[group], settings)
-    return {
-        (tp.topic, tp.partition): tp.offset
-        for tp in result.topic_partitions
-        if tp.offset >= 0
-    }
+    return {(tp.topic, tp.partition): tp.offset for tp in result.topic_partitions if tp.offset >= 0}
 
 
 @dataclasses.dataclass(frozen=True)

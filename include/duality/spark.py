@@ -53,6 +53,7 @@ def session_config(settings: Settings, app_name: str) -> dict[str, str]:
         "spark.sql.session.timeZone": "UTC",
         "spark.driver.memory": settings.spark_driver_memory,
         "spark.ui.showConsoleProgress": "false",
+        "spark.sql.debug.maxToStringFields": "200",
     }
     if local:
         # Modest defaults for a laptop-sized local mode: few shuffle partitions, no UI port.
@@ -64,7 +65,6 @@ def session_config(settings: Settings, app_name: str) -> dict[str, str]:
                 "spark.sql.adaptive.enabled": "true",
                 "spark.driver.host": "127.0.0.1",
                 "spark.driver.bindAddress": "127.0.0.1",
-                "spark.local.dir": str(settings.local_dir / "spark-tmp"),
             }
         )
     return config
@@ -83,8 +83,6 @@ def session(
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     config = session_config(settings, app_name)
     config.update(extra or {})
-    if "spark.local.dir" in config:
-        Path(config["spark.local.dir"]).mkdir(parents=True, exist_ok=True)
     builder = SparkSession.builder
     for key, value in config.items():
         builder = builder.config(key, value)

@@ -1,0 +1,182 @@
+"""The baseline scenarios every later figure is compared to, on the same topic in the same run.
+
+- `kafka-consumer-perf`: Kafka's own ConsumerPerformance tool (the Java client) reading the topic.
+- `python-copy`: a confluent-kafka consume -> produce copy of the topic into another topic.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from confluent_kafka import KafkaError
+from rich.progress import Progress
+
+from duality import kafka
+from duality.config import Settings
+
+
+@dataclass
+class Figure:
+    scenario: str
+    records: int
+    seconds: float
+    megabytes: float
+
+    @property
+    def records_per_s(self) -> float:
+        return self.records / self.seconds if self.seconds else 0.0
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.megabytes / self.seconds if self.seconds else 0.0
+
+    def as_dict(self) -> dict[str, float | int | str]:
+        return {
+            "scenario": self.scenario,
+            "records": self.records,
+            "seconds": round(self.seconds, 3),
+            "megabytes": round(self.megabytes, 3),
+            "records_per_s": round(self.records_per_s, 1),
+            "mb_per_s": round(self.mb_per_s, 3),
+        }
+
+
+def order_events(count: int, keys: int, seed: int = 7) -> list[tuple[bytes, bytes]]:
+    """`count` order events of about 100 bytes as (key, value), keys drawn uniformly."""
+    rng = random.Random(seed)
+    events = []
+    for i in range(count):
+        product = f"p{rng.randrange(keys):06d}"
+        value = {
+            "order_id": f"o{i:09d}",
+            "product": product,
+            "customer": f"c{rng.randrange(100_000):05d}",
+            "quantity": rng.randint(1, 9),
+            "amount": round(rng.uniform(1, 500), 2),
+        }
+        events.append((product.encode(), json.dumps(value, separators=(",", ":")).encode()))
+    return events
+
+
+def preload(
+    settings: Settings, topic: str, events: list[tuple[bytes, bytes]], progress: Progress
+) -> float:
+    """Produce the events into `topic`; returns their size in MB (keys plus values)."""
+    producer = kafka.producer(
+        settings, queue_buffering_max_messages=500_000, batch_num_messages=10_000, linger_ms=50
+    )
+    task = progress.add_task(f"preloading {topic}", total=len(events))
+    size = 0
+    for n, (key, value) in enumerate(events, 1):
+        size += len(key) + len(value)
+        while True:
+            try:
+                producer.produce(topic, key=key, value=value)
+                break
+            except BufferError:
+                producer.poll(0.05)
+        if n % 20_000 == 0:
+            producer.poll(0)
+            progress.update(task, completed=n)
+    assert producer.flush(120) == 0, "preload: records left undelivered"
+    progress.update(task, completed=len(events))
+    return size / 1e6
+
+
+def consumer_perf(settings: Settings, topic: str, records: int) -> Figure:
+    """Kafka's ConsumerPerformance tool, read_committed like every duality consumer."""
+    with tempfile.NamedTemporaryFile("w", suffix=".properties", delete=False) as config:
+        config.write("isolation.level=read_committed\n")
+        for key, value in settings.kafka_client_config().items():
+            if key != "bootstrap.servers":
+                config.write(f"{key}={value}\n")
+    command = [
+        "java",
+        "-Xmx1g",
+        "-cp",
+        f"{settings.jar_cache / 'broker'}/*",
+        "org.apache.kafka.tools.ConsumerPerformance",
+        "--bootstrap-server",
+        settings.bootstrap_servers,
+        "--topic",
+        topic,
+        "--messages",
+        str(records),
+        "--timeout",
+        "60000",
+        "--group",
+        f"bench-perf-{time.time_ns()}",
+        "--consumer.config",
+        config.name,
+    ]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    finally:
+        Path(config.name).unlink(missing_ok=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"ConsumerPerformance failed:\n{result.stdout}\n{result.stderr}")
+    return parse_consumer_perf(result.stdout)
+
+
+def parse_consumer_perf(output: str) -> Figure:
+    """Read the tool's CSV summary: a header line, then one line of figures."""
+    lines = [line for line in output.splitlines() if line.strip() and "," in line]
+    header_at = next(i for i, line in enumerate(lines) if line.startswith("start.time"))
+    names = [name.strip() for name in lines[header_at].split(",")]
+    values = dict(zip(names, (v.strip() for v in lines[header_at + 1].split(",")), strict=True))
+    # The tool's end.time - start.time includes the group join; fetch.time.ms is the reading.
+    seconds = float(values["fetch.time.ms"]) / 1000
+    return Figure(
+        scenario="kafka-consumer-perf",
+        records=int(values["data.consumed.in.nMsg"]),
+        seconds=seconds,
+        megabytes=float(values["data.consumed.in.MB"]) * 1.048576,  # the tool's MB is MiB
+    )
+
+
+def python_copy(
+    settings: Settings, source: str, target: str, records: int, progress: Progress
+) -> Figure:
+    """Consume `source` and produce every record to `target` with confluent-kafka."""
+    ends = kafka.end_offsets(settings, source)
+    consumer = kafka.consumer(settings, f"bench-copy-{time.time_ns()}", fetch_max_bytes=52_428_800)
+    producer = kafka.producer(settings, queue_buffering_max_messages=500_000, linger_ms=50)
+    consumer.subscribe([source])
+    task = progress.add_task(f"copying {source} -> {target}", total=records)
+    copied = size = 0
+    done: set[int] = {p for p, end in ends.items() if end == 0}
+    start = time.perf_counter()
+    try:
+        while len(done) < len(ends):
+            for msg in consumer.consume(num_messages=10_000, timeout=1.0):
+                error = msg.error()
+                if error is not None:
+                    if error.code() == KafkaError._PARTITION_EOF:
+                        done.add(msg.partition())
+                        continue
+                    raise RuntimeError(f"copy: {error}")
+                key, value = msg.key(), msg.value()
+                while True:
+                    try:
+                        producer.produce(target, key=key, value=value)
+                        break
+                    except BufferError:
+                        producer.poll(0.05)
+                copied += 1
+                size += len(key or b"") + len(value or b"")
+                if msg.offset() + 1 >= ends[msg.partition()]:
+                    done.add(msg.partition())
+            producer.poll(0)
+            progress.update(task, completed=copied)
+        assert producer.flush(120) == 0, "copy: records left undelivered"
+    finally:
+        consumer.close()
+    seconds = time.perf_counter() - start
+    assert copied == records, f"copied {copied} records, expected {records}"
+    return Figure("python-copy", copied, seconds, size / 1e6)

@@ -1,0 +1,136 @@
+"""`make bench`: run the benchmark scenarios, write JSON under bench/results/, print a table.
+
+Every figure is compared to the baselines measured in the same run on the same topic. Set
+DUALITY_BENCH_RECORDS for a smaller workload (the default is 1,000,000 records of ~100 bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from baselines import Figure, consumer_perf, order_events, preload, python_copy
+from duality import kafka
+from duality.config import Settings
+from duality.local import ephemeral_broker
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PARTITIONS = 6
+
+
+@contextlib.contextmanager
+def cluster(settings: Settings) -> Iterator[Settings]:
+    """The cluster DUALITY_BOOTSTRAP_SERVERS names, else a throw-away broker of our own."""
+    if os.environ.get("DUALITY_BOOTSTRAP_SERVERS"):
+        kafka.ensure_reachable(settings)
+        yield settings
+    else:
+        with ephemeral_broker(settings) as scoped:
+            yield scoped
+
+
+def render(figures: list[Figure], console: Console) -> None:
+    baseline = {
+        f.scenario: f for f in figures if f.scenario in ("kafka-consumer-perf", "python-copy")
+    }
+    table = Table(title="duality benchmarks (same run, same topic)")
+    for column in (
+        "scenario",
+        "records",
+        "seconds",
+        "records/s",
+        "MB/s",
+        "vs consumer-perf",
+        "vs python-copy",
+    ):
+        table.add_column(column, justify="left" if column == "scenario" else "right")
+    for figure in figures:
+        ratios = [
+            f"{figure.records_per_s / baseline[name].records_per_s:.2f}x"
+            if name in baseline
+            else "-"
+            for name in ("kafka-consumer-perf", "python-copy")
+        ]
+        table.add_row(
+            figure.scenario,
+            f"{figure.records:,}",
+            f"{figure.seconds:.2f}",
+            f"{figure.records_per_s:,.0f}",
+            f"{figure.mb_per_s:.1f}",
+            *ratios,
+        )
+    console.print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument(
+        "--records", type=int, default=int(os.environ.get("DUALITY_BENCH_RECORDS", 1_000_000))
+    )
+    parser.add_argument("--keys", type=int, default=100_000)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    if args.records < 1 or args.keys < 1:
+        parser.error("--records and --keys must be at least 1")
+    console = Console()
+    settings = Settings.from_env()
+    started = datetime.now(UTC)
+    run_id = f"run-{int(time.time())}"
+    figures: list[Figure] = []
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with cluster(settings) as scoped, Progress(*columns, console=console) as progress:
+        source, copy = f"bench-orders-{run_id}", f"bench-copy-{run_id}"
+        kafka.create_topic(scoped, source, PARTITIONS)
+        kafka.create_topic(scoped, copy, PARTITIONS)
+        events = order_events(args.records, args.keys)
+        megabytes = preload(scoped, source, events, progress)
+        del events
+        progress.console.print("running Kafka's ConsumerPerformance")
+        figures.append(consumer_perf(scoped, source, args.records))
+        figures.append(python_copy(scoped, source, copy, args.records, progress))
+    document = {
+        "started": started.isoformat(),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
+        "workload": {
+            "records": args.records,
+            "keys": args.keys,
+            "partitions": PARTITIONS,
+            "megabytes": round(megabytes, 3),
+        },
+        "baselines": ["kafka-consumer-perf", "python-copy"],
+        "scenarios": [figure.as_dict() for figure in figures],
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamped = args.out / f"bench-{started.strftime('%Y%m%dT%H%M%SZ')}.json"
+    stamped.write_text(json.dumps(document, indent=2) + "\n")
+    (args.out / "latest.json").write_text(json.dumps(document, indent=2) + "\n")
+    render(figures, console)
+    console.print(f"results: {stamped}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""`duality up | status | down` as a user runs them, on free ports in a temporary folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+from duality.local import free_port
+
+
+def _duality(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "duality.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _kafka_processes(marker: str) -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if "kafka.Kafka" in cmdline and any(marker in part for part in cmdline):
+            found.append(process)
+    return found
+
+
+def test_up_twice_status_down(tmp_path: Path):
+    port = free_port()
+    env = {
+        **os.environ,
+        "DUALITY_LOCAL_DIR": str(tmp_path / "local"),
+        "DUALITY_BOOTSTRAP_SERVERS": f"localhost:{port}",
+        "DUALITY_CONTROLLER_PORT": str(free_port()),
+    }
+    try:
+        first = _duality(env, "up", "--json")
+        assert first.returncode == 0, first.stderr
+        started = json.loads(first.stdout)["broker"]
+        assert started["already_running"] is False
+
+        second = _duality(env, "up", "--json")
+        assert second.returncode == 0, second.stderr
+        again = json.loads(second.stdout)["broker"]
+        assert again["already_running"] is True
+        assert again["pid"] == started["pid"]
+        assert len(_kafka_processes(str(tmp_path))) == 1
+
+        status = _duality(env, "status", "--json")
+        assert status.returncode == 0, status.stderr
+        broker = json.loads(status.stdout)["broker"]
+        assert broker["state"] == "running"
+        assert broker["reachable"] is True
+        assert broker["bootstrap_servers"] == f"localhost:{port}"
+        assert Path(broker["log"]).is_file()
+    finally:
+        down = _duality(env, "down", "--json")
+    assert down.returncode == 0, down.stderr
+    assert json.loads(down.stdout)["broker"]["was_running"] is True
+    assert _kafka_processes(str(tmp_path)) == []
+
+    after = json.loads(_duality(env, "status", "--json").stdout)["broker"]
+    assert after["state"] == "stopped"
+    assert after["reachable"] is False

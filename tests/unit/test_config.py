@@ -1,0 +1,77 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from duality.config import Settings, describe
+from duality.errors import UsageError
+
+
+def test_defaults_are_relative_to_home(tmp_path: Path):
+    settings = Settings.from_env({"DUALITY_HOME": str(tmp_path)})
+    assert settings.bootstrap_servers == "localhost:9092"
+    assert settings.warehouse == tmp_path / "warehouse"
+    assert settings.jar_cache == tmp_path / ".cache" / "jars"
+    assert settings.local_dir == tmp_path / ".local"
+
+
+def test_environment_overrides(tmp_path: Path):
+    settings = Settings.from_env(
+        {
+            "DUALITY_HOME": str(tmp_path),
+            "DUALITY_BOOTSTRAP_SERVERS": "k1:9092,k2:9092",
+            "DUALITY_SECURITY_PROTOCOL": "SASL_SSL",
+            "DUALITY_SASL_MECHANISM": "PLAIN",
+            "DUALITY_SASL_USERNAME": "me",
+            "DUALITY_SASL_PASSWORD": "secret",
+            "DUALITY_WAREHOUSE": "/data/warehouse",
+            "DUALITY_CONNECT_TIMEOUT_S": "3.5",
+            "DUALITY_CONTROLLER_PORT": "19093",
+        }
+    )
+    assert settings.first_bootstrap == ("k1", 9092)
+    assert settings.warehouse == Path("/data/warehouse")
+    assert settings.connect_timeout_s == 3.5
+    assert settings.controller_port == 19093
+    assert settings.kafka_client_config() == {
+        "bootstrap.servers": "k1:9092,k2:9092",
+        "security.protocol": "SASL_SSL",
+        "sasl.mechanism": "PLAIN",
+        "sasl.username": "me",
+        "sasl.password": "secret",
+    }
+    options = settings.spark_kafka_options()
+    assert options["kafka.bootstrap.servers"] == "k1:9092,k2:9092"
+    assert "PlainLoginModule" in options["kafka.sasl.jaas.config"]
+    assert 'username="me"' in options["kafka.sasl.jaas.config"]
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "named"),
+    [
+        ("DUALITY_BOOTSTRAP_SERVERS", "localhost", "host:port"),
+        ("DUALITY_BOOTSTRAP_SERVERS", "localhost:abc", "host:port"),
+        ("DUALITY_SECURITY_PROTOCOL", "TLS", "PLAINTEXT"),
+        ("DUALITY_CONTROLLER_PORT", "ninety", "number"),
+    ],
+)
+def test_bad_settings_name_the_variable_and_the_fix(variable: str, value: str, named: str):
+    with pytest.raises(UsageError) as error:
+        Settings.from_env({variable: value})
+    assert variable in str(error.value)
+    assert named in str(error.value)
+
+
+def test_every_setting_is_described():
+    rows = describe()
+    assert {row[0] for row in rows} >= {
+        "DUALITY_BOOTSTRAP_SERVERS",
+        "DUALITY_SPARK_MASTER",
+        "DUALITY_WAREHOUSE",
+        "DUALITY_CHECKPOINT_ROOT",
+        "DUALITY_JAR_CACHE",
+        "DUALITY_PIPELINES",
+        "DUALITY_AIRFLOW_URL",
+    }
+    assert all(meaning for _, _, meaning in rows)

@@ -1,0 +1,76 @@
+"""The jar cache and the pinned versions agree with each other and with pyspark."""
+
+from __future__ import annotations
+
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pyspark
+import pytest
+
+from duality.config import Settings
+from duality.errors import UsageError
+from duality.spark import session_config, spark_jars
+
+ROOT = Path(__file__).resolve().parents[2]
+NS = {"m": "http://maven.apache.org/POM/4.0.0"}
+
+
+def _pom_property(pom: str, name: str) -> str:
+    tree = ET.parse(ROOT / "jars" / pom / "pom.xml")
+    value = tree.find(f"m:properties/m:{name}", NS)
+    assert value is not None and value.text
+    return value.text
+
+
+def _lock() -> dict[str, str]:
+    pins = {}
+    for line in (ROOT / "requirements.lock").read_text().splitlines():
+        if "==" in line and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[name.lower().replace("_", "-")] = version
+    return pins
+
+
+def test_connector_matches_pyspark():
+    assert _pom_property("spark", "spark.version") == pyspark.__version__ == _lock()["pyspark"]
+    assert _lock()["pyspark-client"] == _lock()["pyspark"]
+
+
+def test_delta_jar_matches_python_package():
+    assert _pom_property("spark", "delta.version") == _lock()["delta-spark"]
+
+
+def test_broker_is_kafka_4_1():
+    assert re.fullmatch(r"4\.1\.\d+", _pom_property("broker", "kafka.version"))
+
+
+def _artifact(jar: str) -> str:
+    return re.sub(r"-\d[\w.\-]*\.jar$", "", jar)
+
+
+def test_spark_jars_do_not_duplicate_what_spark_ships():
+    settings = Settings.from_env()
+    shipped = {_artifact(p.name) for p in (Path(pyspark.__file__).parent / "jars").glob("*.jar")}
+    ours = {_artifact(p.name) for p in spark_jars(settings)}
+    assert ours, "the jar cache is empty: run make setup"
+    assert ours & shipped == set()
+
+
+def test_session_config_uses_local_jars_delta_and_rocksdb():
+    config = session_config(Settings.from_env(), "app")
+    jars = config["spark.jars"].split(",")
+    assert all(Path(jar).is_file() for jar in jars)
+    assert "spark.jars.packages" not in config
+    assert config["spark.sql.extensions"] == "io.delta.sql.DeltaSparkSessionExtension"
+    assert config["spark.sql.streaming.stateStore.providerClass"].endswith(
+        "RocksDBStateStoreProvider"
+    )
+    assert config["spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled"] == "true"
+
+
+def test_missing_jar_cache_names_the_fix(tmp_path: Path):
+    settings = Settings.from_env().replace(jar_cache=tmp_path)
+    with pytest.raises(UsageError, match="make setup"):
+        spark_jars(settings)
