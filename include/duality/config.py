@@ -44,8 +44,8 @@ class Settings:
     controller_port: int = 9093
     spark_master: str = "local[2]"
     spark_driver_memory: str = "2g"
-    warehouse: Path = Path("warehouse")
-    checkpoint_root: Path = Path("checkpoints")
+    warehouse: Path = Path(".local/warehouse")
+    checkpoint_root: Path = Path(".local/checkpoints")
     jar_cache: Path = Path(".cache/jars")
     pipelines: Path = Path("include/pipelines")
     local_dir: Path = Path(".local")

@@ -11,7 +11,7 @@ from duality.errors import UsageError
 def test_defaults_are_relative_to_home(tmp_path: Path):
     settings = Settings.from_env({"DUALITY_HOME": str(tmp_path)})
     assert settings.bootstrap_servers == "localhost:9092"
-    assert settings.warehouse == tmp_path / "warehouse"
+    assert settings.warehouse == tmp_path / ".local" / "warehouse"
     assert settings.jar_cache == tmp_path / ".cache" / "jars"
     assert settings.local_dir == tmp_path / ".local"
 

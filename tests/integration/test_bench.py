@@ -1,0 +1,41 @@
+"""The benchmark harness itself works: a small run writes its JSON and both baselines."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from duality.config import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_writes_baselines(settings: Settings, tmp_path: Path):
+    env = {**os.environ, "DUALITY_BOOTSTRAP_SERVERS": settings.bootstrap_servers}
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "run.py"),
+            "--records",
+            "20000",
+            "--keys",
+            "500",
+            "--out",
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    document = json.loads((tmp_path / "latest.json").read_text())
+    figures = {s["scenario"]: s for s in document["scenarios"]}
+    assert set(figures) == {"kafka-consumer-perf", "python-copy"}
+    for figure in figures.values():
+        assert figure["records"] == 20000
+        assert figure["records_per_s"] > 0 and figure["mb_per_s"] > 0
+    assert "records/s" in result.stdout and "python-copy" in result.stdout
