@@ -30,7 +30,7 @@ $(PY_STAMP): requirements.lock pyproject.toml
 	@# The Spark provider's pyspark-client installs into pyspark's own package and overwrites
 	@# part of it; reinstalling pyspark (same version) puts the complete package back.
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall pyspark==$(PYSPARK_VERSION)
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
 	$(PY) -c "import pyspark.sql, delta, confluent_kafka, airflow, great_expectations"
 	@touch $@
 
