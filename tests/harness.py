@@ -8,8 +8,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from confluent_kafka import KafkaError
-
 from duality import kafka
 from duality.config import Settings
 
@@ -51,35 +49,10 @@ def read_topic(
     topic: str,
     *,
     isolation: kafka.Isolation = "read_committed",
-    timeout: float = 30.0,
+    timeout: float = 60.0,
 ) -> list[tuple[int, int, bytes | None, bytes | None]]:
     """Every record of `topic` up to its current end: (partition, offset, key, value)."""
-    ends = kafka.end_offsets(settings, topic, isolation)
-    starts = kafka.beginning_offsets(settings, topic)
-    pending = {p for p, end in ends.items() if end > starts[p]}
-    records: list[tuple[int, int, bytes | None, bytes | None]] = []
-    if not pending:
-        return records
-    consumer = kafka.consumer(settings, unique_name("reader"), isolation_level=isolation)
-    try:
-        from confluent_kafka import TopicPartition
-
-        consumer.assign([TopicPartition(topic, p, starts[p]) for p in pending])
-        deadline = time.monotonic() + timeout
-        while pending:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"reading {topic} did not reach {ends} within {timeout}s")
-            for msg in consumer.consume(num_messages=10_000, timeout=1.0):
-                if msg.error():
-                    if msg.error().code() == KafkaError._PARTITION_EOF:
-                        if msg.offset() >= ends[msg.partition()]:
-                            pending.discard(msg.partition())
-                        continue
-                    raise AssertionError(f"reading {topic}: {msg.error()}")
-                if msg.offset() < ends[msg.partition()]:
-                    records.append((msg.partition(), msg.offset(), msg.key(), msg.value()))
-                if msg.offset() + 1 >= ends[msg.partition()]:
-                    pending.discard(msg.partition())
-    finally:
-        consumer.close()
-    return records
+    return [
+        (m.partition(), m.offset(), m.key(), m.value())
+        for m in kafka.read_to_end(settings, topic, isolation=isolation, timeout=timeout)
+    ]

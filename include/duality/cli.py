@@ -9,14 +9,15 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from duality import kafka
+from duality import kafka, spec
 from duality.config import Settings
-from duality.errors import DualityError
+from duality.errors import DualityError, UsageError
 from duality.local import LocalBroker
 
 Handler = Callable[[Settings, argparse.Namespace, Console], Any]
@@ -138,6 +139,35 @@ def _cmd_demo(settings: Settings, args: argparse.Namespace, console: Console) ->
     return result
 
 
+def _cmd_spec_validate(
+    settings: Settings, args: argparse.Namespace, console: Console
+) -> dict[str, Any]:
+    paths = [Path(p) for p in args.specs] or spec.spec_files(settings)
+    if not paths:
+        raise UsageError(f"no pipeline specs in {settings.pipelines}: add one, or name a file")
+    valid, errors = [], []
+    for path in paths:
+        try:
+            loaded = spec.find_spec(settings, str(path))
+            valid.append({"file": str(path), "pipeline": loaded.name})
+            if not args.json:
+                console.print(f"[green]ok[/]      {path} ({loaded.name})")
+        except UsageError as error:
+            errors.append(str(error))
+    if errors:
+        raise UsageError("\n".join(errors))
+    return {"valid": valid}
+
+
+def _cmd_spec_schema(
+    settings: Settings, args: argparse.Namespace, console: Console
+) -> dict[str, Any]:
+    schema = spec.json_schema()
+    if not args.json:
+        print(json.dumps(schema, indent=2))
+    return schema
+
+
 # -- parser --------------------------------------------------------------------------------
 
 
@@ -160,6 +190,19 @@ def build_parser() -> argparse.ArgumentParser:
     add("status", _cmd_status, "report the local stack")
     lag = add("lag", _cmd_lag, "consumer lag per group, topic and partition")
     lag.add_argument("--group", action="append", help="only this consumer group (repeatable)")
+    spec_parser = commands.add_parser("spec", help="validate pipeline specs or print their schema")
+    spec_commands = spec_parser.add_subparsers(dest="spec_command", metavar="ACTION")
+    spec_commands.required = True
+    for name, handler, help_text in (
+        ("validate", _cmd_spec_validate, "validate specs (default: every spec in the folder)"),
+        ("schema", _cmd_spec_schema, "print the JSON schema of a pipeline spec"),
+    ):
+        sub = spec_commands.add_parser(name, help=help_text, description=help_text)
+        sub.add_argument("--json", action="store_true", help="print the result as JSON")
+        sub.set_defaults(handler=handler)
+        if name == "validate":
+            sub.add_argument("specs", nargs="*", metavar="SPEC", help="spec files or names")
+
     demo = add("demo", _cmd_demo, "produce orders, aggregate them with Spark into Delta")
     demo.add_argument("--events", type=int, default=20_000, help="orders to produce")
     demo.add_argument("--top", type=int, default=10, help="products to show")
@@ -168,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    command = " ".join(filter(None, (args.command, getattr(args, "spec_command", None))))
     console = _err if args.json else _out
     try:
         settings = Settings.from_env()
@@ -175,15 +219,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DualityError as error:
         if args.json:
             print(json.dumps({"error": str(error), "exit_code": error.exit_code}))
-        _err.print(
-            f"duality {args.command}: error: {error}", style="red", markup=False, soft_wrap=True
-        )
+        _err.print(f"duality {command}: error: {error}", style="red", markup=False, soft_wrap=True)
         return error.exit_code
     except KeyboardInterrupt:
-        _err.print(f"duality {args.command}: interrupted")
+        _err.print(f"duality {command}: interrupted")
         return 130
-    if args.json:
-        print(json.dumps(result, indent=2, default=str))
+    except BrokenPipeError:  # output piped into `head` and the like
+        sys.stderr.close()
+        return 0
+    try:
+        if args.json:
+            print(json.dumps(result, indent=2, default=str))
+    except BrokenPipeError:
+        sys.stderr.close()
     return 0
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Mapping
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 from confluent_kafka import (
@@ -18,6 +20,7 @@ from confluent_kafka import (
     IsolationLevel,
     KafkaError,
     KafkaException,
+    Message,
     Producer,
     TopicCollection,
     TopicPartition,
@@ -283,6 +286,24 @@ def group_offsets(settings: Settings, group: str) -> dict[tuple[str, int], int]:
     return {(tp.topic, tp.partition): tp.offset for tp in result.topic_partitions if tp.offset >= 0}
 
 
+def committed_offsets(
+    settings: Settings, group: str, topic: str
+) -> dict[int, tuple[int, str | None]]:
+    """A group's committed (offset, metadata) per partition of `topic`; absent when none."""
+    partitions = partition_count(settings, topic)
+    reader = consumer(settings, group)
+    try:
+        committed = reader.committed(
+            [TopicPartition(topic, p) for p in range(partitions)],
+            timeout=settings.connect_timeout_s,
+        )
+    except KafkaException as exc:
+        raise unreachable(settings, settings.connect_timeout_s, exc) from None
+    finally:
+        reader.close()
+    return {tp.partition: (tp.offset, tp.metadata) for tp in committed if tp.offset >= 0}
+
+
 @dataclasses.dataclass(frozen=True)
 class PartitionLag:
     group: str
@@ -307,3 +328,46 @@ def lag(settings: Settings, groups: Iterable[str] | None = None) -> list[Partiti
                 ends[topic] = end_offsets(settings, topic)
             rows.append(PartitionLag(group, topic, partition, committed, ends[topic][partition]))
     return rows
+
+
+def read_to_end(
+    settings: Settings,
+    topic: str,
+    *,
+    isolation: Isolation = "read_committed",
+    timeout: float = 300.0,
+) -> Iterator[Message]:
+    """Every record of `topic` from its beginning up to the end offsets of the moment of the call.
+
+    Under read_committed, records of aborted transactions are skipped by the client.
+    """
+    ends = end_offsets(settings, topic, isolation)
+    starts = beginning_offsets(settings, topic)
+    pending = {p for p, end in ends.items() if end > starts[p]}
+    if not pending:
+        return
+    reader = consumer(settings, f"duality-reader-{uuid.uuid4().hex}", isolation_level=isolation)
+    try:
+        reader.assign([TopicPartition(topic, p, starts[p]) for p in pending])
+        deadline = time.monotonic() + timeout
+        while pending:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"reading {topic} did not reach offsets {ends} in {timeout:g}s")
+            for message in reader.consume(num_messages=10_000, timeout=1.0):
+                error = message.error()
+                partition = message.partition()
+                offset = message.offset()
+                assert partition is not None and offset is not None
+                if error is not None:
+                    if error.code() != KafkaError._PARTITION_EOF:
+                        raise KafkaException(error)
+                    # At EOF the position may sit past the end after transaction markers.
+                    if offset >= ends[partition]:
+                        pending.discard(partition)
+                    continue
+                if offset < ends[partition]:
+                    yield message
+                if offset + 1 >= ends[partition]:
+                    pending.discard(partition)
+    finally:
+        reader.close()

@@ -1,0 +1,61 @@
+"""Stream heartbeats on the compacted `_duality-status` topic: written by a running stream's
+StreamingQueryListener, read by `duality stream status` and the supervisor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from typing import Any
+
+from duality import kafka
+from duality.config import Settings
+
+STATUS_TOPIC = "_duality-status"
+STATUS_CONFIG = {**kafka.FAST_COMPACTION, "cleanup.policy": "compact"}
+
+
+def ensure_topic(settings: Settings) -> None:
+    kafka.create_topic(settings, STATUS_TOPIC, 1, config=STATUS_CONFIG, exist_ok=True)
+
+
+class Heartbeat:
+    """Publishes a pipeline's state and progress; never raises into the stream."""
+
+    def __init__(self, settings: Settings, pipeline: str):
+        self.pipeline = pipeline
+        self.producer = kafka.producer(settings, linger_ms=0)
+        self.base = {"pipeline": pipeline, "host": socket.gethostname(), "pid": os.getpid()}
+
+    def publish(self, state: str, **details: Any) -> None:
+        document = {
+            **self.base,
+            "state": state,
+            "last_progress_ms": int(time.time() * 1000),
+            **details,
+        }
+        try:
+            self.producer.produce(
+                STATUS_TOPIC, key=self.pipeline.encode(), value=json.dumps(document, default=str)
+            )
+            self.producer.poll(0)
+        except Exception:
+            pass
+
+    def close(self) -> None:
+        self.producer.flush(5)
+
+
+def latest(settings: Settings) -> dict[str, dict[str, Any]]:
+    """The latest heartbeat of every pipeline."""
+    if not kafka.topic_exists(settings, STATUS_TOPIC):
+        return {}
+    documents: dict[str, dict[str, Any]] = {}
+    for message in kafka.read_to_end(settings, STATUS_TOPIC, timeout=60):
+        key, value = message.key(), message.value()
+        if key is None or value is None:
+            continue
+        documents[key.decode()] = json.loads(value)
+    return documents

@@ -1,0 +1,230 @@
+"""The stream's driver: creates the pipeline's topics, runs the query, and keeps it running.
+
+A failed query (the broker went away, a transaction could not commit) is restarted with
+backoff after the state is restored from the changelog again, so the stream recovers by itself.
+SIGTERM stops it gracefully. A lock file makes sure one checkpoint never has two drivers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from duality import kafka, status
+from duality.config import Settings
+from duality.errors import DualityError, LocalStackError
+from duality.spec import PipelineSpec
+from duality.stream import Aggregator
+
+log = logging.getLogger("duality.stream")
+
+MAX_OFFSETS_PER_TRIGGER = 500_000
+
+
+def changelog_config(spec: PipelineSpec) -> dict[str, str]:
+    config = dict(kafka.FAST_COMPACTION)
+    if spec.window is not None:
+        config["cleanup.policy"] = "compact,delete"
+        # Windows are kept for a week after their last update, then deleted with their segment.
+        config["retention.ms"] = str(7 * 24 * 3600 * 1000)
+    return config
+
+
+def ensure_topics(settings: Settings, spec: PipelineSpec) -> None:
+    """Create the changelog, dead-letter and status topics when missing (never the source)."""
+    source_partitions = kafka.partition_count(settings, spec.source.topic)
+    kafka.create_topic(
+        settings,
+        spec.changelog_topic,
+        spec.changelog.partitions or source_partitions,
+        config=changelog_config(spec),
+        exist_ok=True,
+    )
+    kafka.create_topic(settings, spec.dlq_topic, source_partitions, exist_ok=True)
+    status.ensure_topic(settings)
+
+
+def checkpoint_dir(settings: Settings, spec: PipelineSpec) -> Path:
+    return settings.checkpoint_root / spec.name
+
+
+def lock_file(settings: Settings, spec: PipelineSpec) -> Path:
+    return settings.local_dir / "streams" / f"{spec.name}.lock"
+
+
+@contextlib.contextmanager
+def exclusive(settings: Settings, spec: PipelineSpec) -> Iterator[None]:
+    """Hold the pipeline's lock for the life of the driver, or fail if another driver holds it."""
+    path = lock_file(settings, spec)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise LocalStackError(
+                f"pipeline {spec.name} already runs (lock {path} is held): stop it first with "
+                f"`duality stream stop {spec.name}`"
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+class _Listener:
+    """Turns query progress into heartbeats on `_duality-status`."""
+
+    def __new__(cls, heartbeat: status.Heartbeat, aggregator: Aggregator) -> Any:
+        from pyspark.sql.streaming import StreamingQueryListener
+
+        class Listener(StreamingQueryListener):
+            def onQueryStarted(self, event: Any) -> None:
+                heartbeat.publish("running", query_id=str(event.id))
+
+            def onQueryProgress(self, event: Any) -> None:
+                progress = event.progress
+                source = progress.sources[0] if progress.sources else None
+                heartbeat.publish(
+                    "running",
+                    batch_id=progress.batchId,
+                    input_rows_per_second=progress.inputRowsPerSecond,
+                    processed_rows_per_second=progress.processedRowsPerSecond,
+                    num_input_rows=progress.numInputRows,
+                    source_offsets=json_or_none(source.endOffset) if source else None,
+                    committed_offsets=aggregator.committed.offsets,
+                    keys=len(aggregator.state),
+                )
+
+            def onQueryIdle(self, event: Any) -> None:
+                heartbeat.publish(
+                    "running",
+                    idle=True,
+                    committed_offsets=aggregator.committed.offsets,
+                    keys=len(aggregator.state),
+                )
+
+            def onQueryTerminated(self, event: Any) -> None:
+                heartbeat.publish("failed" if event.exception else "stopped", error=event.exception)
+
+        return Listener()
+
+
+def json_or_none(text: Any) -> Any:
+    import json
+
+    try:
+        return json.loads(text) if isinstance(text, str) else text
+    except ValueError:
+        return text
+
+
+class StreamDriver:
+    def __init__(
+        self,
+        settings: Settings,
+        spec: PipelineSpec,
+        *,
+        trigger_seconds: float = 1.0,
+        max_offsets_per_trigger: int = MAX_OFFSETS_PER_TRIGGER,
+    ):
+        self.settings = settings
+        self.spec = spec
+        self.trigger_seconds = trigger_seconds
+        self.max_offsets_per_trigger = max_offsets_per_trigger
+        self.stopping = threading.Event()
+
+    def request_stop(self, *_: Any) -> None:
+        self.stopping.set()
+
+    def run(self) -> int:
+        from duality.spark import session
+
+        spec, settings = self.spec, self.settings
+        with exclusive(settings, spec):
+            kafka.ensure_reachable(settings)
+            ensure_topics(settings, spec)
+            spark = session(settings, f"duality-stream-{spec.name}")
+            heartbeat = status.Heartbeat(settings, spec.name)
+            backoff = 1.0
+            try:
+                while not self.stopping.is_set():
+                    try:
+                        self._run_query(spark, heartbeat)
+                        backoff = 1.0
+                    except DualityError:
+                        raise
+                    except Exception as error:
+                        log.warning(
+                            "%s: stream failed (%s); restarting in %.0fs",
+                            spec.name,
+                            _short(error),
+                            backoff,
+                        )
+                        heartbeat.publish("restarting", error=_short(error), backoff_s=backoff)
+                        self.stopping.wait(backoff)
+                        backoff = min(backoff * 2, 30.0)
+                heartbeat.publish("stopped")
+            finally:
+                heartbeat.close()
+        return 0
+
+    def _run_query(self, spark: Any, heartbeat: status.Heartbeat) -> None:
+        spec, settings = self.spec, self.settings
+        aggregator = Aggregator(settings, spec)
+        heartbeat.publish("restoring")
+        aggregator.restore()
+        listener = _Listener(heartbeat, aggregator)
+        spark.streams.addListener(listener)
+        source = (
+            spark.readStream.format("kafka")
+            .options(**settings.spark_kafka_options())
+            .option("subscribe", spec.source.topic)
+            .option("startingOffsets", aggregator.starting_offsets())
+            .option("maxOffsetsPerTrigger", str(self.max_offsets_per_trigger))
+            .option("kafka.isolation.level", "read_committed")
+            .load()
+        )
+
+        def apply(batch: Any, batch_id: int) -> None:
+            result = aggregator.process(batch, batch_id)
+            log.info("%s: batch %d: %s", spec.name, batch_id, result)
+
+        query = (
+            source.writeStream.queryName(f"duality-{spec.name}")
+            .foreachBatch(apply)
+            .option("checkpointLocation", str(checkpoint_dir(settings, spec)))
+            .trigger(processingTime=f"{self.trigger_seconds} seconds")
+            .start()
+        )
+        try:
+            while query.isActive and not self.stopping.is_set():
+                query.awaitTermination(1)
+            if self.stopping.is_set():
+                query.stop()
+            else:
+                error = query.exception()
+                if error is not None:
+                    raise RuntimeError(str(error))
+        finally:
+            if query.isActive:
+                query.stop()
+            spark.streams.removeListener(listener)
+            aggregator.close()
+
+
+def _short(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:300] if text else type(error).__name__
+
+
+def main(settings: Settings, spec: PipelineSpec) -> int:
+    driver = StreamDriver(settings, spec)
+    signal.signal(signal.SIGTERM, driver.request_stop)
+    signal.signal(signal.SIGINT, driver.request_stop)
+    return driver.run()
