@@ -14,19 +14,29 @@ import sys
 from duality.config import Settings
 from duality.errors import DualityError
 from duality.spec import find_spec
+from duality.stream_job import MAX_OFFSETS_PER_TRIGGER
 from duality.stream_job import main as run_stream
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("pipeline", help="pipeline name or spec file")
+    parser.add_argument(
+        "--max-offsets-per-trigger",
+        type=int,
+        default=MAX_OFFSETS_PER_TRIGGER,
+        help="the most source records one micro-batch reads (default %(default)s)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
         settings = Settings.from_env()
-        return run_stream(settings, find_spec(settings, args.pipeline))
+        if args.max_offsets_per_trigger < 1:
+            parser.error("--max-offsets-per-trigger must be at least 1")
+        spec = find_spec(settings, args.pipeline)
+        return run_stream(settings, spec, max_offsets_per_trigger=args.max_offsets_per_trigger)
     except DualityError as error:
         logging.getLogger("duality.stream").error("%s", error)
         return error.exit_code

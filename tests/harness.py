@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
+
+import yaml
 
 from duality import kafka
 from duality.config import Settings
+from duality.spec import PipelineSpec, load_spec
+
+ROOT = Path(__file__).resolve().parents[1]
 
 T = TypeVar("T")
 
@@ -56,3 +66,102 @@ def read_topic(
         (m.partition(), m.offset(), m.key(), m.value())
         for m in kafka.read_to_end(settings, topic, isolation=isolation, timeout=timeout)
     ]
+
+
+def make_pipeline(settings: Settings, folder: Path, template: str, **source: Any) -> PipelineSpec:
+    """A copy of a demo spec with unique names, written to `folder` (DUALITY_PIPELINES)."""
+    data = yaml.safe_load((ROOT / "include" / "pipelines" / f"{template}.yaml").read_text())
+    name = f"t{uuid.uuid4().hex[:10]}"
+    data["name"] = name
+    data["source"]["topic"] = f"{name}-source"
+    data["source"].update(source)
+    data["changelog"] = {"partitions": 3}
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return load_spec(path)
+
+
+class StreamProcess:
+    """A pipeline's stream driver run as a user runs it: `jobs/stream_aggregate.py` in a process."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        spec: PipelineSpec,
+        pipelines: Path,
+        log: Path,
+        max_offsets_per_trigger: int = 5000,
+    ):
+        self.settings, self.spec, self.log = settings, spec, log
+        self.env = {
+            **os.environ,
+            "DUALITY_BOOTSTRAP_SERVERS": settings.bootstrap_servers,
+            "DUALITY_PIPELINES": str(pipelines),
+            "DUALITY_CHECKPOINT_ROOT": str(settings.checkpoint_root),
+            "DUALITY_WAREHOUSE": str(settings.warehouse),
+            "DUALITY_LOCAL_DIR": str(settings.local_dir),
+        }
+        self.args = ["--max-offsets-per-trigger", str(max_offsets_per_trigger)]
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with open(self.log, "ab") as out:
+            self.process = subprocess.Popen(
+                [
+                    sys.executable,
+                    str(ROOT / "jobs" / "stream_aggregate.py"),
+                    self.spec.name,
+                    *self.args,
+                ],
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def kill(self) -> None:
+        """SIGKILL the driver and everything it started (its JVM and Python workers)."""
+        assert self.process is not None
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(30)
+
+    def stop(self) -> int:
+        if self.process is None or self.process.poll() is not None:
+            return self.process.returncode if self.process else 0
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(120)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"the stream did not stop on SIGTERM; see {self.log}") from None
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def covered(self) -> int:
+        """How many source records the committed offsets cover (all partitions)."""
+        committed = kafka.committed_offsets(
+            self.settings, self.spec.consumer_group, self.spec.source.topic
+        )
+        return sum(offset for offset, _ in committed.values())
+
+    def wait_caught_up(self, timeout: float = 240) -> None:
+        def caught_up() -> bool:
+            if not self.alive():
+                raise AssertionError(f"the stream exited; see {self.log}:\n{self.tail()}")
+            ends = kafka.end_offsets(self.settings, self.spec.source.topic)
+            committed = kafka.committed_offsets(
+                self.settings, self.spec.consumer_group, self.spec.source.topic
+            )
+            return all(committed.get(p, (0, None))[0] >= end for p, end in ends.items())
+
+        assert_eventually(
+            caught_up,
+            timeout=timeout,
+            interval=1.0,
+            message=f"stream {self.spec.name} did not catch up; log {self.log}",
+        )
+
+    def tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])

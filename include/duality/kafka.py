@@ -292,13 +292,26 @@ def committed_offsets(
     """A group's committed (offset, metadata) per partition of `topic`; absent when none."""
     partitions = partition_count(settings, topic)
     reader = consumer(settings, group)
+    deadline = time.monotonic() + settings.connect_timeout_s * 3
     try:
-        committed = reader.committed(
-            [TopicPartition(topic, p) for p in range(partitions)],
-            timeout=settings.connect_timeout_s,
-        )
-    except KafkaException as exc:
-        raise unreachable(settings, settings.connect_timeout_s, exc) from None
+        while True:
+            try:
+                committed = reader.committed(
+                    [TopicPartition(topic, p) for p in range(partitions)],
+                    timeout=settings.connect_timeout_s,
+                )
+                break
+            except KafkaException as exc:
+                error = exc.args[0] if exc.args else None
+                # The group coordinator moves or loads (a new or restarted broker): ask again.
+                if (
+                    isinstance(error, KafkaError)
+                    and error.retriable()
+                    and (time.monotonic() < deadline)
+                ):
+                    time.sleep(0.2)
+                    continue
+                raise unreachable(settings, settings.connect_timeout_s, exc) from None
     finally:
         reader.close()
     return {tp.partition: (tp.offset, tp.metadata) for tp in committed if tp.offset >= 0}

@@ -223,8 +223,13 @@ def _short(error: BaseException) -> str:
     return text[0][:300] if text else type(error).__name__
 
 
-def main(settings: Settings, spec: PipelineSpec) -> int:
-    driver = StreamDriver(settings, spec)
+def main(
+    settings: Settings,
+    spec: PipelineSpec,
+    *,
+    max_offsets_per_trigger: int = MAX_OFFSETS_PER_TRIGGER,
+) -> int:
+    driver = StreamDriver(settings, spec, max_offsets_per_trigger=max_offsets_per_trigger)
     signal.signal(signal.SIGTERM, driver.request_stop)
     signal.signal(signal.SIGINT, driver.request_stop)
     return driver.run()
