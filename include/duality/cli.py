@@ -168,6 +168,112 @@ def _cmd_spec_schema(
     return schema
 
 
+def _cmd_produce(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    from rich.progress import Progress
+
+    from duality import workload
+
+    pipeline = spec.find_spec(settings, args.pipeline)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task(f"producing to {pipeline.source.topic}", total=args.events)
+        report = workload.produce(
+            settings,
+            pipeline,
+            events=args.events,
+            keys=args.keys,
+            zipf=args.zipf,
+            bad_fraction=args.bad_fraction,
+            rate=args.rate,
+            seed=args.seed,
+            partitions=args.partitions,
+            progress=lambda done: progress.update(task, completed=done),
+        )
+    result = report.as_dict()
+    if not args.json:
+        bad = ", ".join(f"{n} {kind}" for kind, n in sorted(report.bad.items())) or "none"
+        console.print(
+            f"{report.produced:,} events to {report.topic} in {report.seconds:.1f}s over "
+            f"{report.keys:,} keys: {report.valid:,} valid; bad: {bad}"
+        )
+    return result
+
+
+def _cmd_stream(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    from duality import stream_control
+
+    pipeline = spec.find_spec(settings, args.pipeline)
+    action = args.stream_command
+    if action == "start" and args.foreground:
+        from duality.stream_job import main as run_stream
+
+        code = run_stream(settings, pipeline)
+        return {"pipeline": pipeline.name, "state": "stopped", "exit_code": code}
+    if action == "start":
+        with console.status(f"starting the stream of {pipeline.name}"):
+            result = stream_control.start(settings, pipeline)
+        if not args.json:
+            verb = "already running" if result["already_running"] else "started"
+            console.print(
+                f"stream {pipeline.name} {verb} (pid {result['pid']}); log {result['log']}"
+            )
+        return result
+    if action == "stop":
+        with console.status(f"stopping the stream of {pipeline.name}"):
+            result = stream_control.stop(settings, pipeline)
+        if not args.json:
+            console.print(
+                f"stream {pipeline.name} stopped"
+                if result["was_running"]
+                else f"stream {pipeline.name} was not running"
+            )
+        return result
+    result = stream_control.describe(settings, pipeline)
+    if not args.json:
+        beat = result.get("heartbeat", {})
+        console.print(
+            f"stream {pipeline.name}: {result['state']}"
+            + (f" (pid {result['pid']})" if result["pid"] else "")
+            + (
+                f"; last heartbeat {result['heartbeat_age_s']}s ago: {beat.get('state')}, "
+                f"batch {beat.get('batch_id', '-')}, {beat.get('keys', '-')} keys"
+                if beat
+                else "; no heartbeat yet"
+            )
+            + (f"; lag {result['lag']:,}" if "lag" in result else "")
+        )
+    return result
+
+
+def _cmd_reset(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    from datetime import datetime
+
+    from duality import reset
+
+    pipeline = spec.find_spec(settings, args.pipeline)
+    moment = None
+    if args.to_datetime:
+        try:
+            moment = datetime.fromisoformat(args.to_datetime.replace("Z", "+00:00"))
+        except ValueError:
+            raise UsageError(
+                f"--to-datetime {args.to_datetime!r} is not ISO-8601: write it like "
+                "2026-11-21T10:00:00Z"
+            ) from None
+    plan = reset.plan(settings, pipeline, to_datetime=moment, to_offsets=args.to_offsets)
+    if not args.json:
+        title = "would" if args.dry_run else "will"
+        console.print(f"reset of {pipeline.name} {title}:")
+        for step in plan.steps():
+            console.print(f"  - {step}")
+    if not args.dry_run:
+        reset.execute(settings, pipeline, plan)
+        if not args.json:
+            console.print(
+                f"{pipeline.name} reset; start it with `duality stream start {pipeline.name}`"
+            )
+    return {**plan.as_dict(), "dry_run": args.dry_run}
+
+
 # -- parser --------------------------------------------------------------------------------
 
 
@@ -203,6 +309,49 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "validate":
             sub.add_argument("specs", nargs="*", metavar="SPEC", help="spec files or names")
 
+    produce = add("produce", _cmd_produce, "produce a demo workload to a pipeline's source")
+    produce.add_argument("pipeline", help="pipeline name or spec file")
+    produce.add_argument("--events", type=int, default=20_000, help="events to produce")
+    produce.add_argument("--keys", type=int, default=1_000, help="distinct group keys")
+    produce.add_argument("--zipf", type=float, default=1.1, help="key skew (0 is uniform)")
+    produce.add_argument(
+        "--bad-fraction",
+        type=float,
+        default=0.02,
+        help="fraction of bad records, spread over every kind",
+    )
+    produce.add_argument(
+        "--rate", type=float, help="events per second (default: as fast as possible)"
+    )
+    produce.add_argument("--seed", type=int, help="random seed, for a repeatable workload")
+    produce.add_argument(
+        "--partitions",
+        type=int,
+        default=6,
+        help="partitions of the source topic when it is created",
+    )
+
+    stream_parser = commands.add_parser("stream", help="start, stop or inspect a pipeline's stream")
+    stream_commands = stream_parser.add_subparsers(dest="stream_command", metavar="ACTION")
+    stream_commands.required = True
+    for name, help_text in (
+        ("start", "start the stream (detached, or --foreground)"),
+        ("stop", "stop the stream gracefully"),
+        ("status", "process, last heartbeat and lag of the stream"),
+    ):
+        sub = stream_commands.add_parser(name, help=help_text, description=help_text)
+        sub.add_argument("pipeline", help="pipeline name or spec file")
+        sub.add_argument("--json", action="store_true", help="print the result as JSON")
+        sub.set_defaults(handler=_cmd_stream)
+        if name == "start":
+            sub.add_argument("--foreground", action="store_true", help="run in this process")
+
+    reset_parser = add("reset", _cmd_reset, "reset a pipeline to reprocess its source")
+    reset_parser.add_argument("pipeline", help="pipeline name or spec file")
+    reset_parser.add_argument("--to-datetime", help="reprocess from this time (ISO-8601)")
+    reset_parser.add_argument("--to-offsets", help="reprocess from these offsets (0:100,1:250)")
+    reset_parser.add_argument("--dry-run", action="store_true", help="print the plan only")
+
     demo = add("demo", _cmd_demo, "produce orders, aggregate them with Spark into Delta")
     demo.add_argument("--events", type=int, default=20_000, help="orders to produce")
     demo.add_argument("--top", type=int, default=10, help="products to show")
@@ -211,7 +360,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    command = " ".join(filter(None, (args.command, getattr(args, "spec_command", None))))
+    command = " ".join(
+        filter(
+            None,
+            (
+                args.command,
+                getattr(args, "spec_command", None),
+                getattr(args, "stream_command", None),
+            ),
+        )
+    )
     console = _err if args.json else _out
     try:
         settings = Settings.from_env()

@@ -12,6 +12,7 @@ import fcntl
 import logging
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -206,6 +207,12 @@ class StreamDriver:
             while query.isActive and not self.stopping.is_set():
                 query.awaitTermination(1)
             if self.stopping.is_set():
+                # Graceful: let the running batch commit its transaction before stopping.
+                deadline = time.monotonic() + 120
+                while query.isActive and query.status.get("isTriggerActive") and (
+                    time.monotonic() < deadline
+                ):
+                    time.sleep(0.2)
                 query.stop()
             else:
                 error = query.exception()

@@ -153,6 +153,7 @@ def produce(
     bad_fraction: float = 0.02,
     rate: float | None = None,
     seed: int | None = None,
+    partitions: int = 6,
     progress: Callable[[int], None] | None = None,
 ) -> WorkloadReport:
     """Produce `events` records to the spec's source topic (created if missing)."""
@@ -162,7 +163,7 @@ def produce(
         raise UsageError(f"--rate must be positive, got {rate}")
     workload = Workload(spec, keys=keys, zipf=zipf, bad_fraction=bad_fraction, seed=seed)
     topic = spec.source.topic
-    kafka.create_topic(settings, topic, 6, exist_ok=True)
+    kafka.create_topic(settings, topic, partitions, exist_ok=True)
     producer = kafka.producer(settings, queue_buffering_max_messages=500_000)
     report = WorkloadReport(topic=topic, keys=keys)
     start = time.monotonic()

@@ -5,6 +5,8 @@ Ground truth comes from tests/truth.py, computed from the source records read ba
 
 from __future__ import annotations
 
+import re
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -21,6 +23,11 @@ EVENTS, KEYS = 20_000, 1_000
 def _verify(settings: Settings, spec, produced: int) -> None:  # type: ignore[no-untyped-def]
     source = read_topic(settings, spec.source.topic)
     assert len(source) == produced
+    _verify_records(settings, spec, source)
+
+
+def _verify_records(settings: Settings, spec, source) -> None:  # type: ignore[no-untyped-def]
+    produced = len(source)
     table, bad = truth.expected(spec, source)
     latest = changelog.read_latest(settings, spec)
     truth.assert_tables_equal(truth.changelog_table(spec, latest), table)
@@ -94,3 +101,63 @@ def test_sigkill_at_three_moments(settings: Settings, pipelines: Path, tmp_path:
     finally:
         stream.stop()
     _verify(settings, spec, EVENTS + 5_000)
+
+
+def test_restore_from_changelog_without_checkpoint_or_early_source(
+    settings: Settings, pipelines: Path, tmp_path: Path
+):
+    spec = make_pipeline(settings, pipelines, "product_sales")
+    kafka.create_topic(settings, spec.source.topic, 4)
+    workload.produce(settings, spec, events=EVENTS, keys=KEYS, bad_fraction=0.06, seed=21)
+    before = read_topic(settings, spec.source.topic)
+    stream = StreamProcess(settings, spec, pipelines, tmp_path / "stream.log")
+    stream.start()
+    try:
+        stream.wait_caught_up()
+    finally:
+        assert stream.stop() == 0, stream.tail()
+
+    # Lose the checkpoint, and the source records the changelog already covers.
+    checkpoint = settings.checkpoint_root / spec.name
+    assert checkpoint.is_dir()
+    shutil.rmtree(checkpoint)
+    committed = kafka.committed_offsets(settings, spec.consumer_group, spec.source.topic)
+    low = kafka.delete_records(
+        settings, spec.source.topic, {p: offset for p, (offset, _) in committed.items()}
+    )
+    assert sum(low.values()) == EVENTS
+
+    workload.produce(settings, spec, events=5_000, keys=KEYS, bad_fraction=0.06, seed=22)
+    stream.start()
+    try:
+        stream.wait_caught_up()
+        restores = re.findall(r"restored (\d+) keys", stream.log.read_text())
+    finally:
+        assert stream.stop() == 0, stream.tail()
+    # The second start's state came from the changelog, not from the (deleted) source.
+    assert len(restores) == 2 and int(restores[1]) > 0, restores
+    after = read_topic(settings, spec.source.topic)
+    assert len(after) == 5_000  # only the new records are left in the source
+    _verify_records(settings, spec, before + after)
+
+
+def test_windowed_late_events_go_to_dead_letters(
+    settings: Settings, pipelines: Path, tmp_path: Path
+):
+    spec = make_pipeline(settings, pipelines, "sensor_stats")
+    assert spec.window is not None
+    kafka.create_topic(settings, spec.source.topic, 3)
+    report = workload.produce(
+        settings, spec, events=EVENTS, keys=200, bad_fraction=0.07, seed=31
+    )
+    assert report.bad["late"] >= EVENTS * 0.01
+    stream = StreamProcess(settings, spec, pipelines, tmp_path / "stream.log")
+    stream.start()
+    try:
+        stream.wait_caught_up()
+    finally:
+        assert stream.stop() == 0, stream.tail()
+    source = read_topic(settings, spec.source.topic)
+    _, bad = truth.expected(spec, source)
+    assert sum(1 for kind in bad.values() if kind == "late event") >= EVENTS * 0.009
+    _verify(settings, spec, EVENTS)
