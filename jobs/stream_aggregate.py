@@ -14,7 +14,7 @@ import sys
 from duality.config import Settings
 from duality.errors import DualityError
 from duality.spec import find_spec
-from duality.stream_job import MAX_OFFSETS_PER_TRIGGER
+from duality.stream_job import MAX_OFFSETS_PER_TRIGGER, STALL_TIMEOUT_S
 from duality.stream_job import main as run_stream
 
 
@@ -27,6 +27,12 @@ def main(argv: list[str] | None = None) -> int:
         default=MAX_OFFSETS_PER_TRIGGER,
         help="the most source records one micro-batch reads (default %(default)s)",
     )
+    parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=STALL_TIMEOUT_S,
+        help="seconds after which a running micro-batch counts as stalled (default %(default)s)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -36,7 +42,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_offsets_per_trigger < 1:
             parser.error("--max-offsets-per-trigger must be at least 1")
         spec = find_spec(settings, args.pipeline)
-        return run_stream(settings, spec, max_offsets_per_trigger=args.max_offsets_per_trigger)
+        return run_stream(
+            settings,
+            spec,
+            max_offsets_per_trigger=args.max_offsets_per_trigger,
+            stall_timeout_s=args.stall_timeout,
+        )
     except DualityError as error:
         logging.getLogger("duality.stream").error("%s", error)
         return error.exit_code

@@ -92,6 +92,7 @@ class StreamProcess:
         pipelines: Path,
         log: Path,
         max_offsets_per_trigger: int = 5000,
+        stall_timeout: float = 300,
     ):
         self.settings, self.spec, self.log = settings, spec, log
         self.env = {
@@ -102,7 +103,12 @@ class StreamProcess:
             "DUALITY_WAREHOUSE": str(settings.warehouse),
             "DUALITY_LOCAL_DIR": str(settings.local_dir),
         }
-        self.args = ["--max-offsets-per-trigger", str(max_offsets_per_trigger)]
+        self.args = [
+            "--max-offsets-per-trigger",
+            str(max_offsets_per_trigger),
+            "--stall-timeout",
+            str(stall_timeout),
+        ]
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:

@@ -52,6 +52,13 @@ FAST_COMPACTION = {
 }
 
 
+_COORDINATOR_BUSY = (
+    KafkaError.NOT_COORDINATOR,
+    KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+    KafkaError.COORDINATOR_NOT_AVAILABLE,
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class TopicInfo:
     name: str
@@ -306,7 +313,7 @@ def committed_offsets(
                 # The group coordinator moves or loads (a new or restarted broker): ask again.
                 if (
                     isinstance(error, KafkaError)
-                    and error.retriable()
+                    and (error.retriable() or error.code() in _COORDINATOR_BUSY)
                     and (time.monotonic() < deadline)
                 ):
                     time.sleep(0.2)

@@ -26,6 +26,9 @@ from duality.stream import Aggregator
 log = logging.getLogger("duality.stream")
 
 MAX_OFFSETS_PER_TRIGGER = 500_000
+# A micro-batch running longer than this is taken as stalled (a lost broker connection that
+# never recovers): the query is stopped and restarted from the changelog.
+STALL_TIMEOUT_S = 300.0
 
 
 def changelog_config(spec: PipelineSpec) -> dict[str, str]:
@@ -133,11 +136,13 @@ class StreamDriver:
         *,
         trigger_seconds: float = 1.0,
         max_offsets_per_trigger: int = MAX_OFFSETS_PER_TRIGGER,
+        stall_timeout_s: float = STALL_TIMEOUT_S,
     ):
         self.settings = settings
         self.spec = spec
         self.trigger_seconds = trigger_seconds
         self.max_offsets_per_trigger = max_offsets_per_trigger
+        self.stall_timeout_s = stall_timeout_s
         self.stopping = threading.Event()
 
     def request_stop(self, *_: Any) -> None:
@@ -204,13 +209,24 @@ class StreamDriver:
             .start()
         )
         try:
+            busy_since: float | None = None
             while query.isActive and not self.stopping.is_set():
                 query.awaitTermination(1)
+                if query.status.get("isTriggerActive"):
+                    busy_since = busy_since or time.monotonic()
+                    if time.monotonic() - busy_since > self.stall_timeout_s:
+                        raise RuntimeError(
+                            f"a micro-batch ran for more than {self.stall_timeout_s:g}s: stalled"
+                        )
+                else:
+                    busy_since = None
             if self.stopping.is_set():
                 # Graceful: let the running batch commit its transaction before stopping.
-                deadline = time.monotonic() + 120
-                while query.isActive and query.status.get("isTriggerActive") and (
-                    time.monotonic() < deadline
+                deadline = time.monotonic() + 60
+                while (
+                    query.isActive
+                    and query.status.get("isTriggerActive")
+                    and (time.monotonic() < deadline)
                 ):
                     time.sleep(0.2)
                 query.stop()
@@ -235,8 +251,14 @@ def main(
     spec: PipelineSpec,
     *,
     max_offsets_per_trigger: int = MAX_OFFSETS_PER_TRIGGER,
+    stall_timeout_s: float = STALL_TIMEOUT_S,
 ) -> int:
-    driver = StreamDriver(settings, spec, max_offsets_per_trigger=max_offsets_per_trigger)
+    driver = StreamDriver(
+        settings,
+        spec,
+        max_offsets_per_trigger=max_offsets_per_trigger,
+        stall_timeout_s=stall_timeout_s,
+    )
     signal.signal(signal.SIGTERM, driver.request_stop)
     signal.signal(signal.SIGINT, driver.request_stop)
     return driver.run()

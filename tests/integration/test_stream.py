@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import re
 import shutil
+import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import pytest
 
 from duality import changelog, kafka, workload
 from duality.config import Settings
+from duality.local import LocalBroker, ephemeral_broker
 from tests import truth
 from tests.harness import StreamProcess, assert_eventually, make_pipeline, read_topic
 
@@ -147,9 +150,7 @@ def test_windowed_late_events_go_to_dead_letters(
     spec = make_pipeline(settings, pipelines, "sensor_stats")
     assert spec.window is not None
     kafka.create_topic(settings, spec.source.topic, 3)
-    report = workload.produce(
-        settings, spec, events=EVENTS, keys=200, bad_fraction=0.07, seed=31
-    )
+    report = workload.produce(settings, spec, events=EVENTS, keys=200, bad_fraction=0.07, seed=31)
     assert report.bad["late"] >= EVENTS * 0.01
     stream = StreamProcess(settings, spec, pipelines, tmp_path / "stream.log")
     stream.start()
@@ -161,3 +162,43 @@ def test_windowed_late_events_go_to_dead_letters(
     _, bad = truth.expected(spec, source)
     assert sum(1 for kind in bad.values() if kind == "late event") >= EVENTS * 0.009
     _verify(settings, spec, EVENTS)
+
+
+def test_broker_outage_under_load(base_settings: Settings, pipelines: Path, tmp_path: Path):
+    """The broker stops for 20 s while events arrive; the stream recovers by itself, exactly."""
+    with ephemeral_broker(base_settings) as settings:
+        broker = LocalBroker(settings)
+        spec = make_pipeline(settings, pipelines, "product_sales")
+        kafka.create_topic(settings, spec.source.topic, 3)
+        workload.produce(settings, spec, events=5_000, keys=KEYS, bad_fraction=0.06, seed=41)
+        stream = StreamProcess(
+            settings,
+            spec,
+            pipelines,
+            tmp_path / "stream.log",
+            max_offsets_per_trigger=2_000,
+            stall_timeout=45,
+        )
+        stream.start()
+        load = threading.Thread(
+            target=workload.produce,
+            args=(settings, spec),
+            kwargs={"events": 15_000, "keys": KEYS, "bad_fraction": 0.06, "rate": 500, "seed": 42},
+        )
+        try:
+            stream.wait_caught_up()
+            load.start()
+            assert_eventually(lambda: stream.covered() > 6_000, timeout=120)
+            broker.stop()
+            outage_end = time.monotonic() + 20  # the fault itself: 20 s without a broker
+            while time.monotonic() < outage_end:
+                assert stream.alive(), "the stream gave up while the broker was down"
+                time.sleep(1)
+            broker.start()
+            load.join(timeout=300)
+            assert not load.is_alive(), "the load producer did not finish"
+            stream.wait_caught_up(timeout=300)
+        finally:
+            stream.stop()
+        assert "restarting" in stream.log.read_text() or "failed" in stream.log.read_text()
+        _verify(settings, spec, 20_000)

@@ -1,0 +1,96 @@
+"""`duality produce`, `stream start|status|stop` and `reset` as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+from duality import kafka
+from duality.config import Settings
+from tests.harness import make_pipeline
+
+
+def _kafka_env(settings: Settings, pipelines: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "DUALITY_BOOTSTRAP_SERVERS": settings.bootstrap_servers,
+        "DUALITY_PIPELINES": str(pipelines),
+        "DUALITY_CHECKPOINT_ROOT": str(settings.checkpoint_root),
+        "DUALITY_LOCAL_DIR": str(settings.local_dir),
+    }
+
+
+def _duality(env: dict[str, str], *args: str, timeout: float = 240) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-m", "duality.cli", *args, "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+def _drivers(name: str) -> list[psutil.Process]:
+    return [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if any(part.endswith("stream_aggregate.py") for part in p.info["cmdline"] or [])
+        and name in (p.info["cmdline"] or [])
+    ]
+
+
+def test_stream_lifecycle_and_reset(settings: Settings, tmp_path: Path):
+    pipelines = tmp_path / "pipelines"
+    spec = make_pipeline(settings, pipelines, "product_sales")
+    env = _kafka_env(settings, pipelines)
+    produced = _duality(
+        env,
+        "produce",
+        spec.name,
+        "--events",
+        "3000",
+        "--keys",
+        "100",
+        "--bad-fraction",
+        "0.05",
+        "--seed",
+        "5",
+    )
+    assert produced["produced"] == 3000 and sum(produced["bad"].values()) > 0
+
+    try:
+        first = _duality(env, "stream", "start", spec.name)
+        second = _duality(env, "stream", "start", spec.name)
+        assert first["already_running"] is False and second["already_running"] is True
+        assert first["pid"] == second["pid"]
+        assert len(_drivers(spec.name)) == 1
+
+        status = _duality(env, "stream", "status", spec.name)
+        assert status["state"] == "running"
+        assert status["heartbeat"]["pid"] == first["pid"]
+    finally:
+        stopped = _duality(env, "stream", "stop", spec.name)
+    assert stopped["was_running"] is True
+    assert _drivers(spec.name) == []
+    assert _duality(env, "stream", "status", spec.name)["state"] == "stopped"
+
+    plan = _duality(env, "reset", spec.name, "--dry-run")
+    assert plan["dry_run"] is True and plan["steps"]
+    records_before = plan["changelog_records"]
+    again = _duality(env, "reset", spec.name, "--dry-run")
+    assert again["changelog_records"] == records_before  # a dry run changes nothing
+
+    done = _duality(env, "reset", spec.name)
+    assert done["dry_run"] is False
+    assert kafka.committed_offsets(settings, spec.consumer_group, spec.source.topic) == {
+        p: (0, "{}") for p in range(kafka.partition_count(settings, spec.source.topic))
+    }
+    assert not (settings.checkpoint_root / spec.name).exists()
+    assert sum(kafka.end_offsets(settings, spec.changelog_topic, "read_uncommitted").values()) == 0
