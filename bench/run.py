@@ -27,6 +27,7 @@ from baselines import Figure, consumer_perf, order_events, preload, python_copy
 from duality import kafka
 from duality.config import Settings
 from duality.local import ephemeral_broker
+from streaming import bench_spec, restore_versus_recompute, run_to_end
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PARTITIONS = 6
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.records < 1 or args.keys < 1:
         parser.error("--records and --keys must be at least 1")
-    console = Console()
+    console = Console(width=max(120, Console().width))
     settings = Settings.from_env()
     started = datetime.now(UTC)
     run_id = f"run-{int(time.time())}"
@@ -107,6 +108,23 @@ def main(argv: list[str] | None = None) -> int:
         progress.console.print("running Kafka's ConsumerPerformance")
         figures.append(consumer_perf(scoped, source, args.records))
         figures.append(python_copy(scoped, source, copy, args.records, progress))
+
+        progress.console.print("running the stream over the backlog")
+        figures.append(
+            run_to_end(scoped, bench_spec("bench_sales", source), args.records, megabytes)
+        )
+
+        # A changelog of few keys (10k by default) built from as many events as the backlog.
+        few_keys = max(1, args.keys // 10)
+        compact = f"bench-orders-few-keys-{run_id}"
+        kafka.create_topic(scoped, compact, PARTITIONS)
+        events = order_events(args.records, few_keys, seed=8)
+        preload(scoped, compact, events, progress)
+        del events
+        spec = bench_spec("bench_few_keys", compact)
+        progress.console.print(f"building a changelog of {few_keys:,} keys")
+        run_to_end(scoped, spec, args.records, megabytes)
+        figures.extend(restore_versus_recompute(scoped, spec, args.records, megabytes))
     document = {
         "started": started.isoformat(),
         "machine": {

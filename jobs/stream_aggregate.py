@@ -14,8 +14,7 @@ import sys
 from duality.config import Settings
 from duality.errors import DualityError
 from duality.spec import find_spec
-from duality.stream_job import MAX_OFFSETS_PER_TRIGGER, STALL_TIMEOUT_S
-from duality.stream_job import main as run_stream
+from duality.stream_job import MAX_OFFSETS_PER_TRIGGER, STALL_TIMEOUT_S, supervise
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,9 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_offsets_per_trigger < 1:
             parser.error("--max-offsets-per-trigger must be at least 1")
         spec = find_spec(settings, args.pipeline)
-        return run_stream(
+        return supervise(
             settings,
             spec,
+            args.pipeline,
             max_offsets_per_trigger=args.max_offsets_per_trigger,
             stall_timeout_s=args.stall_timeout,
         )

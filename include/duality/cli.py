@@ -204,9 +204,9 @@ def _cmd_stream(settings: Settings, args: argparse.Namespace, console: Console) 
     pipeline = spec.find_spec(settings, args.pipeline)
     action = args.stream_command
     if action == "start" and args.foreground:
-        from duality.stream_job import main as run_stream
+        from duality.stream_job import supervise
 
-        code = run_stream(settings, pipeline)
+        code = supervise(settings, pipeline, args.pipeline)
         return {"pipeline": pipeline.name, "state": "stopped", "exit_code": code}
     if action == "start":
         with console.status(f"starting the stream of {pipeline.name}"):

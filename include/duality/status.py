@@ -27,7 +27,13 @@ class Heartbeat:
     def __init__(self, settings: Settings, pipeline: str):
         self.pipeline = pipeline
         self.producer = kafka.producer(settings, linger_ms=0)
-        self.base = {"pipeline": pipeline, "host": socket.gethostname(), "pid": os.getpid()}
+        # ppid: the supervisor that `duality stream start` launched (stream_job.supervise).
+        self.base = {
+            "pipeline": pipeline,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "ppid": os.getppid(),
+        }
 
     def publish(self, state: str, **details: Any) -> None:
         document = {

@@ -98,7 +98,7 @@ def _wait_running(
                 f"starting; last lines of {log}:\n{tail}"
             )
         beat = status.latest(settings).get(spec.name, {})
-        if beat.get("pid") == process.pid and beat.get("state") == "running":
+        if process.pid in (beat.get("ppid"), beat.get("pid")) and beat.get("state") == "running":
             return
         time.sleep(1)
     raise LocalStackError(

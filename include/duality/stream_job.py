@@ -10,7 +10,10 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -19,7 +22,7 @@ from typing import Any
 
 from duality import kafka, status
 from duality.config import Settings
-from duality.errors import DualityError, LocalStackError
+from duality.errors import DualityError, LocalStackError, UsageError
 from duality.spec import PipelineSpec
 from duality.stream import Aggregator
 
@@ -29,6 +32,7 @@ MAX_OFFSETS_PER_TRIGGER = 500_000
 # A micro-batch running longer than this is taken as stalled (a lost broker connection that
 # never recovers): the query is stopped and restarted from the changelog.
 STALL_TIMEOUT_S = 300.0
+STALLED_EXIT = 75
 
 
 def changelog_config(spec: PipelineSpec) -> dict[str, str]:
@@ -152,32 +156,32 @@ class StreamDriver:
         from duality.spark import session
 
         spec, settings = self.spec, self.settings
-        with exclusive(settings, spec):
-            kafka.ensure_reachable(settings)
-            ensure_topics(settings, spec)
-            spark = session(settings, f"duality-stream-{spec.name}")
-            heartbeat = status.Heartbeat(settings, spec.name)
-            backoff = 1.0
-            try:
-                while not self.stopping.is_set():
-                    try:
-                        self._run_query(spark, heartbeat)
-                        backoff = 1.0
-                    except DualityError:
-                        raise
-                    except Exception as error:
-                        log.warning(
-                            "%s: stream failed (%s); restarting in %.0fs",
-                            spec.name,
-                            _short(error),
-                            backoff,
-                        )
-                        heartbeat.publish("restarting", error=_short(error), backoff_s=backoff)
-                        self.stopping.wait(backoff)
-                        backoff = min(backoff * 2, 30.0)
-                heartbeat.publish("stopped")
-            finally:
-                heartbeat.close()
+        # The lock is the supervisor's (supervise()); this process runs one driver.
+        kafka.ensure_reachable(settings)
+        ensure_topics(settings, spec)
+        spark = session(settings, f"duality-stream-{spec.name}")
+        heartbeat = status.Heartbeat(settings, spec.name)
+        backoff = 1.0
+        try:
+            while not self.stopping.is_set():
+                try:
+                    self._run_query(spark, heartbeat)
+                    backoff = 1.0
+                except DualityError:
+                    raise
+                except Exception as error:
+                    log.warning(
+                        "%s: stream failed (%s); restarting in %.0fs",
+                        spec.name,
+                        _short(error),
+                        backoff,
+                    )
+                    heartbeat.publish("restarting", error=_short(error), backoff_s=backoff)
+                    self.stopping.wait(backoff)
+                    backoff = min(backoff * 2, 30.0)
+            heartbeat.publish("stopped")
+        finally:
+            heartbeat.close()
         return 0
 
     def _run_query(self, spark: Any, heartbeat: status.Heartbeat) -> None:
@@ -215,9 +219,7 @@ class StreamDriver:
                 if query.status.get("isTriggerActive"):
                     busy_since = busy_since or time.monotonic()
                     if time.monotonic() - busy_since > self.stall_timeout_s:
-                        raise RuntimeError(
-                            f"a micro-batch ran for more than {self.stall_timeout_s:g}s: stalled"
-                        )
+                        self._give_up_stalled(heartbeat)
                 else:
                     busy_since = None
             if self.stopping.is_set():
@@ -240,19 +242,31 @@ class StreamDriver:
             spark.streams.removeListener(listener)
             aggregator.close()
 
+    def _give_up_stalled(self, heartbeat: status.Heartbeat) -> None:
+        """A batch hangs in a call that cannot be interrupted (a Kafka client waiting on a
+        broker that went away): end the process at once; the supervisor starts a new one, which
+        aborts the open transaction and restores from the changelog."""
+        message = f"a micro-batch ran for more than {self.stall_timeout_s:g}s: stalled"
+        log.error("%s: %s; exiting for a restart", self.spec.name, message)
+        heartbeat.publish("stalled", error=message)
+        heartbeat.close()
+        logging.shutdown()
+        os._exit(STALLED_EXIT)
+
 
 def _short(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return text[0][:300] if text else type(error).__name__
 
 
-def main(
+def run_child(
     settings: Settings,
     spec: PipelineSpec,
     *,
     max_offsets_per_trigger: int = MAX_OFFSETS_PER_TRIGGER,
     stall_timeout_s: float = STALL_TIMEOUT_S,
 ) -> int:
+    """Run the driver in this process (the supervisor holds the pipeline's lock)."""
     driver = StreamDriver(
         settings,
         spec,
@@ -262,3 +276,85 @@ def main(
     signal.signal(signal.SIGTERM, driver.request_stop)
     signal.signal(signal.SIGINT, driver.request_stop)
     return driver.run()
+
+
+def supervise(
+    settings: Settings,
+    spec: PipelineSpec,
+    pipeline: str,
+    *,
+    max_offsets_per_trigger: int = MAX_OFFSETS_PER_TRIGGER,
+    stall_timeout_s: float = STALL_TIMEOUT_S,
+) -> int:
+    """Hold the lock and keep a driver process running until SIGTERM.
+
+    A driver that exits on its own (stalled, crashed) is replaced after a backoff; one that
+    exits with a usage error (a bad spec, say) ends the supervision with that code.
+    """
+    stopping = threading.Event()
+    child: subprocess.Popen[bytes] | None = None
+
+    def request_stop(*_: Any) -> None:
+        stopping.set()
+        if child is not None and child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    command = [
+        sys.executable,
+        "-m",
+        "duality.stream_job",
+        pipeline,
+        "--max-offsets-per-trigger",
+        str(max_offsets_per_trigger),
+        "--stall-timeout",
+        str(stall_timeout_s),
+    ]
+    backoff = 1.0
+    with exclusive(settings, spec):
+        while not stopping.is_set():
+            child = subprocess.Popen(command)
+            code = child.wait()
+            if stopping.is_set():
+                break
+            if code == UsageError.exit_code:
+                return code
+            log.warning(
+                "%s: driver exited with %d; starting a new one in %.0fs", spec.name, code, backoff
+            )
+            stopping.wait(backoff)
+            backoff = min(backoff * 2, 30.0)
+    return 0
+
+
+def _child_main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from duality.errors import DualityError
+    from duality.spec import find_spec
+
+    parser = argparse.ArgumentParser(prog="python -m duality.stream_job")
+    parser.add_argument("pipeline")
+    parser.add_argument("--max-offsets-per-trigger", type=int, default=MAX_OFFSETS_PER_TRIGGER)
+    parser.add_argument("--stall-timeout", type=float, default=STALL_TIMEOUT_S)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        settings = Settings.from_env()
+        spec = find_spec(settings, args.pipeline)
+        return run_child(
+            settings,
+            spec,
+            max_offsets_per_trigger=args.max_offsets_per_trigger,
+            stall_timeout_s=args.stall_timeout,
+        )
+    except DualityError as error:
+        log.error("%s", error)
+        return error.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main())

@@ -200,5 +200,6 @@ def test_broker_outage_under_load(base_settings: Settings, pipelines: Path, tmp_
             stream.wait_caught_up(timeout=300)
         finally:
             stream.stop()
-        assert "restarting" in stream.log.read_text() or "failed" in stream.log.read_text()
+        log = stream.log.read_text()
+        assert any(word in log for word in ("restarting", "stalled", "exited with")), log[-2000:]
         _verify(settings, spec, 20_000)

@@ -74,7 +74,7 @@ def test_stream_lifecycle_and_reset(settings: Settings, tmp_path: Path):
 
         status = _duality(env, "stream", "status", spec.name)
         assert status["state"] == "running"
-        assert status["heartbeat"]["pid"] == first["pid"]
+        assert status["heartbeat"]["ppid"] == first["pid"]  # the driver under the supervisor
     finally:
         stopped = _duality(env, "stream", "stop", spec.name)
     assert stopped["was_running"] is True
