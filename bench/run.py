@@ -11,7 +11,9 @@ import contextlib
 import json
 import os
 import platform
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -88,9 +90,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.records < 1 or args.keys < 1:
         parser.error("--records and --keys must be at least 1")
     console = Console(width=max(120, Console().width))
-    settings = Settings.from_env()
+    # Checkpoints, tables and locks of the benchmark's pipelines stay out of the user's folders.
+    scratch = Path(tempfile.mkdtemp(prefix="duality-bench-"))
+    settings = Settings.from_env().replace(
+        checkpoint_root=scratch / "checkpoints",
+        warehouse=scratch / "warehouse",
+        local_dir=scratch / "local",
+    )
     started = datetime.now(UTC)
-    run_id = f"run-{int(time.time())}"
+    stamp = int(time.time())
+    run_id = f"run-{stamp}"
     figures: list[Figure] = []
     columns = (
         TextColumn("{task.description}"),
@@ -111,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
         progress.console.print("running the stream over the backlog")
         figures.append(
-            run_to_end(scoped, bench_spec("bench_sales", source), args.records, megabytes)
+            run_to_end(scoped, bench_spec(f"bench_sales_{stamp}", source), args.records, megabytes)
         )
 
         # A changelog of few keys (10k by default) built from as many events as the backlog.
@@ -121,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         events = order_events(args.records, few_keys, seed=8)
         preload(scoped, compact, events, progress)
         del events
-        spec = bench_spec("bench_few_keys", compact)
+        spec = bench_spec(f"bench_few_keys_{stamp}", compact)
         progress.console.print(f"building a changelog of {few_keys:,} keys")
         run_to_end(scoped, spec, args.records, megabytes)
         figures.extend(restore_versus_recompute(scoped, spec, args.records, megabytes))
@@ -145,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     stamped = args.out / f"bench-{started.strftime('%Y%m%dT%H%M%SZ')}.json"
     stamped.write_text(json.dumps(document, indent=2) + "\n")
     (args.out / "latest.json").write_text(json.dumps(document, indent=2) + "\n")
+    shutil.rmtree(scratch, ignore_errors=True)
     render(figures, console)
     console.print(f"results: {stamped}")
     return 0

@@ -34,8 +34,16 @@ def test_bench_writes_baselines(settings: Settings, tmp_path: Path):
     assert result.returncode == 0, result.stdout + result.stderr
     document = json.loads((tmp_path / "latest.json").read_text())
     figures = {s["scenario"]: s for s in document["scenarios"]}
-    assert set(figures) == {"kafka-consumer-perf", "python-copy"}
-    for figure in figures.values():
-        assert figure["records"] == 20000
-        assert figure["records_per_s"] > 0 and figure["mb_per_s"] > 0
+    assert set(figures) == {
+        "kafka-consumer-perf",
+        "python-copy",
+        "stream-throughput",
+        "restore-from-changelog",
+        "recompute-from-source",
+    }
+    for name in ("kafka-consumer-perf", "python-copy", "stream-throughput"):
+        assert figures[name]["records"] == 20000
+        assert figures[name]["records_per_s"] > 0 and figures[name]["mb_per_s"] > 0
+    assert figures["restore-from-changelog"]["records"] == 50  # keys: 500 // 10
+    assert figures["recompute-from-source"]["seconds"] > 0
     assert "records/s" in result.stdout and "python-copy" in result.stdout
