@@ -75,12 +75,7 @@ def preload(
     size = 0
     for n, (key, value) in enumerate(events, 1):
         size += len(key) + len(value)
-        while True:
-            try:
-                producer.produce(topic, key=key, value=value)
-                break
-            except BufferError:
-                producer.poll(0.05)
+        kafka.send(producer, topic, key=key, value=value)
         if n % 20_000 == 0:
             producer.poll(0)
             progress.update(task, completed=n)
@@ -162,12 +157,7 @@ def python_copy(
                         continue
                     raise RuntimeError(f"copy: {error}")
                 key, value = msg.key(), msg.value()
-                while True:
-                    try:
-                        producer.produce(target, key=key, value=value)
-                        break
-                    except BufferError:
-                        producer.poll(0.05)
+                kafka.send(producer, target, key=key, value=value)
                 copied += 1
                 size += len(key or b"") + len(value or b"")
                 if msg.offset() + 1 >= ends[msg.partition()]:

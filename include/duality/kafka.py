@@ -93,6 +93,22 @@ def producer(settings: Settings, **overrides: Any) -> Producer:
     return Producer(config)
 
 
+def send(
+    producer: Producer,
+    topic: str,
+    key: bytes | str | None = None,
+    value: bytes | str | None = None,
+    headers: list[tuple[str, str | bytes | None]] | None = None,
+) -> None:
+    """Produce one record, waiting for room in the producer's queue when it is full."""
+    while True:
+        try:
+            producer.produce(topic, key=key, value=value, headers=headers)
+            return
+        except BufferError:
+            producer.poll(0.05)
+
+
 def consumer(
     settings: Settings,
     group_id: str,

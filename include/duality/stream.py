@@ -415,7 +415,7 @@ class Aggregator:
                     ("duality.source.partition", str(row["partition"]).encode()),
                     ("duality.source.offset", str(row["offset"]).encode()),
                 ]
-                _produce(
+                kafka.send(
                     producer, spec.dlq_topic, _bytes(row["key"]), _bytes(row["value"]), headers
                 )
             for key, state in updates.items():
@@ -423,7 +423,7 @@ class Aggregator:
                 value = changelog.encode_value(
                     spec, shown, aggregate_values(spec, state), state, now_ms
                 )
-                _produce(producer, spec.changelog_topic, changelog.encode_key(spec, shown), value)
+                kafka.send(producer, spec.changelog_topic, changelog.encode_key(spec, shown), value)
             producer.send_offsets_to_transaction(
                 covered.to_kafka(source), self._group_metadata, self.settings.connect_timeout_s * 3
             )
@@ -439,21 +439,6 @@ class Aggregator:
         if self.producer is not None:
             self.producer.flush(10)
             self.producer = None
-
-
-def _produce(
-    producer: Producer,
-    topic: str,
-    key: bytes | None,
-    value: bytes | None,
-    headers: list[tuple[str, str | bytes | None]] | None = None,
-) -> None:
-    while True:
-        try:
-            producer.produce(topic, key=key, value=value, headers=headers)
-            return
-        except BufferError:
-            producer.poll(0.1)
 
 
 def _bytes(value: Any) -> bytes | None:

@@ -172,12 +172,7 @@ def produce(
     while produced < events:
         batch = workload.records(min(chunk, events - produced))
         for key, value, kind in batch:
-            while True:
-                try:
-                    producer.produce(topic, key=key, value=value)
-                    break
-                except BufferError:
-                    producer.poll(0.05)
+            kafka.send(producer, topic, key=key, value=value)
             if kind == "valid":
                 report.valid += 1
             else:
