@@ -169,5 +169,13 @@ class StreamProcess:
             message=f"stream {self.spec.name} did not catch up; log {self.log}",
         )
 
+    def run_until_caught_up(self) -> None:
+        """Start the stream, wait until it covers the source, and stop it gracefully."""
+        self.start()
+        try:
+            self.wait_caught_up()
+        finally:
+            assert self.stop() == 0, self.tail()
+
     def tail(self, lines: int = 30) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])

@@ -66,11 +66,7 @@ def test_changelog_equals_ground_truth(settings: Settings, pipelines: Path, tmp_
     )
     assert all(report.bad[kind] >= EVENTS * 0.01 for kind in workload.BAD_KINDS if kind != "late")
     stream = StreamProcess(settings, spec, pipelines, tmp_path / "stream.log")
-    stream.start()
-    try:
-        stream.wait_caught_up()
-    finally:
-        assert stream.stop() == 0, stream.tail()
+    stream.run_until_caught_up()
     _verify(settings, spec, EVENTS)
 
 
@@ -114,11 +110,7 @@ def test_restore_from_changelog_without_checkpoint_or_early_source(
     workload.produce(settings, spec, events=EVENTS, keys=KEYS, bad_fraction=0.06, seed=21)
     before = read_topic(settings, spec.source.topic)
     stream = StreamProcess(settings, spec, pipelines, tmp_path / "stream.log")
-    stream.start()
-    try:
-        stream.wait_caught_up()
-    finally:
-        assert stream.stop() == 0, stream.tail()
+    stream.run_until_caught_up()
 
     # Lose the checkpoint, and the source records the changelog already covers.
     checkpoint = settings.checkpoint_root / spec.name
@@ -153,11 +145,7 @@ def test_windowed_late_events_go_to_dead_letters(
     report = workload.produce(settings, spec, events=EVENTS, keys=200, bad_fraction=0.07, seed=31)
     assert report.bad["late"] >= EVENTS * 0.01
     stream = StreamProcess(settings, spec, pipelines, tmp_path / "stream.log")
-    stream.start()
-    try:
-        stream.wait_caught_up()
-    finally:
-        assert stream.stop() == 0, stream.tail()
+    stream.run_until_caught_up()
     source = read_topic(settings, spec.source.topic)
     _, bad = truth.expected(spec, source)
     assert sum(1 for kind in bad.values() if kind == "late event") >= EVENTS * 0.009
