@@ -17,8 +17,6 @@ from duality import kafka
 from duality.config import Settings
 from duality.spec import PipelineSpec
 
-KeyTuple = tuple[Any, ...]
-
 
 def window_iso(start: datetime | int) -> str:
     """A window start as ISO-8601 UTC with millisecond precision ('2026-11-21T10:00:00.000Z')."""
@@ -36,16 +34,6 @@ def encode_key(spec: PipelineSpec, key: Sequence[Any]) -> bytes:
     if len(key) == 1:
         return str(key[0]).encode()
     return json.dumps(list(key), separators=(",", ":")).encode()
-
-
-def decode_key(spec: PipelineSpec, raw: bytes) -> KeyTuple:
-    if len(spec.key_columns) == 1:
-        text = raw.decode()
-        kind = spec.source.fields[spec.source.key[0]]
-        return (
-            int(text) if kind in ("long", "int") else text == "true" if kind == "boolean" else text,
-        )
-    return tuple(json.loads(raw))
 
 
 def encode_value(

@@ -88,7 +88,6 @@ def _cmd_status(settings: Settings, args: argparse.Namespace, console: Console) 
 
 
 def _cmd_lag(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    kafka.ensure_reachable(settings)
     rows = kafka.lag(settings, args.group or None)
     if not args.json:
         table = Table(title=f"consumer lag on {settings.bootstrap_servers}")

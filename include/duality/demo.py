@@ -42,7 +42,7 @@ def run(settings: Settings, events: int, console: Console) -> dict[str, Any]:
                 "quantity": rng.randint(1, 5),
                 "amount": round(rng.uniform(1, 200), 2),
             }
-            producer.produce(DEMO_TOPIC, key=product, value=json.dumps(order))
+            kafka.send(producer, DEMO_TOPIC, key=product, value=json.dumps(order))
             if i % 5000 == 0:
                 producer.poll(0)
                 progress.update(task, completed=i)

@@ -241,8 +241,11 @@ def describe_topic(settings: Settings, name: str) -> TopicInfo:
 
 
 def topic_exists(settings: Settings, name: str) -> bool:
-    ensure_reachable(settings)
-    return name in admin(settings).list_topics(timeout=settings.connect_timeout_s).topics
+    try:
+        metadata = admin(settings).list_topics(timeout=settings.connect_timeout_s)
+    except KafkaException as exc:
+        raise unreachable(settings, settings.connect_timeout_s, exc) from None
+    return name in metadata.topics
 
 
 def partition_count(settings: Settings, topic: str) -> int:

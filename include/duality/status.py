@@ -14,11 +14,10 @@ from duality import kafka
 from duality.config import Settings
 
 STATUS_TOPIC = "_duality-status"
-STATUS_CONFIG = {**kafka.FAST_COMPACTION, "cleanup.policy": "compact"}
 
 
 def ensure_topic(settings: Settings) -> None:
-    kafka.create_topic(settings, STATUS_TOPIC, 1, config=STATUS_CONFIG, exist_ok=True)
+    kafka.create_topic(settings, STATUS_TOPIC, 1, config=kafka.FAST_COMPACTION, exist_ok=True)
 
 
 class Heartbeat:

@@ -30,14 +30,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("duality.stream")
 
-DLQ_HEADERS = (
-    "duality.error",
-    "duality.source.topic",
-    "duality.source.partition",
-    "duality.source.offset",
-)
-STATUS_TOPIC = "_duality-status"
-
 
 # -- the state of one pipeline ------------------------------------------------------------
 
@@ -291,7 +283,6 @@ class Aggregator:
         self.state: dict[tuple[Any, ...], dict[str, Any]] = {}
         self.committed = Committed({}, {})
         self.producer: Producer | None = None
-        self.results: list[BatchResult] = []
 
     # The transactional id is the pipeline's: a new driver fences any older one still alive.
     @property
@@ -379,7 +370,6 @@ class Aggregator:
             if not summary:
                 skipped = raw.count()
                 result = BatchResult(batch_id, 0, 0, 0, 0, skipped)
-                self.results.append(result)
                 return result
             bad_rows = (
                 frame.where(F.col("_error").isNotNull())
@@ -425,7 +415,6 @@ class Aggregator:
             merge_s=round(merged - collected, 2),
             commit_s=round(committed - merged, 2),
         )
-        self.results.append(result)
         return result
 
     def _write(

@@ -85,42 +85,40 @@ def exclusive(settings: Settings, spec: PipelineSpec) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-class _Listener:
-    """Turns query progress into heartbeats on `_duality-status`."""
+def _heartbeat_listener(heartbeat: status.Heartbeat, aggregator: Aggregator) -> Any:
+    """A StreamingQueryListener that turns query progress into heartbeats on `_duality-status`."""
+    from pyspark.sql.streaming import StreamingQueryListener
 
-    def __new__(cls, heartbeat: status.Heartbeat, aggregator: Aggregator) -> Any:
-        from pyspark.sql.streaming import StreamingQueryListener
+    class Listener(StreamingQueryListener):
+        def onQueryStarted(self, event: Any) -> None:
+            heartbeat.publish("running", query_id=str(event.id))
 
-        class Listener(StreamingQueryListener):
-            def onQueryStarted(self, event: Any) -> None:
-                heartbeat.publish("running", query_id=str(event.id))
+        def onQueryProgress(self, event: Any) -> None:
+            progress = event.progress
+            source = progress.sources[0] if progress.sources else None
+            heartbeat.publish(
+                "running",
+                batch_id=progress.batchId,
+                input_rows_per_second=progress.inputRowsPerSecond,
+                processed_rows_per_second=progress.processedRowsPerSecond,
+                num_input_rows=progress.numInputRows,
+                source_offsets=json_or_none(source.endOffset) if source else None,
+                committed_offsets=aggregator.committed.offsets,
+                keys=len(aggregator.state),
+            )
 
-            def onQueryProgress(self, event: Any) -> None:
-                progress = event.progress
-                source = progress.sources[0] if progress.sources else None
-                heartbeat.publish(
-                    "running",
-                    batch_id=progress.batchId,
-                    input_rows_per_second=progress.inputRowsPerSecond,
-                    processed_rows_per_second=progress.processedRowsPerSecond,
-                    num_input_rows=progress.numInputRows,
-                    source_offsets=json_or_none(source.endOffset) if source else None,
-                    committed_offsets=aggregator.committed.offsets,
-                    keys=len(aggregator.state),
-                )
+        def onQueryIdle(self, event: Any) -> None:
+            heartbeat.publish(
+                "running",
+                idle=True,
+                committed_offsets=aggregator.committed.offsets,
+                keys=len(aggregator.state),
+            )
 
-            def onQueryIdle(self, event: Any) -> None:
-                heartbeat.publish(
-                    "running",
-                    idle=True,
-                    committed_offsets=aggregator.committed.offsets,
-                    keys=len(aggregator.state),
-                )
+        def onQueryTerminated(self, event: Any) -> None:
+            heartbeat.publish("failed" if event.exception else "stopped", error=event.exception)
 
-            def onQueryTerminated(self, event: Any) -> None:
-                heartbeat.publish("failed" if event.exception else "stopped", error=event.exception)
-
-        return Listener()
+    return Listener()
 
 
 def json_or_none(text: Any) -> Any:
@@ -189,7 +187,7 @@ class StreamDriver:
         aggregator = Aggregator(settings, spec)
         heartbeat.publish("restoring")
         aggregator.restore()
-        listener = _Listener(heartbeat, aggregator)
+        listener = _heartbeat_listener(heartbeat, aggregator)
         spark.streams.addListener(listener)
         source = (
             spark.readStream.format("kafka")

@@ -29,8 +29,12 @@ def test_compacted_topic_keeps_latest_value_per_key(settings: Settings, topic: s
         counts.pop("filler", None)
         return counts
 
+    def compacted() -> dict[str, int] | None:
+        counts = compacted_view()
+        return counts if all(n == 1 for n in counts.values()) else None
+
     counts = assert_eventually(
-        lambda: (lambda c: c if all(n == 1 for n in c.values()) else None)(compacted_view()),
+        compacted,
         timeout=90,
         interval=0.5,
         message="the log cleaner did not compact the topic",

@@ -49,7 +49,8 @@ def _verify_records(settings: Settings, spec, source) -> None:  # type: ignore[n
     assert set(lineage) == set(bad), "dead-lettered records differ from the bad ones"
     for where, kind in bad.items():
         assert reasons[where].startswith(kind), (where, reasons[where], kind)
-    counted = sum(row["orders" if "orders" in row else "readings"] for row in table.values())
+    count_column = next(c for c, a in spec.aggregates.items() if a.function == "count")
+    counted = sum(row[count_column] for row in table.values())
     assert counted + dead == produced
 
 
