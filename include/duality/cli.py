@@ -273,6 +273,107 @@ def _cmd_reset(settings: Settings, args: argparse.Namespace, console: Console) -
     return {**plan.as_dict(), "dry_run": args.dry_run}
 
 
+def _cmd_snapshot(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    from duality import snapshot
+
+    pipeline = spec.find_spec(settings, args.pipeline)
+    if args.maintain:
+        with console.status(f"maintaining the snapshot of {pipeline.name}") as status:
+            result = snapshot.maintain(
+                settings,
+                pipeline,
+                retain_hours=args.retain_hours,
+                progress=lambda text: status.update(text),
+            )
+        if not args.json:
+            console.print(
+                f"{result['path']}: OPTIMIZE compacted {result['files_removed_by_optimize']} files "
+                f"into {result['files_added_by_optimize']}; VACUUM (retention "
+                f"{result['retention_hours']:g} h) deleted {result['files_deleted_by_vacuum']} "
+                f"files; published version {result['published_version']} stays readable"
+            )
+        return result
+    mode: snapshot.Mode = "full" if args.full else "incremental" if args.incremental else "auto"
+    with console.status(f"snapshot of {pipeline.name}") as status:
+        built = snapshot.build(settings, pipeline, mode, progress=lambda text: status.update(text))
+    if not args.json:
+        if built.fallback_reason:
+            console.print(
+                f"[yellow]full rebuild instead of incremental:[/] {built.fallback_reason}"
+            )
+        if built.version is None:
+            console.print(
+                f"{pipeline.name}: the changelog has not moved since version "
+                f"{built.previous_version}; no new version"
+            )
+        else:
+            console.print(
+                f"{pipeline.name}: version {built.version} ({built.mode}) of {built.path}: "
+                f"{built.rows:,} rows; read {built.records_read:,} changelog records for "
+                f"{built.keys_read:,} keys; {built.inserted:,} inserted, {built.updated:,} "
+                f"updated, {built.deleted:,} deleted in {built.seconds:.1f}s. Validate and "
+                f"publish it with `duality validate {pipeline.name}`."
+            )
+    return built.as_dict()
+
+
+def _cmd_validate(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    from duality import validate
+
+    pipeline = spec.find_spec(settings, args.pipeline)
+    with console.status(f"validating the snapshot of {pipeline.name}") as status:
+        report = validate.run(
+            settings,
+            pipeline,
+            reconcile=args.reconcile,
+            publish=not args.no_publish,
+            version=args.version,
+            progress=lambda text: status.update(text),
+        )
+    validate.require_success(report)
+    if not args.json:
+        console.print(validate.summary(report))
+        console.print(f"report: {report.json_report}; Data Docs: {report.data_docs}")
+    return report.as_dict()
+
+
+def _cmd_read(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    from duality import snapshot
+
+    pipeline = spec.find_spec(settings, args.pipeline)
+    with console.status(f"reading the published snapshot of {pipeline.name}"):
+        frame, version, coverage = snapshot.read(settings, pipeline)
+        total = frame.count()
+        rows = [
+            row.asDict() for row in frame.orderBy(*pipeline.key_columns).limit(args.limit).collect()
+        ]
+    if not args.json:
+        table = Table(title=f"{pipeline.name}: published version {version} ({total:,} rows)")
+        columns = list(rows[0]) if rows else pipeline.snapshot_columns
+        for column in columns:
+            table.add_column(column)
+        for row in rows:
+            table.add_row(*(_cell(row[c]) for c in columns))
+        console.print(table)
+        if total > len(rows):
+            console.print(f"showing {len(rows)} of {total:,} rows (--limit)")
+    return {
+        "pipeline": pipeline.name,
+        "version": version,
+        "rows": total,
+        "coverage": coverage.as_dict(),
+        "data": rows,
+    }
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.4f}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    return str(value)
+
+
 # -- parser --------------------------------------------------------------------------------
 
 
@@ -351,6 +452,40 @@ def build_parser() -> argparse.ArgumentParser:
     reset_parser.add_argument("--to-offsets", help="reprocess from these offsets (0:100,1:250)")
     reset_parser.add_argument("--dry-run", action="store_true", help="print the plan only")
 
+    snap = add("snapshot", _cmd_snapshot, "rebuild a pipeline's Delta snapshot from its changelog")
+    snap.add_argument("pipeline", help="pipeline name or spec file")
+    how = snap.add_mutually_exclusive_group()
+    how.add_argument("--full", action="store_true", help="rebuild from the whole changelog")
+    how.add_argument(
+        "--incremental",
+        action="store_true",
+        help="merge only what the changelog got since the last version (the default; falls "
+        "back to a full rebuild when it cannot, and says why)",
+    )
+    how.add_argument(
+        "--maintain", action="store_true", help="OPTIMIZE and VACUUM the snapshot table"
+    )
+    snap.add_argument(
+        "--retain-hours",
+        type=float,
+        default=168.0,
+        help="with --maintain: VACUUM retention; never less than the published version needs",
+    )
+    check = add("validate", _cmd_validate, "validate a snapshot version and publish it")
+    check.add_argument("pipeline", help="pipeline name or spec file")
+    check.add_argument(
+        "--reconcile",
+        action="store_true",
+        help="also compare every row with the aggregates recomputed from the source topic",
+    )
+    check.add_argument("--version", type=int, help="the version to validate (default: latest)")
+    check.add_argument(
+        "--no-publish", action="store_true", help="validate only; do not publish on success"
+    )
+    reader = add("read", _cmd_read, "the published (validated) snapshot of a pipeline")
+    reader.add_argument("pipeline", help="pipeline name or spec file")
+    reader.add_argument("--limit", type=int, default=20, help="rows to show (ordered by key)")
+
     demo = add("demo", _cmd_demo, "produce orders, aggregate them with Spark into Delta")
     demo.add_argument("--events", type=int, default=20_000, help="orders to produce")
     demo.add_argument("--top", type=int, default=10, help="products to show")
@@ -375,7 +510,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = args.handler(settings, args, console)
     except DualityError as error:
         if args.json:
-            print(json.dumps({"error": str(error), "exit_code": error.exit_code}))
+            details = getattr(error, "details", {})
+            print(
+                json.dumps(
+                    {**details, "error": str(error), "exit_code": error.exit_code},
+                    indent=2,
+                    default=str,
+                )
+            )
         _err.print(f"duality {command}: error: {error}", style="red", markup=False, soft_wrap=True)
         return error.exit_code
     except KeyboardInterrupt:

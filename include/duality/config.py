@@ -49,6 +49,7 @@ class Settings:
     jar_cache: Path = Path(".cache/jars")
     pipelines: Path = Path("include/pipelines")
     local_dir: Path = Path(".local")
+    reports: Path = Path(".local/reports")
     airflow_url: str = "http://localhost:8080"
     # How long a command waits for the broker before it gives up with a clear error.
     connect_timeout_s: float = 10.0
@@ -69,7 +70,14 @@ class Settings:
                     "is not host:port; write it like localhost:9092"
                 )
         # Paths are made absolute once, here, so no other module resolves them.
-        for field in ("warehouse", "checkpoint_root", "jar_cache", "pipelines", "local_dir"):
+        for field in (
+            "warehouse",
+            "checkpoint_root",
+            "jar_cache",
+            "pipelines",
+            "local_dir",
+            "reports",
+        ):
             value = getattr(self, field)
             if not value.is_absolute():
                 object.__setattr__(self, field, (self.home / value).resolve())
@@ -162,6 +170,7 @@ def describe() -> list[tuple[str, str, str]]:
         "jar_cache": "folder the Maven-fetched jars are copied into",
         "pipelines": "folder of pipeline specs",
         "local_dir": "data, logs and pid files of the local stack",
+        "reports": "validation reports: JSON and Great Expectations Data Docs per pipeline",
         "airflow_url": "Airflow UI and API address",
         "connect_timeout_s": "seconds a command waits for the broker before it gives up",
     }

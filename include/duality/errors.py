@@ -22,9 +22,16 @@ class BrokerUnavailable(DualityError):
 
 
 class CheckFailed(DualityError):
-    """A check ran and its result is negative (validation, reconciliation, a stopped service)."""
+    """A check ran and its result is negative (validation, reconciliation, a stopped service).
+
+    `details` is the check's machine-readable result; `--json` prints it with the error.
+    """
 
     exit_code = 1
+
+    def __init__(self, message: str, details: dict[str, object] | None = None):
+        super().__init__(message)
+        self.details = details or {}
 
 
 class LocalStackError(DualityError):

@@ -11,8 +11,8 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Literal
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Literal, TypeVar
 
 from confluent_kafka import (
     Consumer,
@@ -34,6 +34,8 @@ from confluent_kafka.admin import (
 
 from duality.config import Settings
 from duality.errors import BrokerUnavailable, UsageError
+
+T = TypeVar("T")
 
 Isolation = Literal["read_committed", "read_uncommitted"]
 
@@ -65,6 +67,8 @@ class TopicInfo:
     partitions: int
     replication_factor: int
     config: dict[str, str]
+    # Kafka's id of this incarnation of the topic: a deleted and recreated topic gets a new one.
+    topic_id: str = ""
 
 
 def _base_config(settings: Settings) -> dict[str, Any]:
@@ -237,6 +241,7 @@ def describe_topic(settings: Settings, name: str) -> TopicInfo:
         partitions=len(description.partitions),
         replication_factor=len(description.partitions[0].replicas) if description.partitions else 0,
         config=config,
+        topic_id=str(description.topic_id),
     )
 
 
@@ -304,6 +309,22 @@ def consumer_groups(settings: Settings) -> list[str]:
     return sorted(listing.group_id for listing in result.valid)
 
 
+def _retrying(settings: Settings, call: Callable[[], T]) -> T:
+    """`call()`, asked again while the group coordinator moves, loads or holds unstable offsets."""
+    deadline = time.monotonic() + settings.connect_timeout_s * 3
+    while True:
+        try:
+            return call()
+        except KafkaException as exc:
+            error = exc.args[0] if exc.args else None
+            busy = isinstance(error, KafkaError) and (
+                error.retriable() or error.code() in _COORDINATOR_BUSY
+            )
+            if not busy or time.monotonic() >= deadline:
+                raise unreachable(settings, settings.connect_timeout_s, exc) from None
+        time.sleep(0.2)
+
+
 def group_offsets(settings: Settings, group: str) -> dict[tuple[str, int], int]:
     """The committed offsets of a consumer group: (topic, partition) -> offset."""
     client = admin(settings)
@@ -315,29 +336,21 @@ def group_offsets(settings: Settings, group: str) -> dict[tuple[str, int], int]:
 def committed_offsets(
     settings: Settings, group: str, topic: str
 ) -> dict[int, tuple[int, str | None]]:
-    """A group's committed (offset, metadata) per partition of `topic`; absent when none."""
+    """A group's committed (offset, metadata) per partition of `topic`; absent when none.
+
+    Read by a read_committed consumer, which asks for stable offsets (KIP-447): offsets an open
+    transaction is committing are waited out, never half seen.
+    """
     partitions = partition_count(settings, topic)
     reader = consumer(settings, group)
-    deadline = time.monotonic() + settings.connect_timeout_s * 3
     try:
-        while True:
-            try:
-                committed = reader.committed(
-                    [TopicPartition(topic, p) for p in range(partitions)],
-                    timeout=settings.connect_timeout_s,
-                )
-                break
-            except KafkaException as exc:
-                error = exc.args[0] if exc.args else None
-                # The group coordinator moves or loads (a new or restarted broker): ask again.
-                if (
-                    isinstance(error, KafkaError)
-                    and (error.retriable() or error.code() in _COORDINATOR_BUSY)
-                    and (time.monotonic() < deadline)
-                ):
-                    time.sleep(0.2)
-                    continue
-                raise unreachable(settings, settings.connect_timeout_s, exc) from None
+        committed = _retrying(
+            settings,
+            lambda: reader.committed(
+                [TopicPartition(topic, p) for p in range(partitions)],
+                timeout=settings.connect_timeout_s,
+            ),
+        )
     finally:
         reader.close()
     return {tp.partition: (tp.offset, tp.metadata) for tp in committed if tp.offset >= 0}

@@ -195,6 +195,32 @@ class Snapshot(BaseModel):
     path: str | None = None
 
 
+class Expectation(BaseModel):
+    """A Great Expectations check of the snapshot: the expectation's name and its arguments.
+
+    Written like a GE suite's JSON, e.g. `{type: expect_column_values_to_be_between,
+    kwargs: {column: revenue, min_value: 0}}`; the names and arguments are checked against
+    Great Expectations when the suite is built (`duality spec validate` does it too).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: str = Field(pattern=r"^expect_[a-z0-9_]+$")
+    kwargs: dict[str, Any] = {}
+
+    def columns(self) -> list[str]:
+        """The snapshot columns the arguments name."""
+        named = []
+        for argument in ("column", "column_A", "column_B"):
+            if isinstance(self.kwargs.get(argument), str):
+                named.append(self.kwargs[argument])
+        for argument in ("column_list", "column_set"):
+            value = self.kwargs.get(argument)
+            if isinstance(value, list):
+                named.extend(str(item) for item in value)
+        return named
+
+
 class PipelineSpec(BaseModel):
     """A pipeline: a source topic, a group key, aggregates, and where the table goes."""
 
@@ -206,7 +232,7 @@ class PipelineSpec(BaseModel):
     window: Window | None = None
     changelog: Changelog = Changelog()
     snapshot: Snapshot = Snapshot()
-    expectations: list[dict[str, Any]] = []
+    expectations: list[Expectation] = []
 
     @field_validator("name")
     @classmethod
@@ -240,6 +266,14 @@ class PipelineSpec(BaseModel):
                 raise ValueError(f"{column}: {aggregate} needs a numeric or timestamp field")
         if self.window is not None and self.source.event_time is None:
             raise ValueError("window: a windowed pipeline needs source.event_time")
+        for index, expectation in enumerate(self.expectations):
+            for column in expectation.columns():
+                if column not in self.snapshot_columns:
+                    raise ValueError(
+                        f"expectations[{index}] ({expectation.type}) names column {column!r}, "
+                        f"which the snapshot does not have; its columns are "
+                        f"{', '.join(self.snapshot_columns)}"
+                    )
         return self
 
     # -- derived names -----------------------------------------------------------------------
@@ -260,6 +294,11 @@ class PipelineSpec(BaseModel):
     @cached_property
     def key_columns(self) -> list[str]:
         return [*self.source.key, *(["window_start"] if self.window else [])]
+
+    @property
+    def snapshot_columns(self) -> list[str]:
+        """The Delta snapshot's columns: key columns, aggregate columns, `_updated_at`."""
+        return [*self.key_columns, *self.aggregates, "_updated_at"]
 
     def snapshot_path(self, settings: Settings) -> Path:
         if self.snapshot.path:

@@ -1,0 +1,665 @@
+"""Delta snapshots of a pipeline's table, rebuilt from its compacted changelog (DESIGN §7).
+
+A snapshot version is the changelog's latest live value per key at offsets fixed when the run
+starts (read_committed). Every version duality writes carries, in its commit's userMetadata,
+what it covers: the changelog's offsets (and topic id) and the source offsets the stream had
+committed with them. `--incremental` reads only the changelog records after those offsets and
+MERGEs them; it rebuilds in full, and says why, when the table has no such record, the
+changelog was recreated or truncated, the table was changed outside duality, or its columns no
+longer match the spec. Each run is one Delta commit, so an interrupted run leaves the previous
+version as it was.
+
+Write, audit, publish: `duality validate` checks a version and, when it passes, publishes it by
+setting the table properties `duality.published.*` (a metadata-only commit); `read()` returns
+the published version, never a newer unvalidated one
+(docs/decisions/0004-snapshots-write-audit-publish.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from duality import kafka
+from duality.config import Settings
+from duality.errors import CheckFailed, UsageError
+from duality.spec import PipelineSpec
+
+if TYPE_CHECKING:
+    from pyspark.sql import Column, DataFrame, SparkSession
+
+Mode = Literal["auto", "full", "incremental"]
+Progress = Callable[[str], None]
+
+METADATA_KEY = "duality"
+PUBLISHED_VERSION = "duality.published.version"
+PUBLISHED_COVERAGE = "duality.published.coverage"
+# Commits that do not change the table's rows; an incremental run may build on top of them.
+_ROW_PRESERVING = {"OPTIMIZE", "VACUUM START", "VACUUM END", "SET TBLPROPERTIES"}
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+# -- what a version covers ----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Coverage:
+    """The changelog offsets a snapshot version covers, and the source offsets that match them.
+
+    `source` holds the offsets the stream had committed (in the same Kafka transactions as the
+    changelog records) at the moment the changelog offsets were taken.
+    """
+
+    changelog_topic: str
+    changelog_topic_id: str
+    changelog: dict[int, int]
+    source_topic: str
+    source: dict[int, int]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "changelog_topic": self.changelog_topic,
+            "changelog_topic_id": self.changelog_topic_id,
+            "changelog": {str(p): o for p, o in sorted(self.changelog.items())},
+            "source_topic": self.source_topic,
+            "source": {str(p): o for p, o in sorted(self.source.items())},
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Coverage:
+        return cls(
+            changelog_topic=data["changelog_topic"],
+            changelog_topic_id=data["changelog_topic_id"],
+            changelog={int(p): int(o) for p, o in data["changelog"].items()},
+            source_topic=data["source_topic"],
+            source={int(p): int(o) for p, o in data["source"].items()},
+        )
+
+
+def capture_coverage(settings: Settings, spec: PipelineSpec, attempts: int = 20) -> Coverage:
+    """The changelog's stable end offsets and the stream's committed source offsets, as a pair.
+
+    The stream commits changelog records and source offsets in one transaction, but the two
+    become visible separately. Reading source, changelog, source, changelog until both repeat
+    (with stable offsets, which wait out a committing transaction) gives a matching pair.
+    """
+    info = kafka.describe_topic(settings, spec.changelog_topic)
+    group, source_topic = spec.consumer_group, spec.source.topic
+    for _ in range(attempts):
+        source_before = _source_offsets(settings, group, source_topic)
+        changelog_before = kafka.end_offsets(settings, spec.changelog_topic)
+        source_after = _source_offsets(settings, group, source_topic)
+        changelog_after = kafka.end_offsets(settings, spec.changelog_topic)
+        if source_before == source_after and changelog_before == changelog_after:
+            return Coverage(
+                spec.changelog_topic, info.topic_id, changelog_after, source_topic, source_after
+            )
+    raise CheckFailed(
+        f"the changelog {spec.changelog_topic} kept moving while its offsets were read "
+        f"({attempts} tries): run the snapshot again"
+    )
+
+
+def _source_offsets(settings: Settings, group: str, topic: str) -> dict[int, int]:
+    committed = kafka.committed_offsets(settings, group, topic)
+    return {partition: offset for partition, (offset, _) in committed.items()}
+
+
+# -- the snapshot's shape -------------------------------------------------------------------
+
+
+_SQL_TYPES = {
+    "string": "string",
+    "long": "bigint",
+    "int": "int",
+    "double": "double",
+    "boolean": "boolean",
+    "timestamp": "timestamp",
+}
+
+
+def column_types(spec: PipelineSpec) -> dict[str, str]:
+    """The snapshot's columns and their Spark SQL types, in table order."""
+    fields = spec.source.fields
+    types = {name: _SQL_TYPES[fields[name]] for name in spec.source.key}
+    if spec.window is not None:
+        types["window_start"] = "timestamp"
+    for column, aggregate in spec.aggregates.items():
+        if aggregate.function == "count":
+            types[column] = "bigint"
+        elif aggregate.function == "avg":
+            types[column] = "double"
+        else:
+            kind = fields[aggregate.field or ""]
+            types[column] = "bigint" if kind in ("long", "int") else _SQL_TYPES[kind]
+            if aggregate.function == "sum" and kind == "int":
+                types[column] = "bigint"
+    types["_updated_at"] = "timestamp"
+    return types
+
+
+def _changelog_rows(spec: PipelineSpec, latest: DataFrame) -> DataFrame:
+    """Typed snapshot rows (plus `_deleted`) from the latest (key, value) of each changelog key.
+
+    Key columns come from the record key, so tombstones (null values) still name their row.
+    """
+    from pyspark.sql import functions as F
+
+    types = column_types(spec)
+    key_text = F.col("key").cast("string")
+    keys: list[Column] = []
+    if len(spec.key_columns) == 1:
+        keys.append(key_text.alias("_k0"))
+    else:
+        parts = F.from_json(key_text, "array<string>")
+        keys.extend(parts.getItem(i).alias(f"_k{i}") for i in range(len(spec.key_columns)))
+    # Timestamps travel as epoch milliseconds in the value (window starts as ISO text in keys).
+    value_ddl = ", ".join(
+        f"`{column}` {'bigint' if kind == 'timestamp' else kind}"
+        for column, kind in types.items()
+        if column not in spec.key_columns
+    )
+    parsed = latest.select(
+        *keys,
+        F.col("value").isNull().alias("_deleted"),
+        F.from_json(F.col("value").cast("string"), value_ddl).alias("_v"),
+    )
+    columns: list[Column] = []
+    for index, column in enumerate(spec.key_columns):
+        raw = F.col(f"_k{index}")
+        if column == "window_start":
+            columns.append(F.to_timestamp(raw).alias(column))
+        else:
+            columns.append(raw.cast(types[column]).alias(column))
+    for column, kind in types.items():
+        if column in spec.key_columns:
+            continue
+        value = F.col(f"_v.{column}")
+        if kind == "timestamp":
+            value = F.timestamp_millis(value)
+        columns.append(value.alias(column))
+    return parsed.select(*columns, "_deleted")
+
+
+def _read_changelog(
+    spark: SparkSession,
+    settings: Settings,
+    topic: str,
+    start: dict[int, int] | None,
+    end: dict[int, int],
+) -> DataFrame:
+    """The changelog's records from `start` (None: the beginning) up to `end`, read_committed."""
+    wanted = [p for p, stop in sorted(end.items()) if stop > (start or {}).get(p, 0)]
+    if not wanted:
+        return spark.createDataFrame([], "key binary, value binary, partition int, offset bigint")
+    starting = {str(p): (start[p] if start is not None else -2) for p in wanted}
+    ending = {str(p): end[p] for p in wanted}
+    return (
+        spark.read.format("kafka")
+        .options(**settings.spark_kafka_options())
+        .option("assign", json.dumps({topic: wanted}))
+        .option("startingOffsets", json.dumps({topic: starting}))
+        .option("endingOffsets", json.dumps({topic: ending}))
+        .option("kafka.isolation.level", "read_committed")
+        # Compaction and transaction markers leave gaps in the offsets; truncation before
+        # `start` is checked by the caller, which then rebuilds in full.
+        .option("failOnDataLoss", "false")
+        .load()
+        .select("key", "value", "partition", "offset")
+    )
+
+
+def _latest_per_key(raw: DataFrame) -> DataFrame:
+    """The last record of each key (offset order) and how many records each key had."""
+    from pyspark.sql import functions as F
+
+    latest = raw.where(F.col("key").isNotNull()).groupBy("key")
+    return latest.agg(
+        F.max(F.struct("offset", "value")).getField("value").alias("value"),
+        F.count(F.lit(1)).alias("_records"),
+    )
+
+
+# -- the table's history ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Version:
+    version: int
+    timestamp_ms: int
+    operation: str
+    metadata: dict[str, Any] | None  # duality's userMetadata, None for a foreign commit
+
+
+def history(spark: SparkSession, path: Path) -> list[Version]:
+    """The table's commits, newest first."""
+    from delta.tables import DeltaTable
+
+    rows = (
+        DeltaTable.forPath(spark, str(path))
+        .history()
+        .select("version", "timestamp", "operation", "userMetadata")
+        .collect()
+    )
+    versions = []
+    for row in rows:
+        metadata = None
+        if row["userMetadata"]:
+            try:
+                metadata = json.loads(row["userMetadata"]).get(METADATA_KEY)
+            except (json.JSONDecodeError, AttributeError):
+                metadata = None
+        versions.append(
+            Version(
+                row["version"], int(row["timestamp"].timestamp() * 1000), row["operation"], metadata
+            )
+        )
+    return sorted(versions, key=lambda v: -v.version)
+
+
+def is_table(path: Path) -> bool:
+    return (path / "_delta_log").is_dir()
+
+
+def current(spark: SparkSession, path: Path) -> tuple[Version, Coverage | None, str | None]:
+    """The latest version, the coverage an incremental run can build on, or why it cannot."""
+    versions = history(spark, path)
+    latest = versions[0]
+    for version in versions:
+        if version.metadata is not None and "coverage" in version.metadata:
+            return latest, Coverage.from_dict(version.metadata["coverage"]), None
+        if version.operation not in _ROW_PRESERVING:
+            return (
+                latest,
+                None,
+                f"version {version.version} ({version.operation}) was written outside duality",
+            )
+    return latest, None, "no version records the changelog offsets it covers"
+
+
+@contextmanager
+def commit_metadata(spark: SparkSession, metadata: dict[str, Any]) -> Iterator[None]:
+    """Every Delta commit made inside carries `metadata` as its userMetadata."""
+    key = "spark.databricks.delta.commitInfo.userMetadata"
+    spark.conf.set(key, json.dumps({METADATA_KEY: metadata}, separators=(",", ":")))
+    try:
+        yield
+    finally:
+        spark.conf.unset(key)
+
+
+# -- building a version -------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class SnapshotResult:
+    pipeline: str
+    path: str
+    mode: str  # what ran: full or incremental ("none" when nothing changed)
+    requested: str
+    fallback_reason: str | None
+    version: int | None  # the new version; None when nothing changed
+    previous_version: int | None
+    coverage: dict[str, Any]
+    read_ranges: dict[str, list[int]]  # changelog partition -> [first offset read, end]
+    records_read: int
+    keys_read: int
+    rows: int
+    inserted: int
+    updated: int
+    deleted: int
+    seconds: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def build(
+    settings: Settings,
+    spec: PipelineSpec,
+    mode: Mode = "auto",
+    *,
+    spark: SparkSession | None = None,
+    progress: Progress = _quiet,
+) -> SnapshotResult:
+    """Write one new snapshot version (or none when the changelog has not moved)."""
+    started = time.monotonic()
+    if not kafka.topic_exists(settings, spec.changelog_topic):
+        raise UsageError(
+            f"pipeline {spec.name} has no changelog topic {spec.changelog_topic} yet: start its "
+            f"stream first (`duality stream start {spec.name}`)"
+        )
+    progress(f"reading the offsets of {spec.changelog_topic}")
+    coverage = capture_coverage(settings, spec)
+    if spark is None:
+        from duality.spark import session
+
+        spark = session(settings, f"duality-snapshot-{spec.name}")
+    path = spec.snapshot_path(settings)
+
+    base: Coverage | None = None
+    previous: int | None = None
+    reason: str | None = None
+    if is_table(path):
+        newest, base, reason = current(spark, path)
+        previous = newest.version
+        if base is not None:
+            reason = _incremental_blocker(settings, spec, spark, path, base, coverage)
+            if reason is not None:
+                base = None
+    else:
+        reason = "the table does not exist yet"
+    if mode == "full":
+        base, reason = None, None
+    elif mode == "incremental" and base is None:
+        progress(f"incremental refresh not possible: {reason}; rebuilding in full")
+
+    if base is not None and base.changelog == coverage.changelog:
+        progress(f"{spec.changelog_topic} has not moved since version {previous}: nothing to do")
+        return SnapshotResult(
+            spec.name,
+            str(path),
+            "none",
+            mode,
+            None,
+            None,
+            previous,
+            base.as_dict(),
+            {},
+            0,
+            0,
+            _row_count(spark, path),
+            0,
+            0,
+            0,
+            round(time.monotonic() - started, 2),
+        )
+
+    start = base.changelog if base is not None else None
+    ran = "incremental" if base is not None else "full"
+    metadata = {
+        "kind": "snapshot",
+        "mode": ran,
+        "coverage": coverage.as_dict(),
+        "base_version": previous if base is not None else None,
+    }
+    progress(f"{'merging changes from' if base else 'rebuilding from'} {spec.changelog_topic}")
+    raw = _read_changelog(spark, settings, spec.changelog_topic, start, coverage.changelog)
+    ranges = {
+        str(p): [(start or {}).get(p, 0), end]
+        for p, end in sorted(coverage.changelog.items())
+        if end > (start or {}).get(p, 0)
+    }
+    latest = _latest_per_key(raw).persist()
+    try:
+        counts = latest.selectExpr("count(*) AS keys", "coalesce(sum(_records), 0) AS records")
+        first = counts.first()
+        keys_read, records_read = (first[0], first[1]) if first is not None else (0, 0)
+        rows = _changelog_rows(spec, latest)
+        columns = list(column_types(spec))
+        if base is None:
+            with commit_metadata(spark, metadata):
+                (
+                    rows.where("NOT _deleted")
+                    .select(*columns)
+                    .write.format("delta")
+                    .mode("overwrite")
+                    .option("overwriteSchema", "true")
+                    .save(str(path))
+                )
+            inserted, updated, deleted = _last_commit_counts(spark, path)
+        else:
+            inserted, updated, deleted = _merge(spark, spec, path, rows, metadata)
+    finally:
+        latest.unpersist()
+    version = history(spark, path)[0].version
+    progress(f"version {version} of {path} written ({ran})")
+    return SnapshotResult(
+        pipeline=spec.name,
+        path=str(path),
+        mode=ran,
+        requested=mode,
+        fallback_reason=reason if base is None and mode != "full" else None,
+        version=version,
+        previous_version=previous,
+        coverage=coverage.as_dict(),
+        read_ranges=ranges,
+        records_read=int(records_read),
+        keys_read=int(keys_read),
+        rows=_row_count(spark, path),
+        inserted=inserted,
+        updated=updated,
+        deleted=deleted,
+        seconds=round(time.monotonic() - started, 2),
+    )
+
+
+def _incremental_blocker(
+    settings: Settings,
+    spec: PipelineSpec,
+    spark: SparkSession,
+    path: Path,
+    base: Coverage,
+    now: Coverage,
+) -> str | None:
+    """Why the changelog records after `base` cannot simply be merged, or None when they can."""
+    if base.changelog_topic != now.changelog_topic:
+        return f"the changelog topic changed from {base.changelog_topic} to {now.changelog_topic}"
+    if base.changelog_topic_id != now.changelog_topic_id:
+        return f"{now.changelog_topic} was recreated (reset) since the last snapshot"
+    if set(base.changelog) != set(now.changelog):
+        return f"{now.changelog_topic} has a different number of partitions"
+    behind = [p for p, offset in base.changelog.items() if now.changelog[p] < offset]
+    if behind:
+        return f"{now.changelog_topic} ends before the recorded offsets (partitions {behind})"
+    beginning = kafka.beginning_offsets(settings, spec.changelog_topic)
+    truncated = [p for p, offset in base.changelog.items() if beginning[p] > offset]
+    if truncated:
+        return (
+            f"records of {now.changelog_topic} after the recorded offsets were deleted "
+            f"(partitions {truncated})"
+        )
+    table_columns = spark.read.format("delta").load(str(path)).columns
+    if table_columns != list(column_types(spec)):
+        return "the table's columns differ from the spec's"
+    return None
+
+
+def _merge(
+    spark: SparkSession,
+    spec: PipelineSpec,
+    path: Path,
+    rows: DataFrame,
+    metadata: dict[str, Any],
+) -> tuple[int, int, int]:
+    from delta.tables import DeltaTable
+
+    columns = list(column_types(spec))
+    on = " AND ".join(f"t.`{c}` = s.`{c}`" for c in spec.key_columns)
+    values: dict[str, str | Column] = {f"`{c}`": f"s.`{c}`" for c in columns}
+    changed = {k: v for k, v in values.items() if k.strip("`") not in spec.key_columns}
+    with commit_metadata(spark, metadata):
+        metrics = (
+            DeltaTable.forPath(spark, str(path))
+            .alias("t")
+            .merge(rows.alias("s"), on)
+            .whenMatchedDelete(condition="s._deleted")
+            .whenMatchedUpdate(set=changed)
+            .whenNotMatchedInsert(condition="NOT s._deleted", values=values)
+            .execute()
+            .first()
+        )
+    if metrics is None:
+        return 0, 0, 0
+    return (
+        int(metrics["num_inserted_rows"]),
+        int(metrics["num_updated_rows"]),
+        int(metrics["num_deleted_rows"]),
+    )
+
+
+def _last_commit_counts(spark: SparkSession, path: Path) -> tuple[int, int, int]:
+    from delta.tables import DeltaTable
+
+    row = DeltaTable.forPath(spark, str(path)).history(1).select("operationMetrics").first()
+    metrics = (row["operationMetrics"] if row else None) or {}
+    return int(metrics.get("numOutputRows", 0)), 0, 0
+
+
+def _row_count(spark: SparkSession, path: Path, version: int | None = None) -> int:
+    return load(spark, path, version).count()
+
+
+def load(spark: SparkSession, path: Path, version: int | None = None) -> DataFrame:
+    reader = spark.read.format("delta")
+    if version is not None:
+        reader = reader.option("versionAsOf", version)
+    return reader.load(str(path))
+
+
+# -- publish and read ---------------------------------------------------------------------
+
+
+def require_table(spec: PipelineSpec, path: Path) -> None:
+    if not is_table(path):
+        raise UsageError(
+            f"pipeline {spec.name} has no snapshot at {path}: build one with "
+            f"`duality snapshot {spec.name}`"
+        )
+
+
+def published(spark: SparkSession, path: Path) -> tuple[int, Coverage] | None:
+    """The published version and what it covers, from the table's properties."""
+    from delta.tables import DeltaTable
+
+    row = DeltaTable.forPath(spark, str(path)).detail().select("properties").first()
+    properties = (row["properties"] if row else None) or {}
+    if PUBLISHED_VERSION not in properties:
+        return None
+    coverage = Coverage.from_dict(json.loads(properties[PUBLISHED_COVERAGE]))
+    return int(properties[PUBLISHED_VERSION]), coverage
+
+
+def publish(spark: SparkSession, path: Path, version: int, coverage: Coverage) -> int:
+    """Make `version` the one readers get; returns the metadata-only commit that says so."""
+    properties = {
+        PUBLISHED_VERSION: str(version),
+        PUBLISHED_COVERAGE: json.dumps(coverage.as_dict(), separators=(",", ":")),
+    }
+    assignments = ", ".join(f"'{k}' = '{v}'" for k, v in properties.items())
+    metadata = {"kind": "publish", "published_version": version, "coverage": coverage.as_dict()}
+    with commit_metadata(spark, metadata):
+        spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ({assignments})")
+    return history(spark, path)[0].version
+
+
+def version_coverage(spark: SparkSession, path: Path, version: int) -> Coverage | None:
+    """What a given version covers: its own commit's record, or the one it was built on."""
+    for entry in history(spark, path):
+        if entry.version > version:
+            continue
+        if entry.metadata is not None and "coverage" in entry.metadata:
+            return Coverage.from_dict(entry.metadata["coverage"])
+        if entry.operation not in _ROW_PRESERVING:
+            return None
+    return None
+
+
+def read(
+    settings: Settings,
+    spec: PipelineSpec,
+    *,
+    spark: SparkSession | None = None,
+) -> tuple[DataFrame, int, Coverage]:
+    """The published snapshot (time travel to the validated version)."""
+    path = spec.snapshot_path(settings)
+    require_table(spec, path)
+    if spark is None:
+        from duality.spark import session
+
+        spark = session(settings, f"duality-read-{spec.name}")
+    found = published(spark, path)
+    if found is None:
+        raise CheckFailed(
+            f"no version of {spec.name}'s snapshot has passed validation yet: run "
+            f"`duality validate {spec.name}`"
+        )
+    version, coverage = found
+    return load(spark, path, version), version, coverage
+
+
+# -- maintenance --------------------------------------------------------------------------
+
+
+def maintain(
+    settings: Settings,
+    spec: PipelineSpec,
+    *,
+    retain_hours: float = 168.0,
+    spark: SparkSession | None = None,
+    progress: Progress = _quiet,
+) -> dict[str, Any]:
+    """OPTIMIZE (compact small files) and VACUUM, keeping the published version readable.
+
+    VACUUM removes files that versions older than the retention no longer need; the retention
+    used is at least the published version's age, so every file it reads stays.
+    """
+    from delta.tables import DeltaTable
+
+    if retain_hours < 0:
+        raise UsageError(f"--retain-hours {retain_hours:g}: must be zero or more")
+    path = spec.snapshot_path(settings)
+    require_table(spec, path)
+    if spark is None:
+        from duality.spark import session
+
+        spark = session(settings, f"duality-maintain-{spec.name}")
+    versions = history(spark, path)
+    found = published(spark, path)
+    needed = 0.0
+    if found is not None:
+        published_at = next(v.timestamp_ms for v in versions if v.version == found[0])
+        # Files the published version reads are removed, if at all, by later commits.
+        needed = (time.time() * 1000 - published_at + 1000) / 3_600_000
+    retention = max(retain_hours, needed)
+    table = DeltaTable.forPath(spark, str(path))
+    coverage = version_coverage(spark, path, versions[0].version)
+    metadata: dict[str, Any] = {"kind": "maintain"}
+    if coverage is not None:
+        metadata["coverage"] = coverage.as_dict()
+    progress(f"compacting the files of {path}")
+    started = time.monotonic()
+    with commit_metadata(spark, metadata):
+        optimized = table.optimize().executeCompaction().first()
+        progress(f"removing files older than {retention:.3f} hours")
+        before = _data_files(path)
+        spark.conf.set("spark.databricks.delta.retentionDurationCheck.enabled", "false")
+        try:
+            table.vacuum(retention)
+        finally:
+            spark.conf.unset("spark.databricks.delta.retentionDurationCheck.enabled")
+        after = _data_files(path)
+    opt_metrics = (optimized["metrics"].asDict() if optimized is not None else {}) or {}
+    return {
+        "pipeline": spec.name,
+        "path": str(path),
+        "files_added_by_optimize": int(opt_metrics.get("numFilesAdded", 0)),
+        "files_removed_by_optimize": int(opt_metrics.get("numFilesRemoved", 0)),
+        "retention_hours": round(retention, 4),
+        "requested_retention_hours": retain_hours,
+        "files_deleted_by_vacuum": len(before - after),
+        "published_version": found[0] if found else None,
+        "seconds": round(time.monotonic() - started, 2),
+    }
+
+
+def _data_files(path: Path) -> set[str]:
+    return {str(p.relative_to(path)) for p in path.rglob("*.parquet")}

@@ -1,0 +1,544 @@
+"""Snapshot validation with Great Expectations, then publication (write-audit-publish).
+
+The suite is the spec's `expectations` plus built-in checks: the columns and their types are the
+spec's, key columns are not null and unique, counts are positive, and min ≤ avg ≤ max for every
+field that has those aggregates (with a relative tolerance of FLOAT_TOLERANCE, since an average
+is a floating division). `reconcile=True` adds a row-by-row comparison with the aggregates
+recomputed from the source topic up to the source offsets the version covers.
+
+The snapshot is read once into a cached DataFrame; GE computes its metrics on it (aggregate
+metrics of one column domain share a Spark pass). Results go to `<reports>/<pipeline>/` as
+JSON and as Data Docs HTML. Only a version that passes is published.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from duality import kafka, snapshot
+from duality.config import Settings
+from duality.errors import CheckFailed, UsageError
+from duality.spec import PipelineSpec
+
+if TYPE_CHECKING:
+    from pyspark.sql import Column, DataFrame, SparkSession
+
+# GE reports usage to a remote service unless told not to; duality never phones home.
+os.environ.setdefault("GX_ANALYTICS_ENABLED", "False")
+
+FLOAT_TOLERANCE = 1e-9  # relative, for floating sums and averages
+SAMPLE_KEYS = 5
+
+_GE_TYPES = {
+    "string": "StringType",
+    "bigint": "LongType",
+    "int": "IntegerType",
+    "double": "DoubleType",
+    "boolean": "BooleanType",
+    "timestamp": "TimestampType",
+}
+
+Progress = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+# -- the suite ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """One expectation of the suite, in GE's own form, and where it comes from."""
+
+    type: str
+    kwargs: dict[str, Any]
+    origin: str  # "built-in" or "spec expectations[i]"
+
+
+def _q(column: str) -> str:
+    # Column names are validated identifiers (spec.NAME / spec.FIELD); quoting keeps them inert.
+    return f"`{column}`"
+
+
+def built_in_checks(spec: PipelineSpec) -> list[Check]:
+    types = snapshot.column_types(spec)
+    checks = [
+        Check(
+            "expect_table_columns_to_match_ordered_list",
+            {"column_list": list(types)},
+            "built-in: the columns are the spec's",
+        )
+    ]
+    for column, kind in types.items():
+        checks.append(
+            Check(
+                "expect_column_values_to_be_of_type",
+                {"column": column, "type_": _GE_TYPES[kind]},
+                f"built-in: {column} is {kind}",
+            )
+        )
+    for column in spec.key_columns:
+        checks.append(
+            Check(
+                "expect_column_values_to_not_be_null",
+                {"column": column},
+                "built-in: key columns are not null",
+            )
+        )
+    if len(spec.key_columns) == 1:
+        checks.append(
+            Check(
+                "expect_column_values_to_be_unique",
+                {"column": spec.key_columns[0]},
+                "built-in: keys are unique",
+            )
+        )
+    else:
+        checks.append(
+            Check(
+                "expect_compound_columns_to_be_unique",
+                {"column_list": list(spec.key_columns)},
+                "built-in: keys are unique",
+            )
+        )
+    for column, aggregate in spec.aggregates.items():
+        if aggregate.function == "count":
+            checks.append(
+                Check(
+                    "expect_column_values_to_be_between",
+                    {"column": column, "min_value": 1},
+                    f"built-in: {column} = count() is positive",
+                )
+            )
+    by_field: dict[str, dict[str, str]] = {}
+    for column, aggregate in spec.aggregates.items():
+        if aggregate.field and aggregate.function in ("min", "avg", "max"):
+            by_field.setdefault(aggregate.field, {})[aggregate.function] = column
+    keys = ", ".join(_q(c) for c in spec.key_columns)
+    for field, columns in by_field.items():
+        ordered = [columns[f] for f in ("min", "avg", "max") if f in columns]
+        for low, high in itertools.pairwise(ordered):
+            query = (
+                f"SELECT {keys}, {_q(low)}, {_q(high)} FROM {{batch}} WHERE {_q(low)} - "
+                f"{_q(high)} > {FLOAT_TOLERANCE} * greatest(1, abs({_q(low)}), abs({_q(high)}))"
+            )
+            checks.append(
+                Check(
+                    "unexpected_rows_expectation",
+                    {"unexpected_rows_query": query, "description": f"{low} <= {high}"},
+                    f"built-in: {low} <= {high} (aggregates of {field})",
+                )
+            )
+    return checks
+
+
+def spec_checks(spec: PipelineSpec) -> list[Check]:
+    return [
+        Check(e.type, dict(e.kwargs), f"spec expectations[{i}]")
+        for i, e in enumerate(spec.expectations)
+    ]
+
+
+def _expectation(check: Check, origin: str) -> Any:
+    """The GE Expectation object; a clear UsageError for unknown names or bad arguments."""
+    import great_expectations as gx
+
+    class_name = "".join(part.capitalize() for part in check.type.split("_"))
+    if check.type == "unexpected_rows_expectation":
+        class_name = "UnexpectedRowsExpectation"
+    cls = getattr(gx.expectations, class_name, None)
+    if cls is None:
+        raise UsageError(
+            f"{origin}: {check.origin}: unknown expectation {check.type!r}; use a Great "
+            "Expectations 1.x expectation name such as expect_column_values_to_be_between"
+        )
+    try:
+        return cls(**check.kwargs)
+    except Exception as error:  # GE raises pydantic (v1) validation errors
+        detail = " ".join(str(error).split())
+        raise UsageError(
+            f"{origin}: {check.origin}: invalid arguments for {check.type}: {detail}"
+        ) from None
+
+
+def check_spec_expectations(spec: PipelineSpec, origin: str) -> None:
+    """Build the spec's expectations with GE (no data); raises UsageError naming the problem."""
+    for check in spec_checks(spec):
+        _expectation(check, origin)
+
+
+# -- reconciliation -------------------------------------------------------------------------
+
+
+def recompute(
+    settings: Settings,
+    spec: PipelineSpec,
+    spark: SparkSession,
+    source_offsets: dict[int, int],
+) -> DataFrame:
+    """The aggregates recomputed from the source records below `source_offsets`.
+
+    Uses the stream's classification (bad and late records excluded, lateness from stream time
+    in offset order) over the whole covered prefix in one batch.
+    """
+    from pyspark.sql import functions as F
+
+    from duality.stream import classify, partials_of, pre_aggregate
+
+    topic = spec.source.topic
+    types = snapshot.column_types(spec)
+    wanted = {p: end for p, end in source_offsets.items() if end > 0}
+    if wanted:
+        beginning = kafka.beginning_offsets(settings, topic)
+        lost = {p: beginning[p] for p in wanted if beginning.get(p, 0) > 0}
+        if lost:
+            raise UsageError(
+                f"cannot reconcile {spec.name}: records of {topic} were deleted by retention "
+                f"(first offsets now {lost}); --reconcile needs the source from its first record"
+            )
+    empty_schema = ", ".join(f"`{c}` {t}" for c, t in types.items())
+    if not wanted:
+        return spark.createDataFrame([], empty_schema)
+    raw = (
+        spark.read.format("kafka")
+        .options(**settings.spark_kafka_options())
+        .option("assign", json.dumps({topic: sorted(wanted)}))
+        .option("startingOffsets", json.dumps({topic: {str(p): -2 for p in wanted}}))
+        .option("endingOffsets", json.dumps({topic: {str(p): o for p, o in wanted.items()}}))
+        .option("kafka.isolation.level", "read_committed")
+        .load()
+    )
+    classified = classify(spec, raw, {})
+    partials = pre_aggregate(spec, classified.where(F.col("_error").isNull()))
+    columns: list[Column] = []
+    for column in spec.key_columns:
+        value = F.col(column)
+        if column == "window_start":
+            value = F.timestamp_millis(value)
+        columns.append(value.alias(column))
+    part_names = {p.name for p in partials_of(spec)}
+    for column, aggregate in spec.aggregates.items():
+        if aggregate.function == "count":
+            value = F.col("count")
+        elif aggregate.function == "avg":
+            value = F.col(f"`sum.{aggregate.field}`") / F.col("count")
+        else:
+            name = f"{aggregate.function}.{aggregate.field}"
+            assert name in part_names
+            value = F.col(f"`{name}`")
+            if types[column] == "timestamp":
+                value = F.timestamp_millis(value)
+        columns.append(value.cast(types[column]).alias(column))
+    return partials.select(*columns)
+
+
+def reconciliation(spec: PipelineSpec, table: DataFrame, truth: DataFrame) -> DataFrame:
+    """Key columns and `_mismatch` (null when the row agrees) of a full outer join."""
+    from pyspark.sql import functions as F
+
+    types = snapshot.column_types(spec)
+    s, t = table.alias("s"), truth.alias("t")
+    on = [F.col(f"s.`{c}`") == F.col(f"t.`{c}`") for c in spec.key_columns]
+    joined = s.join(t, on, "full_outer")
+    in_table = F.col(f"s.`{spec.key_columns[0]}`").isNotNull()
+    in_truth = F.col(f"t.`{spec.key_columns[0]}`").isNotNull()
+    problems: list[Column] = []
+    for column, aggregate in spec.aggregates.items():
+        a, b = F.col(f"s.`{column}`"), F.col(f"t.`{column}`")
+        floating = types[column] == "double" and aggregate.function in ("sum", "avg")
+        if floating:
+            limit = F.lit(FLOAT_TOLERANCE) * F.greatest(F.lit(1.0), F.abs(a), F.abs(b))
+            differs = a.isNull() | b.isNull() | (F.abs(a - b) > limit)
+        else:
+            differs = ~a.eqNullSafe(b)
+        problems.append(
+            F.when(
+                differs,
+                F.concat(
+                    F.lit(f"{column}: snapshot "),
+                    F.coalesce(a.cast("string"), F.lit("null")),
+                    F.lit(", source "),
+                    F.coalesce(b.cast("string"), F.lit("null")),
+                ),
+            )
+        )
+    mismatch = (
+        F.when(~in_truth, F.lit("in the snapshot but not in the source"))
+        .when(~in_table, F.lit("in the source but not in the snapshot"))
+        .otherwise(F.concat_ws("; ", *problems))
+    )
+    keys = [F.coalesce(F.col(f"s.`{c}`"), F.col(f"t.`{c}`")).alias(c) for c in spec.key_columns]
+    return joined.select(*keys, F.when(mismatch != "", mismatch).alias("_mismatch"))
+
+
+# -- running it -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Report:
+    pipeline: str
+    path: str
+    version: int
+    rows: int
+    success: bool
+    published: bool
+    published_version: int | None
+    reconciled: bool
+    failed: list[dict[str, Any]]
+    checks: int
+    seconds: float
+    json_report: str
+    data_docs: str
+    coverage: dict[str, Any] | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def run(
+    settings: Settings,
+    spec: PipelineSpec,
+    *,
+    reconcile: bool = False,
+    publish: bool = True,
+    version: int | None = None,
+    spark: SparkSession | None = None,
+    progress: Progress = _quiet,
+) -> Report:
+    """Validate a snapshot version (default: the latest) and publish it when it passes."""
+    origin = f"pipeline {spec.name}"
+    suite_checks = [*built_in_checks(spec), *spec_checks(spec)]
+    expectations = [(check, _expectation(check, origin)) for check in suite_checks]
+    path = spec.snapshot_path(settings)
+    snapshot.require_table(spec, path)
+    started = time.monotonic()
+    if spark is None:
+        from duality.spark import session
+
+        spark = session(settings, f"duality-validate-{spec.name}")
+    versions = snapshot.history(spark, path)
+    if version is None:
+        version = versions[0].version
+    elif version not in {v.version for v in versions}:
+        raise UsageError(f"{path} has no version {version}: versions are 0..{versions[0].version}")
+    coverage = snapshot.version_coverage(spark, path, version)
+    if reconcile and coverage is None:
+        raise UsageError(
+            f"version {version} of {path} does not record what it covers (it was written outside "
+            f"duality): rebuild it with `duality snapshot {spec.name} --full` to reconcile"
+        )
+
+    progress(f"reading version {version} of {path}")
+    table = snapshot.load(spark, path, version).persist()
+    diff = None
+    try:
+        rows = table.count()
+        if reconcile:
+            assert coverage is not None
+            progress(f"recomputing the aggregates from {spec.source.topic}")
+            truth = recompute(settings, spec, spark, coverage.source)
+            diff = reconciliation(spec, table, truth).persist()
+        progress(f"running {len(expectations) + int(reconcile)} expectations on {rows:,} rows")
+        results = _run_ge(settings, spec, version, table, diff, expectations)
+        failed = _failures(spark, spec, table, results, suite_checks)
+    finally:
+        table.unpersist()
+        if diff is not None:
+            diff.unpersist()
+    success = not failed
+    published_version = None
+    current = snapshot.published(spark, path)
+    if current is not None:
+        published_version = current[0]
+    # A version written outside duality does not say what it covers: it is never published.
+    publishing = success and publish and coverage is not None
+    if publishing:
+        assert coverage is not None
+        snapshot.publish(spark, path, version, coverage)
+        published_version = version
+        progress(f"published version {version}")
+    report_dir = settings.reports / spec.name
+    report = Report(
+        pipeline=spec.name,
+        path=str(path),
+        version=version,
+        rows=rows,
+        success=success,
+        published=publishing,
+        published_version=published_version,
+        reconciled=reconcile,
+        failed=failed,
+        checks=len(expectations) + int(reconcile),
+        seconds=round(time.monotonic() - started, 2),
+        json_report=str(report_dir / "latest.json"),
+        data_docs=str(report_dir / "data_docs" / "index.html"),
+        coverage=coverage.as_dict() if coverage else None,
+    )
+    _write_json(report_dir, report, results)
+    return report
+
+
+def _run_ge(
+    settings: Settings,
+    spec: PipelineSpec,
+    version: int,
+    table: DataFrame,
+    diff: DataFrame | None,
+    expectations: list[tuple[Check, Any]],
+) -> list[dict[str, Any]]:
+    """Run the suite (and the reconciliation) as one GE checkpoint; returns the results' JSON."""
+    import great_expectations as gx
+    from great_expectations.data_context.types.base import ProgressBarsConfig
+
+    context = gx.get_context(mode="ephemeral")
+    context.variables.progress_bars = ProgressBarsConfig(globally=False)
+    site = settings.reports / spec.name / "data_docs"
+    context.add_data_docs_site(
+        "duality",
+        {
+            "class_name": "SiteBuilder",
+            "store_backend": {
+                "class_name": "TupleFilesystemStoreBackend",
+                "base_directory": str(site),
+            },
+            "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
+        },
+    )
+    source = context.data_sources.add_spark(f"{spec.name}_snapshot")
+    result_format = {
+        "result_format": "SUMMARY",
+        "unexpected_index_column_names": list(spec.key_columns),
+        "partial_unexpected_count": SAMPLE_KEYS,
+    }
+    definitions = []
+    batches: dict[str, dict[str, Any]] = {}
+    suite = context.suites.add(gx.ExpectationSuite(f"{spec.name}_v{version}"))
+    for _, expectation in expectations:
+        suite.add_expectation(expectation)
+    asset = source.add_dataframe_asset("snapshot")
+    definitions.append(
+        gx.ValidationDefinition(
+            name=f"{spec.name}_snapshot",
+            data=asset.add_batch_definition_whole_dataframe("version"),
+            suite=suite,
+        )
+    )
+    batches[f"{spec.name}_snapshot"] = {"dataframe": table}
+    if diff is not None:
+        reconcile_suite = context.suites.add(
+            gx.ExpectationSuite(f"{spec.name}_v{version}_reconcile")
+        )
+        reconcile_suite.add_expectation(
+            gx.expectations.ExpectColumnValuesToBeNull(
+                column="_mismatch",
+                description="each row equals the aggregates recomputed from the source",
+            )
+        )
+        reconcile_asset = source.add_dataframe_asset("reconciliation")
+        definitions.append(
+            gx.ValidationDefinition(
+                name=f"{spec.name}_reconcile",
+                data=reconcile_asset.add_batch_definition_whole_dataframe("version"),
+                suite=reconcile_suite,
+            )
+        )
+        batches[f"{spec.name}_reconcile"] = {"dataframe": diff}
+    results = []
+    for definition in definitions:
+        saved = context.validation_definitions.add(definition)
+        outcome = saved.run(batch_parameters=batches[definition.name], result_format=result_format)
+        results.append(outcome)
+    context.build_data_docs(site_names=["duality"])
+    return [r.to_json_dict() for r in results]
+
+
+def _failures(
+    spark: SparkSession,
+    spec: PipelineSpec,
+    table: DataFrame,
+    results: list[dict[str, Any]],
+    checks: list[Check],
+) -> list[dict[str, Any]]:
+    """The failed expectations, each with the keys of a few failing rows."""
+    origins = {(c.type, json.dumps(c.kwargs, sort_keys=True, default=str)): c for c in checks}
+    failed = []
+    for result in results:
+        for item in result["results"]:
+            if item["success"]:
+                continue
+            config = item["expectation_config"]
+            kwargs = {
+                k: v
+                for k, v in config["kwargs"].items()
+                if k not in ("batch_id", "result_format") and v is not None
+            }
+            outcome = item.get("result") or {}
+            check = origins.get((config["type"], json.dumps(kwargs, sort_keys=True, default=str)))
+            entry: dict[str, Any] = {
+                "expectation": config["type"],
+                "kwargs": kwargs,
+                "origin": check.origin if check else "reconcile",
+                "unexpected_count": outcome.get("unexpected_count", outcome.get("observed_value")),
+                "keys": outcome.get("partial_unexpected_index_list", [])[:SAMPLE_KEYS],
+            }
+            exception = item.get("exception_info") or {}
+            if exception.get("raised_exception"):
+                entry["error"] = exception.get("exception_message")
+            if config["type"] == "unexpected_rows_expectation":
+                query = kwargs["unexpected_rows_query"]
+                view = f"duality_validate_{spec.name}"
+                table.createOrReplaceTempView(view)
+                sample = spark.sql(query.replace("{batch}", view)).limit(SAMPLE_KEYS).collect()
+                entry["keys"] = [row.asDict() for row in sample]
+            if "observed_value" in outcome and "unexpected_count" not in outcome:
+                entry["observed"] = outcome["observed_value"]
+            failed.append(entry)
+    return failed
+
+
+def _write_json(folder: Path, report: Report, results: list[dict[str, Any]]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    document = {**report.as_dict(), "validated_at": stamp, "results": results}
+    text = json.dumps(document, indent=2, default=str)
+    (folder / f"{stamp}-v{report.version}.json").write_text(text)
+    (folder / "latest.json").write_text(text)
+
+
+def summary(report: Report) -> str:
+    """One paragraph for people: what failed and for which keys."""
+    if report.success:
+        return (
+            f"version {report.version} of {report.pipeline} passed {report.checks} checks "
+            f"({report.rows:,} rows)" + ("; published" if report.published else "; not published")
+        )
+    lines = [
+        f"version {report.version} of {report.pipeline} failed {len(report.failed)} of "
+        f"{report.checks} checks; the published version stays "
+        f"{report.published_version if report.published_version is not None else '(none)'}:"
+    ]
+    for item in report.failed:
+        target = item["kwargs"].get("column") or item["kwargs"].get("column_list") or ""
+        keys = "; ".join(json.dumps(k, default=str) for k in item["keys"][:3])
+        lines.append(
+            f"  - {item['expectation']}({target}) [{item['origin']}]: "
+            f"{item['unexpected_count']} unexpected" + (f", e.g. {keys}" if keys else "")
+        )
+    lines.append(f"report: {report.json_report}; Data Docs: {report.data_docs}")
+    return "\n".join(lines)
+
+
+def require_success(report: Report) -> Report:
+    if not report.success:
+        raise CheckFailed(summary(report), details=report.as_dict())
+    return report

@@ -1,0 +1,56 @@
+"""spark-submit entry point: rebuild one pipeline's Delta snapshot from its changelog.
+
+    python jobs/rebuild_snapshot.py PIPELINE [--full | --incremental | --maintain]
+
+Writes one Delta commit (or none when the changelog has not moved) and prints the result as
+JSON on stdout; exits 2 on bad input, 1 when the run failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from duality import snapshot
+from duality.config import Settings
+from duality.errors import DualityError
+from duality.spec import find_spec
+
+log = logging.getLogger("duality.snapshot")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("pipeline", help="pipeline name or spec file")
+    how = parser.add_mutually_exclusive_group()
+    how.add_argument("--full", action="store_true", help="rebuild from the whole changelog")
+    how.add_argument("--incremental", action="store_true", help="merge new changes (default)")
+    how.add_argument("--maintain", action="store_true", help="OPTIMIZE and VACUUM")
+    parser.add_argument("--retain-hours", type=float, default=168.0, help="VACUUM retention")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        settings = Settings.from_env()
+        spec = find_spec(settings, args.pipeline)
+        if args.maintain:
+            result = snapshot.maintain(
+                settings, spec, retain_hours=args.retain_hours, progress=log.info
+            )
+        else:
+            mode: snapshot.Mode = (
+                "full" if args.full else "incremental" if args.incremental else "auto"
+            )
+            result = snapshot.build(settings, spec, mode, progress=log.info).as_dict()
+    except DualityError as error:
+        log.error("%s", error)
+        return error.exit_code
+    print(json.dumps(result, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,285 @@
+"""Delta snapshots from compacted changelogs: full, incremental, validated, published, maintained.
+
+Ground truth is an independent read of the changelog (confluent-kafka, read_committed) reduced
+in plain Python to the latest live value per key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from duality import changelog, kafka, snapshot, validate
+from duality.config import Settings
+from duality.spec import PipelineSpec
+from tests.harness import ROOT, StreamProcess, make_pipeline, read_topic
+
+# -- a changelog writer, as the stream writes it (transactions, tombstones, aborted ones) ----
+
+
+def _create_changelog(settings: Settings, spec: PipelineSpec) -> None:
+    kafka.create_topic(
+        settings,
+        spec.changelog_topic,
+        3,
+        config={"cleanup.policy": "compact", **kafka.FAST_COMPACTION},
+    )
+
+
+def _row(product: str, orders: int, rng: random.Random) -> dict[str, Any]:
+    amounts = [round(rng.uniform(1, 500), 2) for _ in range(orders)]
+    return {
+        "orders": orders,
+        "units": orders * 3,
+        "revenue": sum(amounts),
+        "max_amount": max(amounts),
+        "min_amount": min(amounts),
+        "avg_amount": sum(amounts) / orders,
+    }
+
+
+def _write(
+    settings: Settings,
+    spec: PipelineSpec,
+    changes: dict[str, dict[str, Any] | None],
+    *,
+    abort: bool = False,
+) -> None:
+    """One transaction of changelog records: a row per key, None for a tombstone."""
+    producer = kafka.producer(settings, transactional_id=f"test-{spec.name}")
+    producer.init_transactions(30)
+    producer.begin_transaction()
+    for product, row in changes.items():
+        key = changelog.encode_key(spec, [product])
+        value = (
+            None
+            if row is None
+            else changelog.encode_value(spec, [product], row, {"count": row["orders"]}, 1_700_000)
+        )
+        kafka.send(producer, spec.changelog_topic, key, value)
+    if abort:
+        producer.flush(30)
+        producer.abort_transaction(30)
+    else:
+        producer.commit_transaction(30)
+
+
+def _truth(settings: Settings, spec: PipelineSpec) -> dict[str, dict[str, Any]]:
+    latest: dict[str, dict[str, Any]] = {}
+    for _, _, key, value in read_topic(settings, spec.changelog_topic):
+        assert key is not None
+        if value is None:
+            latest.pop(key.decode(), None)
+        else:
+            document = json.loads(value)
+            latest[key.decode()] = {c: document[c] for c in spec.aggregates}
+    return latest
+
+
+def _table(frame: Any, spec: PipelineSpec) -> dict[str, dict[str, Any]]:
+    rows = {}
+    for row in frame.collect():
+        values = row.asDict()
+        assert values["_updated_at"] is not None
+        rows[values["product"]] = {c: values[c] for c in spec.aggregates}
+    assert len(rows) == frame.count(), "a key appears twice in the snapshot"
+    return rows
+
+
+def _records_between(settings: Settings, spec: PipelineSpec, start: dict[int, int]) -> int:
+    return sum(1 for p, o, _, _ in read_topic(settings, spec.changelog_topic) if o >= start[p])
+
+
+@pytest.fixture
+def pipeline(settings: Settings, tmp_path: Path) -> tuple[Settings, PipelineSpec]:
+    scoped = settings.replace(reports=tmp_path / "reports", pipelines=tmp_path / "pipelines")
+    spec = make_pipeline(scoped, tmp_path / "pipelines", "product_sales")
+    kafka.create_topic(scoped, spec.source.topic, 3)
+    _create_changelog(scoped, spec)
+    return scoped, spec
+
+
+def _history(rng: random.Random, keys: range) -> dict[str, dict[str, Any] | None]:
+    return {f"p{i:04d}": _row(f"p{i:04d}", rng.randint(1, 40), rng) for i in keys}
+
+
+def test_full_then_incremental_equal_the_changelog(spark, pipeline) -> None:  # type: ignore[no-untyped-def]
+    settings, spec = pipeline
+    rng = random.Random(7)
+    _write(settings, spec, _history(rng, range(400)))
+    _write(settings, spec, _history(rng, range(0, 400, 3)))  # updates
+    _write(settings, spec, {f"p{i:04d}": None for i in range(0, 60, 2)})  # tombstones
+    # An aborted transaction's records must never reach a snapshot.
+    _write(settings, spec, {f"p{i:04d}": _row("x", 999, rng) for i in range(100)}, abort=True)
+
+    full = snapshot.build(settings, spec, "full", spark=spark)
+    path = spec.snapshot_path(settings)
+    truth = _truth(settings, spec)
+    assert len(truth) == 400 - 30
+    assert _table(snapshot.load(spark, path, full.version), spec) == truth
+    # The offsets the version covers are in its commit.
+    ends = kafka.end_offsets(settings, spec.changelog_topic)
+    recorded = snapshot.history(spark, path)[0].metadata
+    assert recorded is not None
+    assert snapshot.Coverage.from_dict(recorded["coverage"]).changelog == ends
+
+    # More changes: updates, new keys, deletes, a deleted key coming back, another abort.
+    _write(settings, spec, _history(rng, range(350, 450)))
+    _write(settings, spec, {f"p{i:04d}": None for i in range(100, 120)})
+    _write(settings, spec, {"p0000": _row("p0000", 5, rng)})
+    _write(settings, spec, {f"p{i:04d}": None for i in range(200, 300)}, abort=True)
+    incremental = snapshot.build(settings, spec, "incremental", spark=spark)
+    assert incremental.mode == "incremental" and incremental.fallback_reason is None
+    truth = _truth(settings, spec)
+    incremental_rows = _table(snapshot.load(spark, path, incremental.version), spec)
+    assert incremental_rows == truth
+    # It read only the records after the recorded offsets (the job's own figures).
+    assert {int(p): r[0] for p, r in incremental.read_ranges.items()} == {
+        p: ends[p] for p in map(int, incremental.read_ranges)
+    }
+    assert incremental.records_read == _records_between(settings, spec, ends)
+    assert incremental.records_read < full.records_read
+    assert incremental.deleted == 20 and incremental.inserted == 51  # 400..449 and p0000
+
+    rebuilt = snapshot.build(settings, spec, "full", spark=spark)
+    assert _table(snapshot.load(spark, path, rebuilt.version), spec) == incremental_rows
+
+    # Nothing new: no new version.
+    assert snapshot.build(settings, spec, "incremental", spark=spark).version is None
+
+    # A recreated changelog (the reset tool) cannot be merged: full rebuild, and why.
+    kafka.delete_topic(settings, spec.changelog_topic)
+    _create_again(settings, spec)
+    _write(settings, spec, _history(rng, range(5)))
+    after_reset = snapshot.build(settings, spec, "incremental", spark=spark)
+    assert after_reset.mode == "full"
+    assert "recreated" in (after_reset.fallback_reason or "")
+    assert _table(snapshot.load(spark, path, after_reset.version), spec) == _truth(settings, spec)
+
+
+def _create_again(settings: Settings, spec: PipelineSpec) -> None:
+    from tests.harness import assert_eventually
+
+    def created() -> bool:
+        try:
+            _create_changelog(settings, spec)
+            return True
+        except Exception:  # the deletion is still in progress
+            return False
+
+    assert_eventually(created, timeout=60, message="changelog could not be recreated")
+
+
+def _cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "DUALITY_BOOTSTRAP_SERVERS": settings.bootstrap_servers,
+        "DUALITY_PIPELINES": str(settings.pipelines),
+        "DUALITY_WAREHOUSE": str(settings.warehouse),
+        "DUALITY_REPORTS": str(settings.reports),
+        "DUALITY_LOCAL_DIR": str(settings.local_dir),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "duality.cli", *args, "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+
+
+def test_failed_validation_keeps_the_published_version(spark, pipeline) -> None:  # type: ignore[no-untyped-def]
+    settings, spec = pipeline
+    rng = random.Random(11)
+    _write(settings, spec, _history(rng, range(200)))
+    first = snapshot.build(settings, spec, "full", spark=spark)
+    report = validate.run(settings, spec, spark=spark)
+    assert report.success and report.published and report.published_version == first.version
+    assert Path(report.data_docs).is_file() and Path(report.json_report).is_file()
+    good = _truth(settings, spec)
+
+    # A new version with a bad row: a duplicate key with a negative count.
+    _write(settings, spec, _history(rng, range(200, 220)))
+    second = snapshot.build(settings, spec, spark=spark)
+    path = spec.snapshot_path(settings)
+    bad = snapshot.load(spark, path, second.version).where("product = 'p0003'")
+    bad.selectExpr(
+        "product", "-5 AS orders", *list(spec.aggregates)[1:], "_updated_at"
+    ).write.format("delta").mode("append").save(str(path))
+
+    result = _cli(settings, "validate", spec.name)
+    assert result.returncode == 1, result.stderr[-2000:]
+    output = json.loads(result.stdout)
+    failed = {item["expectation"]: item for item in output["failed"]}
+    assert set(failed) == {
+        "expect_column_values_to_be_unique",
+        "expect_column_values_to_be_between",
+    }
+    assert failed["expect_column_values_to_be_between"]["keys"] == [
+        {"product": "p0003", "orders": -5}
+    ]
+    assert "p0003" in result.stderr and "expect_column_values_to_be_unique" in result.stderr
+    written = json.loads(Path(output["json_report"]).read_text())
+    assert not written["success"] and len(written["failed"]) == 2
+    assert Path(output["data_docs"]).is_file()
+
+    read = _cli(settings, "read", spec.name, "--limit", "1000")
+    assert read.returncode == 0, read.stderr[-2000:]
+    published = json.loads(read.stdout)
+    assert published["version"] == first.version and published["rows"] == len(good)
+    assert {r["product"]: r["orders"] for r in published["data"]} == {
+        k: v["orders"] for k, v in good.items()
+    }
+
+    # The foreign commit is not built upon: the next incremental run rebuilds in full.
+    rebuilt = snapshot.build(settings, spec, "incremental", spark=spark)
+    assert rebuilt.mode == "full" and "outside duality" in (rebuilt.fallback_reason or "")
+    assert validate.run(settings, spec, spark=spark).published
+
+    # Maintenance: VACUUM with no retention asked for still keeps the published version.
+    maintained = snapshot.maintain(settings, spec, retain_hours=0, spark=spark)
+    assert maintained["files_deleted_by_vacuum"] > 0
+    frame, version, _ = snapshot.read(settings, spec, spark=spark)
+    assert version == rebuilt.version and _table(frame, spec) == _truth(settings, spec)
+
+
+def test_reconcile_with_the_source(spark, pipeline, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from duality import workload
+
+    settings, spec = pipeline
+    kafka.delete_topic(settings, spec.changelog_topic)  # the stream creates its own
+    workload.produce(
+        settings, spec, events=4_000, keys=300, zipf=1.1, bad_fraction=0.03, seed=5, partitions=3
+    )
+    StreamProcess(settings, spec, settings.pipelines, tmp_path / "stream.log").run_until_caught_up()
+
+    snapshot.build(settings, spec, spark=spark)
+    report = validate.run(settings, spec, reconcile=True, spark=spark)
+    assert report.success, report.failed
+    assert report.reconciled and report.checks > 10
+
+    # Tamper with one changelog value: the snapshot follows it, reconciliation catches it.
+    latest = changelog.read_latest(settings, spec)
+    key, value = next(iter(sorted(latest.items())))
+    value = {**value, "orders": value["orders"] + 1}
+    producer = kafka.producer(settings)
+    kafka.send(producer, spec.changelog_topic, key, json.dumps(value).encode())
+    producer.flush(30)
+    tampered = snapshot.build(settings, spec, spark=spark)
+    assert tampered.mode == "incremental" and tampered.records_read == 1
+
+    result = _cli(settings, "validate", spec.name, "--reconcile")
+    assert result.returncode == 1, result.stderr[-2000:]
+    failed = json.loads(result.stdout)["failed"]
+    assert [item["expectation"] for item in failed] == ["expect_column_values_to_be_null"]
+    assert failed[0]["origin"] == "reconcile" and failed[0]["unexpected_count"] == 1
+    assert failed[0]["keys"][0]["product"] == key.decode()
+    assert "orders: snapshot" in failed[0]["keys"][0]["_mismatch"]
