@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -609,8 +610,10 @@ def maintain(
 ) -> dict[str, Any]:
     """OPTIMIZE (compact small files) and VACUUM, keeping the published version readable.
 
-    VACUUM removes files that versions older than the retention no longer need; the retention
-    used is at least the published version's age, so every file it reads stays.
+    VACUUM deletes files no version within the retention needs, and files no commit ever
+    referenced (left by interrupted runs) once they are older than it. Delta counts the
+    retention in whole hours (it rounds), so the retention used is the requested one rounded up,
+    and never less than the published version's age: every file it reads stays.
     """
     from delta.tables import DeltaTable
 
@@ -628,8 +631,10 @@ def maintain(
     if found is not None:
         published_at = next(v.timestamp_ms for v in versions if v.version == found[0])
         # Files the published version reads are removed, if at all, by later commits.
-        needed = (time.time() * 1000 - published_at + 1000) / 3_600_000
-    retention = max(retain_hours, needed)
+        needed = (time.time() * 1000 - published_at) / 3_600_000
+    retention = max(math.ceil(retain_hours), math.ceil(needed))
+    if found is not None:
+        retention = max(retention, 1)
     table = DeltaTable.forPath(spark, str(path))
     coverage = version_coverage(spark, path, versions[0].version)
     metadata: dict[str, Any] = {"kind": "maintain"}
@@ -639,7 +644,7 @@ def maintain(
     started = time.monotonic()
     with commit_metadata(spark, metadata):
         optimized = table.optimize().executeCompaction().first()
-        progress(f"removing files older than {retention:.3f} hours")
+        progress(f"removing files older than {retention} hours")
         before = _data_files(path)
         spark.conf.set("spark.databricks.delta.retentionDurationCheck.enabled", "false")
         try:
