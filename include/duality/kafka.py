@@ -28,6 +28,7 @@ from confluent_kafka import (
 from confluent_kafka.admin import (
     AdminClient,
     ConfigResource,
+    ConfigSource,
     NewTopic,
     OffsetSpec,
 )
@@ -99,11 +100,23 @@ def send(
     key: bytes | str | None = None,
     value: bytes | str | None = None,
     headers: list[tuple[str, str | bytes | None]] | None = None,
+    *,
+    partition: int | None = None,
+    timestamp: int | None = None,
 ) -> None:
-    """Produce one record, waiting for room in the producer's queue when it is full."""
+    """Produce one record, waiting for room in the producer's queue when it is full.
+
+    Without `partition` the producer's partitioner (murmur2, like Java's) chooses it; without
+    `timestamp` the record gets the producer's clock.
+    """
+    extra: dict[str, Any] = {}
+    if partition is not None:
+        extra["partition"] = partition
+    if timestamp is not None and timestamp >= 0:
+        extra["timestamp"] = timestamp
     while True:
         try:
-            producer.produce(topic, key=key, value=value, headers=headers)
+            producer.produce(topic, key=key, value=value, headers=headers, **extra)
             return
         except BufferError:
             producer.poll(0.05)
@@ -240,6 +253,22 @@ def describe_topic(settings: Settings, name: str) -> TopicInfo:
     )
 
 
+def topic_overrides(settings: Settings, name: str) -> dict[str, str]:
+    """The configs set on the topic itself (not broker defaults): what a copy of it should get."""
+    client = admin(settings)
+    resource = ConfigResource(ConfigResource.Type.TOPIC, name)
+    entries = _result(client.describe_configs([resource])[resource], settings)
+    return {
+        key: entry.value
+        for key, entry in entries.items()
+        if _source(entry) == ConfigSource.DYNAMIC_TOPIC_CONFIG.value and entry.value is not None
+    }
+
+
+def _source(entry: Any) -> int:
+    return int(getattr(entry.source, "value", entry.source))
+
+
 def topic_exists(settings: Settings, name: str) -> bool:
     try:
         metadata = admin(settings).list_topics(timeout=settings.connect_timeout_s)
@@ -280,6 +309,14 @@ def end_offsets(
 ) -> dict[int, int]:
     """Per partition, the offset the next record will get (read_committed: the stable end)."""
     return _list_offsets(settings, topic, OffsetSpec.latest(), isolation)
+
+
+def offsets_for_time(settings: Settings, topic: str, timestamp_ms: int) -> dict[int, int]:
+    """Per partition, the first offset whose record timestamp is at or after `timestamp_ms`;
+    -1 where no record is that recent."""
+    return _list_offsets(
+        settings, topic, OffsetSpec.for_timestamp(timestamp_ms), "read_uncommitted"
+    )
 
 
 def beginning_offsets(settings: Settings, topic: str) -> dict[int, int]:
