@@ -11,7 +11,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -25,7 +25,6 @@ from tests.harness import (
     assert_eventually,
     make_pipeline,
     read_topic,
-    unique_name,
 )
 
 EVENTS, KEYS = 30_000, 1_000
@@ -125,3 +124,173 @@ def test_key_hash_copy_is_exact_and_agrees_with_java(
     again = repartition.run(settings, plan)
     assert again.copied == 1_000
     _assert_exact_copy(settings, source, target)
+
+
+def _job(settings: Settings, log: Path, *args: str) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "DUALITY_BOOTSTRAP_SERVERS": settings.bootstrap_servers}
+    with open(log, "ab") as err:
+        return subprocess.Popen(
+            [sys.executable, str(ROOT / "jobs" / "repartition.py"), *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            start_new_session=True,
+        )
+
+
+def test_sigkill_mid_copy_then_resume(settings: Settings, topic: str, tmp_path: Path):
+    source, target = topic, f"{topic}-5p"
+    kafka.create_topic(settings, source, 4)
+    _produce(settings, tmp_path, source, 40_000, 1.1, seed=41)
+    plan = repartition.plan(settings, source, target, 5)
+    log = tmp_path / "repartition.log"
+    args = [source, "--to", target, "--partitions", "5"]
+
+    def copied() -> int:
+        return sum(o for o, _ in kafka.committed_offsets(settings, plan.group, source).values())
+
+    first = _job(settings, log, *args, "--throttle", "2500", "--transaction-records", "500")
+    try:
+        assert_eventually(
+            lambda: first.poll() is None and copied() >= 4_000,
+            timeout=120,
+            message=f"the copy never got going; see {log}",
+        )
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(30)
+    done = copied()
+    assert 0 < done < 40_000, f"not killed mid-copy: {done} records committed"
+
+    second = _job(settings, log, *args)
+    out, _ = second.communicate(timeout=300)
+    assert second.returncode == 0, log.read_text()[-3000:]
+    report = json.loads(out)
+    assert report["copied"] == 40_000 - done
+    _assert_exact_copy(settings, source, target)
+
+
+def test_salted_evens_a_hot_key_and_aggregates_stay_exact(
+    settings: Settings, topic: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+):
+    source, target = topic, f"{topic}-salted"
+    kafka.create_topic(settings, source, 4)
+    _produce(settings, tmp_path, source, EVENTS, 1.35, seed=51)
+    original = read_topic(settings, source)
+    keys = Counter(key for _, _, key, _ in original)
+    top_share = keys.most_common(1)[0][1] / len(original)
+    assert 0.27 <= top_share <= 0.35, top_share
+
+    monkeypatch.setenv("DUALITY_BOOTSTRAP_SERVERS", settings.bootstrap_servers)
+    plot = tmp_path / "skew.png"
+    assert cli.main(["skew", source, "--json", "--plot", str(plot)]) == 0
+    before = json.loads(capsys.readouterr().out)
+    assert before["skew_size"] > 1.3 and before["hot_partitions"]
+    assert before["heaviest_keys"][0]["share"] > 0.2
+    assert before["recommendation"]["strategy"] == "salted"
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    command = ["repartition", source, "--to", target, "--partitions", "6"]
+    assert cli.main([*command, "--strategy", "salted", "--hot-keys", "auto", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["copied"] == EVENTS
+    hot_keys = report["plan"]["hot_keys"]
+    assert hot_keys[0] == keys.most_common(1)[0][0].decode()
+
+    copies = _assert_exact_copy(settings, source, target)
+    per_partition = Counter(c["partition"] for c in copies)
+    after = skew.ratio([per_partition[p] for p in range(6)])
+    assert after <= 1.3, (after, per_partition)
+    assert report["skew_after"] == pytest.approx(after, abs=0.001)
+    hottest = keys.most_common(1)[0][0]
+    assert len({c["partition"] for c in copies if c["key"] == hottest}) == 6
+    assert cli.main(["skew", target, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["skew_size"] <= 1.3
+
+    # A keyed pipeline reading the salted topic computes exactly the source's aggregates.
+    pipelines = tmp_path / "pipelines"
+    spec = make_pipeline(settings, pipelines, "product_sales", topic=target)
+    # A transactional topic ends with a commit marker: the stream covers the records when its
+    # committed offset passes the last record (it never reaches the end offset, the marker).
+    last = {p: 1 + max(c["offset"] for c in copies if c["partition"] == p) for p in range(6)}
+    stream = StreamProcess(settings, spec, pipelines, tmp_path / "stream.log")
+    stream.start()
+    try:
+        assert_eventually(
+            lambda: (
+                {
+                    p: o
+                    for p, (o, _) in kafka.committed_offsets(
+                        settings, spec.consumer_group, target
+                    ).items()
+                }
+                == last
+            ),
+            timeout=240,
+            interval=1.0,
+            message=f"the stream did not cover the salted topic; see {stream.log}",
+        )
+    finally:
+        assert stream.stop() == 0, stream.tail()
+    expected, bad = truth.expected(spec, original)
+    assert not bad
+    latest = changelog.read_latest(settings, spec)
+    truth.assert_tables_equal(truth.changelog_table(spec, latest), expected)
+    stream_group = spec.consumer_group
+    skew_lag = cli.main(["skew", target, "--group", stream_group, "--json"])
+    assert skew_lag == 0
+    ends = kafka.end_offsets(settings, target, "read_uncommitted")
+    lags = {p["partition"]: p["lag"] for p in json.loads(capsys.readouterr().out)["partitions"]}
+    assert lags == {p: ends[p] - last[p] for p in range(6)}
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--partitions", "3", "--missing-source"], "does not exist"),
+        (["--partitions", "3", "--existing-target"], "exists with 2 partitions, not 3"),
+        (["--partitions", "0"], "--partitions must be at least 1"),
+        (["--partitions", "3", "--strategy", "salted", "--salts", "2"], "--salts needs hot keys"),
+        (["--partitions", "3", "--salts", "2"], "apply to --strategy salted only"),
+        (["--partitions", "3", "--strategy", "salted"], "needs --hot-keys"),
+        (
+            ["--partitions", "3", "--strategy", "salted", "--hot-keys", "a", "--salts", "4"],
+            "--salts must be between 2 and --partitions",
+        ),
+    ],
+)
+def test_bad_arguments_exit_2_and_create_nothing(
+    settings: Settings,
+    topic: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys,
+    arguments: list[str],
+    message: str,
+):
+    monkeypatch.setenv("DUALITY_BOOTSTRAP_SERVERS", settings.bootstrap_servers)
+    arguments = list(arguments)
+    source, target = topic, f"{topic}-target"
+    if "--missing-source" in arguments:
+        arguments.remove("--missing-source")
+    else:
+        kafka.create_topic(settings, source, 2)
+    if "--existing-target" in arguments:
+        arguments.remove("--existing-target")
+        kafka.create_topic(settings, target, 2)
+    existed = kafka.topic_exists(settings, target)
+    code = cli.main(["repartition", source, "--to", target, *arguments])
+    captured = capsys.readouterr()
+    assert code == 2, captured
+    assert message in captured.err.replace("\n", " "), captured.err
+    assert kafka.topic_exists(settings, target) == existed
+    assert kafka.topic_exists(settings, source) == ("does not exist" not in message)
+    group = f"duality-repartition-{target}"
+    assert group not in kafka.consumer_groups(settings)
+
+
+def test_skew_of_a_missing_topic_exits_2(
+    settings: Settings, topic: str, monkeypatch: pytest.MonkeyPatch, capsys
+):
+    monkeypatch.setenv("DUALITY_BOOTSTRAP_SERVERS", settings.bootstrap_servers)
+    assert cli.main(["skew", topic]) == 2
+    assert "does not exist" in capsys.readouterr().err
