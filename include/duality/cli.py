@@ -344,22 +344,18 @@ def _cmd_repartition(
     )
     stop = threading.Event()
     if args.continuous:
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        # Stop mirroring after the round in progress, then report what was copied.
+        for number in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(number, lambda *_: stop.set())
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task(f"copying {plan.source} -> {plan.target}", total=None)
-        try:
-            report = repartition.run(
-                settings,
-                plan,
-                continuous=args.continuous,
-                stop=stop,
-                progress=lambda done, total: progress.update(task, completed=done, total=total),
-            )
-        except KeyboardInterrupt:
-            if not args.continuous:
-                raise
-            stop.set()
-            raise
+        report = repartition.run(
+            settings,
+            plan,
+            continuous=args.continuous,
+            stop=stop,
+            progress=lambda done, total: progress.update(task, completed=done, total=total),
+        )
     result = report.as_dict()
     if not args.json:
         table = Table(title=f"{plan.source} -> {plan.target} ({plan.strategy})")

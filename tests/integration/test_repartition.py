@@ -18,6 +18,7 @@ import pytest
 
 from duality import changelog, cli, kafka, repartition, skew, workload
 from duality.config import Settings
+from duality.errors import UsageError
 from tests import truth
 from tests.harness import (
     ROOT,
@@ -294,3 +295,33 @@ def test_skew_of_a_missing_topic_exits_2(
     monkeypatch.setenv("DUALITY_BOOTSTRAP_SERVERS", settings.bootstrap_servers)
     assert cli.main(["skew", topic]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_continuous_mirrors_new_records_until_stopped(
+    settings: Settings, topic: str, tmp_path: Path
+):
+    source, target = topic, f"{topic}-3p"
+    kafka.create_topic(settings, source, 2)
+    _produce(settings, tmp_path, source, 5_000, 1.1, seed=61)
+    log = tmp_path / "continuous.log"
+    job = _job(settings, log, source, "--to", target, "--partitions", "3", "--continuous")
+    plan = repartition.plan(settings, source, target, 3)
+
+    def copied() -> int:
+        return sum(o for o, _ in kafka.committed_offsets(settings, plan.group, source).values())
+
+    try:
+        assert_eventually(lambda: copied() >= 5_000, timeout=120, message=f"see {log}")
+        _produce(settings, tmp_path, source, 2_000, 1.1, seed=62)
+        assert_eventually(lambda: copied() >= 7_000, timeout=60, message=f"see {log}")
+    finally:
+        job.terminate()
+        out, _ = job.communicate(timeout=120)
+    assert job.returncode == 0, log.read_text()[-3000:]
+    report = json.loads(out)
+    assert report["copied"] == 7_000 and report["rounds"] >= 2
+    _assert_exact_copy(settings, source, target)
+
+    # Resuming into the same target with another plan is refused before anything is done.
+    with pytest.raises(UsageError, match="is being filled by another plan"):
+        repartition.plan(settings, source, target, 3, "salted", "product-000000")
