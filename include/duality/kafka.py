@@ -100,23 +100,11 @@ def send(
     key: bytes | str | None = None,
     value: bytes | str | None = None,
     headers: list[tuple[str, str | bytes | None]] | None = None,
-    *,
-    partition: int | None = None,
-    timestamp: int | None = None,
 ) -> None:
-    """Produce one record, waiting for room in the producer's queue when it is full.
-
-    Without `partition` the producer's partitioner (murmur2, like Java's) chooses it; without
-    `timestamp` the record gets the producer's clock.
-    """
-    extra: dict[str, Any] = {}
-    if partition is not None:
-        extra["partition"] = partition
-    if timestamp is not None and timestamp >= 0:
-        extra["timestamp"] = timestamp
+    """Produce one record, waiting for room in the producer's queue when it is full."""
     while True:
         try:
-            producer.produce(topic, key=key, value=value, headers=headers, **extra)
+            producer.produce(topic, key=key, value=value, headers=headers)
             return
         except BufferError:
             producer.poll(0.05)

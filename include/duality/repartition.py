@@ -37,9 +37,15 @@ log = logging.getLogger("duality.repartition")
 
 STRATEGIES = ("key-hash", "salted")
 # Records per transaction: bounds what a crash throws away and how long readers wait.
-TRANSACTION_RECORDS = 10_000
+TRANSACTION_RECORDS = 50_000
 # Offset commit metadata is limited to 4096 bytes by default (offset.metadata.max.bytes).
 _PLAN_METADATA_LIMIT = 4000
+
+_COORDINATOR_BUSY = (
+    KafkaError.NOT_COORDINATOR,
+    KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+    KafkaError.COORDINATOR_NOT_AVAILABLE,
+)
 
 _M = 0x5BD1E995
 _MASK = 0xFFFFFFFF
@@ -277,7 +283,12 @@ def _retrying(call: Callable[[], Any], timeout: float) -> Any:
             return call()
         except KafkaException as exc:
             error = exc.args[0] if exc.args else None
-            if isinstance(error, KafkaError) and error.retriable() and time.monotonic() < deadline:
+            # The group coordinator moves or loads (a new or restarted broker): ask again.
+            if (
+                isinstance(error, KafkaError)
+                and (error.retriable() or error.code() in _COORDINATOR_BUSY)
+                and time.monotonic() < deadline
+            ):
                 time.sleep(0.2)
                 continue
             raise
@@ -299,8 +310,9 @@ def copy_slice(
         settings,
         transactional_id=plan.transactional_id(source_partition),
         transaction_timeout_ms=120_000,
-        queue_buffering_max_messages=200_000,
-        linger_ms=20,
+        queue_buffering_max_messages=500_000,
+        batch_num_messages=10_000,
+        linger_ms=50,
     )
     # Fences (and aborts the open transaction of) a task of an earlier, killed run.
     producer.init_transactions(timeout * 6)
@@ -317,6 +329,9 @@ def copy_slice(
     source_header = str(source_partition).encode()
     in_transaction = 0
     next_offset = start
+    per_target = [0] * plan.partitions
+    produce = producer.produce
+    target_topic = plan.target
 
     def commit() -> None:
         nonlocal in_transaction
@@ -332,7 +347,7 @@ def copy_slice(
         reader.assign([TopicPartition(plan.source, source_partition, start)])
         done = False
         while not done:
-            for message in reader.consume(num_messages=200 if throttle else 5_000, timeout=1.0):
+            for message in reader.consume(num_messages=200 if throttle else 10_000, timeout=1.0):
                 error = message.error()
                 offset = message.offset()
                 assert offset is not None
@@ -352,17 +367,24 @@ def copy_slice(
                 headers: list[Any] = list(message.headers() or [])
                 headers.append(("duality.source.partition", source_header))
                 headers.append(("duality.source.offset", str(offset).encode()))
-                kafka.send(
-                    producer,
-                    plan.target,
-                    key,
-                    value,
-                    headers,
-                    partition=target,
-                    timestamp=message.timestamp()[1],
-                )
-                result.per_target[target] = result.per_target.get(target, 0) + 1
-                result.copied += 1
+                timestamp = message.timestamp()[1]
+                while True:  # kafka.send, inlined: this loop is the copy's hot path
+                    try:
+                        if timestamp >= 0:
+                            produce(
+                                target_topic,
+                                value,
+                                key,
+                                partition=target,
+                                timestamp=timestamp,
+                                headers=headers,
+                            )
+                        else:
+                            produce(target_topic, value, key, partition=target, headers=headers)
+                        break
+                    except BufferError:
+                        producer.poll(0.05)
+                per_target[target] += 1
                 in_transaction += 1
                 next_offset = offset + 1
                 if in_transaction >= transaction_records:
@@ -372,10 +394,12 @@ def copy_slice(
                     break
             if throttle:
                 # Pace the copy: wait until the moment `copied` records are due.
-                due = started + result.copied / throttle
+                due = started + sum(per_target) / throttle
                 time.sleep(max(0.0, due - time.monotonic()))
         if in_transaction:
             commit()
+        result.per_target = {p: n for p, n in enumerate(per_target) if n}
+        result.copied = sum(per_target)
     except BaseException:
         if in_transaction:
             try:

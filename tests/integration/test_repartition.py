@@ -184,8 +184,11 @@ def test_salted_evens_a_hot_key_and_aggregates_stay_exact(
 
     monkeypatch.setenv("DUALITY_BOOTSTRAP_SERVERS", settings.bootstrap_servers)
     plot = tmp_path / "skew.png"
-    assert cli.main(["skew", source, "--json", "--plot", str(plot)]) == 0
+    assert cli.main(["skew", source, "--json", "--window", "10m", "--plot", str(plot)]) == 0
     before = json.loads(capsys.readouterr().out)
+    # Every record is younger than the window: the rate over it covers them all.
+    assert all(round(p["rate"] * 600) == p["records"] for p in before["partitions"])
+    assert sum(p["records"] for p in before["partitions"]) == EVENTS
     assert before["skew_size"] > 1.3 and before["hot_partitions"]
     assert before["heaviest_keys"][0]["share"] > 0.2
     assert before["recommendation"]["strategy"] == "salted"
