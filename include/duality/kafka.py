@@ -338,11 +338,15 @@ def group_offsets(settings: Settings, group: str) -> dict[tuple[str, int], int]:
 
 
 def committed_offsets(
-    settings: Settings, group: str, topic: str
+    settings: Settings, group: str, topic: str, isolation: Isolation = "read_committed"
 ) -> dict[int, tuple[int, str | None]]:
-    """A group's committed (offset, metadata) per partition of `topic`; absent when none."""
+    """A group's committed (offset, metadata) per partition of `topic`; absent when none.
+
+    read_committed waits for offsets committed in a transaction still open to settle;
+    read_uncommitted answers at once with the last stable ones.
+    """
     partitions = partition_count(settings, topic)
-    reader = consumer(settings, group)
+    reader = consumer(settings, group, isolation_level=isolation)
     deadline = time.monotonic() + settings.connect_timeout_s * 3
     try:
         while True:

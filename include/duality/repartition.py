@@ -243,9 +243,11 @@ def plan(
 
 def stored_plan(settings: Settings, requested: Plan) -> Plan | None:
     """The plan recorded with the committed progress of an earlier run, if any."""
-    for _, metadata in kafka.committed_offsets(
-        settings, requested.group, requested.source
-    ).values():
+    # read_uncommitted: a killed run's open transaction must not hold up the argument checks.
+    committed = kafka.committed_offsets(
+        settings, requested.group, requested.source, "read_uncommitted"
+    )
+    for _, metadata in committed.values():
         try:
             data = json.loads(metadata or "")
         except json.JSONDecodeError:
@@ -466,6 +468,17 @@ def ensure_target(settings: Settings, plan: Plan) -> bool:
     return kafka.create_topic(settings, plan.target, plan.partitions, config=configs, exist_ok=True)
 
 
+def fence(settings: Settings, plan: Plan) -> None:
+    """Abort the transactions that killed copiers of this plan left open.
+
+    Until then, their uncommitted offset commits keep read_committed offset fetches waiting
+    (UNSTABLE_OFFSET_COMMIT), so the driver fences before it reads the progress.
+    """
+    for partition in range(kafka.partition_count(settings, plan.source)):
+        producer = kafka.producer(settings, transactional_id=plan.transactional_id(partition))
+        producer.init_transactions(settings.connect_timeout_s * 6)
+
+
 def remaining(settings: Settings, plan: Plan, ends: dict[int, int]) -> dict[int, int]:
     """Per source partition, the records between the committed progress and `ends`."""
     committed = kafka.committed_offsets(settings, plan.group, plan.source)
@@ -565,6 +578,8 @@ def run(
     progress: Callable[[int, int], None] | None = None,
 ) -> Report:
     """One run; with `continuous`, keep mirroring new records until `stop` is set."""
+    ensure_target(settings, plan)
+    fence(settings, plan)
     report = run_once(
         settings,
         plan,
