@@ -398,6 +398,14 @@ def copy_slice(
                 # Pace the copy: wait until the moment `copied` records are due.
                 due = started + sum(per_target) / throttle
                 time.sleep(max(0.0, due - time.monotonic()))
+        if next_offset < end:
+            # What is left below the end are transaction markers or aborted records (a source
+            # that is itself transactional): move the progress past them, so the next run and
+            # `--continuous` do not find them again.
+            if in_transaction == 0:
+                producer.begin_transaction()
+                in_transaction = -1  # an open transaction without records
+            next_offset = end
         if in_transaction:
             commit()
         result.per_target = {p: n for p, n in enumerate(per_target) if n}

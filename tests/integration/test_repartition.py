@@ -358,3 +358,11 @@ def test_resume_after_a_copier_died_between_offset_commit_and_commit(
     report = repartition.run(settings, plan)
     assert report.copied == 5_000
     _assert_exact_copy(settings, source, target)
+
+    # The target is transactional (commit markers after the records): a copy of it covers its
+    # end offsets exactly, so a later run (or --continuous) finds nothing left to do.
+    second = repartition.plan(settings, target, f"{target}-again", 2)
+    assert repartition.run(settings, second).copied == 5_000
+    _assert_exact_copy(settings, target, second.target)
+    left = repartition.remaining(settings, second, kafka.end_offsets(settings, target))
+    assert left == {0: 0, 1: 0, 2: 0}
