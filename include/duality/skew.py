@@ -29,6 +29,7 @@ HOT_FACTOR = 1.3
 HOT_KEY_SHARE_OF_PARTITION = 0.5
 # Auto hot keys: salt more of the heaviest keys while the predicted skew is above this.
 SALTED_GOAL = 1.15
+MIN_GAIN = 0.02
 SAMPLE_PER_PARTITION = 2_000
 MAX_HOT_KEYS = 16
 
@@ -197,27 +198,45 @@ def hot_keys(
     salts: int | None = None,
     limit: int = MAX_HOT_KEYS,
 ) -> list[str]:
-    """The keys to salt: every key above half a partition's fair share (1 / partitions), then
-    the next heaviest ones while salting them still evens the predicted load (down to
-    SALTED_GOAL), at most `limit`."""
+    """The keys to salt: every key above half a partition's fair share (1 / partitions); then,
+    while the predicted skew is above SALTED_GOAL, the heaviest key of the most loaded
+    partition, as long as salting it lowers the predicted skew by MIN_GAIN or more (so light
+    keys are not salted to chase the sample's noise); at most `limit` keys."""
+    from duality.repartition import key_partition
+
     total = sum(estimates.values())
     if not total:
         return []
     salts = salts or target_partitions
     threshold = HOT_KEY_SHARE_OF_PARTITION / target_partitions
-    chosen: list[str] = []
-    for key, count in estimates.most_common():
-        if len(chosen) >= limit:
+    named = {key: _decode(key) for key in estimates if key is not None}
+    chosen = [
+        name
+        for key, count in estimates.most_common()
+        if key is not None and count / total > threshold and (name := named[key]) is not None
+    ][:limit]
+    if not chosen:
+        return []  # no key dominates: the skew is not the keys' doing; salting won't help
+    while len(chosen) < limit:
+        loads = predicted_loads(estimates, target_partitions, chosen, salts)
+        now = ratio(loads)
+        if now <= SALTED_GOAL:
             break
-        name = _decode(key)
-        if name is None:
-            continue
-        if count / total <= threshold:
-            # No key above the threshold: the skew is not the keys' doing; salting won't help.
-            if not chosen or count < 2:
-                break
-            if ratio(predicted_loads(estimates, target_partitions, chosen, salts)) <= SALTED_GOAL:
-                break
+        hottest = loads.index(max(loads))
+        candidates = [
+            (count, name)
+            for key, count in estimates.items()
+            if key is not None
+            and (name := named[key]) is not None
+            and name not in chosen
+            and key_partition(key, target_partitions) == hottest
+        ]
+        if not candidates:
+            break
+        count, name = max(candidates)
+        after = ratio(predicted_loads(estimates, target_partitions, [*chosen, name], salts))
+        if count < 2 or now - after < MIN_GAIN:
+            break
         chosen.append(name)
     return chosen
 
