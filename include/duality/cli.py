@@ -370,7 +370,8 @@ def _cmd_repartition(
         console.print(table)
         console.print(
             f"copied {report.copied:,} records in {report.seconds:.1f}s "
-            f"({report.records_per_s:,.0f} records/s, {report.transactions} transactions); "
+            f"({report.records_per_s:,.0f} records/s; the Spark job copying took "
+            f"{report.copy_seconds:.1f}s; {report.transactions} transactions); "
             f"skew (max/mean) before {report.skew_before:.2f}, after {report.skew_after:.2f}"
         )
     return result

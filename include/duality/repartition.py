@@ -432,9 +432,10 @@ class Report:
     plan: Plan
     source_partitions: dict[int, int]
     target_partitions: dict[int, int]
-    seconds: float
+    seconds: float  # the whole run: checks, fencing, Spark start and the copy
     transactions: int
     rounds: int = 1
+    copy_seconds: float = 0.0  # the Spark job that copies
 
     @property
     def copied(self) -> int:
@@ -464,6 +465,7 @@ class Report:
             "skew_before": round(self.skew_before, 3),
             "skew_after": round(self.skew_after, 3),
             "seconds": round(self.seconds, 3),
+            "copy_seconds": round(self.copy_seconds, 3),
             "records_per_s": round(self.records_per_s, 1),
             "transactions": self.transactions,
             "rounds": self.rounds,
@@ -550,6 +552,7 @@ def run_once(
                 throttle=throttle,
             )
 
+    copy_started = time.monotonic()
     try:
         results: list[SliceResult] = (
             spark.sparkContext.parallelize(work, len(work)).mapPartitions(task).collect()
@@ -571,6 +574,7 @@ def run_once(
         per_target,
         time.monotonic() - started,
         sum(r.transactions for r in results),
+        copy_seconds=time.monotonic() - copy_started,
     )
 
 
@@ -612,5 +616,6 @@ def run(
             report.target_partitions[p] = report.target_partitions.get(p, 0) + n
         report.transactions += more.transactions
         report.seconds += more.seconds
+        report.copy_seconds += more.copy_seconds
     report.rounds = rounds
     return report
