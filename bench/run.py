@@ -29,6 +29,7 @@ from baselines import Figure, consumer_perf, order_events, preload, python_copy
 from duality import kafka
 from duality.config import Settings
 from duality.local import ephemeral_broker
+from repartition import repartition_scenarios
 from streaming import bench_spec, restore_versus_recompute, run_to_end
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -134,6 +135,11 @@ def main(argv: list[str] | None = None) -> int:
         progress.console.print(f"building a changelog of {few_keys:,} keys")
         run_to_end(scoped, spec, args.records, megabytes)
         figures.extend(restore_versus_recompute(scoped, spec, args.records, megabytes))
+
+        progress.console.print("repartitioning the backlog, and a topic with a 30% key")
+        figures.extend(
+            repartition_scenarios(scoped, source, args.records, args.keys, megabytes, progress)
+        )
     document = {
         "started": started.isoformat(),
         "machine": {

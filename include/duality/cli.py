@@ -374,6 +374,110 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+def _cmd_skew(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    from duality import skew
+
+    window = skew.parse_window(args.window)
+    if args.plot is not None and args.plot.suffix.lower() != ".png":
+        raise UsageError(f"--plot {str(args.plot)!r} must name a .png file")
+    with console.status(f"sampling {args.topic}"):
+        report = skew.analyse(settings, args.topic, group=args.group, window_s=window)
+    result = report.as_dict()
+    if args.plot is not None:
+        result["plot"] = str(skew.plot(report, args.plot))
+    if not args.json:
+        hot_set = set(report.hot_partitions)
+        table = Table(title=f"load per partition of {args.topic} (window {window:g}s)")
+        for column in ("partition", "records", "bytes (est.)", "records/s", "lag", "top keys"):
+            table.add_column(column, justify="left" if column == "top keys" else "right")
+        for load in report.partitions:
+            mark = "[red]" if load.partition in hot_set else ""
+            table.add_row(
+                f"{mark}{load.partition}",
+                f"{load.records:,}",
+                f"{load.bytes:,}",
+                f"{load.rate:,.1f}",
+                "-" if load.lag is None else f"{load.lag:,}",
+                ", ".join(f"{k} ({n:,})" for k, n in load.top_keys[:3]),
+            )
+        console.print(table)
+        advice = report.recommendation
+        console.print(
+            f"skew (max/mean): rate {report.skew_rate:.2f}, size {report.skew_size:.2f}; "
+            f"hot partitions: {report.hot_partitions or 'none'}"
+        )
+        if advice["action"] == "none":
+            console.print(f"recommendation: nothing to do ({advice['reason']})")
+        else:
+            command = (
+                f"duality repartition {args.topic} --to {args.topic}-{advice['partitions']}p "
+                f"--partitions {advice['partitions']} --strategy {advice['strategy']}"
+            )
+            if advice["strategy"] == "salted":
+                command += f" --hot-keys {','.join(advice['hot_keys'])} --salts {advice['salts']}"
+            console.print(
+                f"recommendation: {advice['reason']} (predicted skew "
+                f"{advice['predicted_skew']:.2f}):\n  {command}"
+            )
+        if args.plot is not None:
+            console.print(f"plot: {result['plot']}")
+    return result
+
+
+def _cmd_repartition(
+    settings: Settings, args: argparse.Namespace, console: Console
+) -> dict[str, Any]:
+    import signal
+    import threading
+
+    from rich.progress import Progress
+
+    from duality import repartition
+
+    plan = repartition.plan(
+        settings,
+        args.source,
+        args.target,
+        args.partitions,
+        args.strategy,
+        args.hot_keys,
+        args.salts,
+    )
+    stop = threading.Event()
+    if args.continuous:
+        # Stop mirroring after the round in progress, then report what was copied.
+        for number in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(number, lambda *_: stop.set())
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task(f"copying {plan.source} -> {plan.target}", total=None)
+        report = repartition.run(
+            settings,
+            plan,
+            continuous=args.continuous,
+            stop=stop,
+            progress=lambda done, total: progress.update(task, completed=done, total=total),
+        )
+    result = report.as_dict()
+    if not args.json:
+        table = Table(title=f"{plan.source} -> {plan.target} ({plan.strategy})")
+        for column in ("side", "partition", "records"):
+            table.add_column(column, justify="left" if column == "side" else "right")
+        for side, counts in (
+            ("source", result["source_partitions"]),
+            ("target", result["target_partitions"]),
+        ):
+            for partition, records in counts.items():
+                table.add_row(side, partition, f"{records:,}")
+        console.print(table)
+        console.print(
+            f"copied {report.copied:,} records in {report.seconds:.1f}s "
+            f"({report.records_per_s:,.0f} records/s; the Spark job copying took "
+            f"{report.copy_seconds:.1f}s; {report.transactions} transactions); "
+            f"skew (max/mean) before {report.skew_before:.2f}, after {report.skew_after:.2f}"
+        )
+    return result
+
+
 # -- parser --------------------------------------------------------------------------------
 
 
@@ -485,6 +589,30 @@ def build_parser() -> argparse.ArgumentParser:
     reader = add("read", _cmd_read, "the published (validated) snapshot of a pipeline")
     reader.add_argument("pipeline", help="pipeline name or spec file")
     reader.add_argument("--limit", type=int, default=20, help="rows to show (ordered by key)")
+    skew_parser = add("skew", _cmd_skew, "load per partition, hot partitions and keys of a topic")
+    skew_parser.add_argument("topic", help="the topic to inspect")
+    skew_parser.add_argument("--group", help="also show this consumer group's lag")
+    skew_parser.add_argument("--window", default="60s", help="rate window (60s, 5m, 1h)")
+    skew_parser.add_argument("--plot", type=Path, help="draw the load per partition to FILE.png")
+
+    repartition_parser = add(
+        "repartition", _cmd_repartition, "copy a topic into one with N partitions, exactly once"
+    )
+    repartition_parser.add_argument("source", help="the topic to copy")
+    repartition_parser.add_argument("--to", required=True, dest="target", help="target topic")
+    repartition_parser.add_argument(
+        "--partitions", type=int, required=True, help="partitions of the target"
+    )
+    repartition_parser.add_argument(
+        "--strategy", choices=("key-hash", "salted"), default="key-hash", help="where keys go"
+    )
+    repartition_parser.add_argument("--hot-keys", help="salted: auto, or the keys to salt (k1,k2)")
+    repartition_parser.add_argument(
+        "--salts", type=int, help="salted: partitions a hot key spreads over (default N)"
+    )
+    repartition_parser.add_argument(
+        "--continuous", action="store_true", help="keep mirroring new records until stopped"
+    )
 
     demo = add("demo", _cmd_demo, "produce orders, aggregate them with Spark into Delta")
     demo.add_argument("--events", type=int, default=20_000, help="orders to produce")

@@ -28,6 +28,7 @@ from confluent_kafka import (
 from confluent_kafka.admin import (
     AdminClient,
     ConfigResource,
+    ConfigSource,
     NewTopic,
     OffsetSpec,
 )
@@ -245,6 +246,22 @@ def describe_topic(settings: Settings, name: str) -> TopicInfo:
     )
 
 
+def topic_overrides(settings: Settings, name: str) -> dict[str, str]:
+    """The configs set on the topic itself (not broker defaults): what a copy of it should get."""
+    client = admin(settings)
+    resource = ConfigResource(ConfigResource.Type.TOPIC, name)
+    entries = _result(client.describe_configs([resource])[resource], settings)
+    return {
+        key: entry.value
+        for key, entry in entries.items()
+        if _source(entry) == ConfigSource.DYNAMIC_TOPIC_CONFIG.value and entry.value is not None
+    }
+
+
+def _source(entry: Any) -> int:
+    return int(getattr(entry.source, "value", entry.source))
+
+
 def topic_exists(settings: Settings, name: str) -> bool:
     try:
         metadata = admin(settings).list_topics(timeout=settings.connect_timeout_s)
@@ -285,6 +302,14 @@ def end_offsets(
 ) -> dict[int, int]:
     """Per partition, the offset the next record will get (read_committed: the stable end)."""
     return _list_offsets(settings, topic, OffsetSpec.latest(), isolation)
+
+
+def offsets_for_time(settings: Settings, topic: str, timestamp_ms: int) -> dict[int, int]:
+    """Per partition, the first offset whose record timestamp is at or after `timestamp_ms`;
+    -1 where no record is that recent."""
+    return _list_offsets(
+        settings, topic, OffsetSpec.for_timestamp(timestamp_ms), "read_uncommitted"
+    )
 
 
 def beginning_offsets(settings: Settings, topic: str) -> dict[int, int]:
@@ -334,15 +359,15 @@ def group_offsets(settings: Settings, group: str) -> dict[tuple[str, int], int]:
 
 
 def committed_offsets(
-    settings: Settings, group: str, topic: str
+    settings: Settings, group: str, topic: str, isolation: Isolation = "read_committed"
 ) -> dict[int, tuple[int, str | None]]:
     """A group's committed (offset, metadata) per partition of `topic`; absent when none.
 
-    Read by a read_committed consumer, which asks for stable offsets (KIP-447): offsets an open
-    transaction is committing are waited out, never half seen.
+    read_committed asks for stable offsets (KIP-447): offsets an open transaction is committing
+    are waited out, never half seen; read_uncommitted answers at once with the last stable ones.
     """
     partitions = partition_count(settings, topic)
-    reader = consumer(settings, group)
+    reader = consumer(settings, group, isolation_level=isolation)
     try:
         committed = _retrying(
             settings,

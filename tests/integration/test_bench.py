@@ -40,10 +40,16 @@ def test_bench_writes_baselines(settings: Settings, tmp_path: Path):
         "stream-throughput",
         "restore-from-changelog",
         "recompute-from-source",
+        "repartition-key-hash",
+        "repartition-salted",
     }
     for name in ("kafka-consumer-perf", "python-copy", "stream-throughput"):
         assert figures[name]["records"] == 20000
         assert figures[name]["records_per_s"] > 0 and figures[name]["mb_per_s"] > 0
     assert figures["restore-from-changelog"]["records"] == 50  # keys: 500 // 10
     assert figures["recompute-from-source"]["seconds"] > 0
+    for name in ("repartition-key-hash", "repartition-salted"):
+        assert figures[name]["records"] == 20000 and figures[name]["records_per_s"] > 0
+    assert figures["repartition-salted"]["skew_before"] > 1.5
+    assert figures["repartition-salted"]["skew_after"] <= 1.3
     assert "records/s" in result.stdout and "python-copy" in result.stdout

@@ -1,0 +1,111 @@
+"""Partitioning functions, salting, skew arithmetic and argument checks: no services."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from duality import skew
+from duality.errors import UsageError
+from duality.repartition import Partitioner, Plan, check_arguments, key_partition, murmur2
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        # The cases of Kafka's own UtilsTest.testMurmur2 (Java's Utils.murmur2).
+        (b"21", -973932308),
+        (b"foobar", -790332482),
+        (b"a-little-bit-long-string", -985981536),
+        (b"a-little-bit-longer-string", -1486304829),
+        (b"lkjh234lh9fiuh90y23oiuhsafujhadof229phr9h19h89h8", -58897971),
+        (b"abc", 479470107),
+    ],
+)
+def test_murmur2_equals_kafkas(data: bytes, expected: int):
+    assert murmur2(data) == expected
+
+
+def test_key_partition_is_positive_murmur2_modulo():
+    assert key_partition(b"21", 7) == (-973932308 & 0x7FFFFFFF) % 7
+    assert all(0 <= key_partition(f"k{i}".encode(), 6) < 6 for i in range(1000))
+
+
+def test_key_hash_ignores_values_and_keeps_null_keys_by_source_partition():
+    place = Partitioner(Plan("s", "t", 6))
+    assert {place(b"key", f"v{i}".encode(), 0) for i in range(100)} == {key_partition(b"key", 6)}
+    assert [place(None, b"v", p) for p in range(8)] == [0, 1, 2, 3, 4, 5, 0, 1]
+
+
+def test_salted_spreads_a_hot_key_over_exactly_s_partitions():
+    place = Partitioner(Plan("s", "t", 8, "salted", ("hot",), 3))
+    spread = Counter(place(b"hot", f"value-{i}".encode(), 0) for i in range(3000))
+    base = key_partition(b"hot", 8)
+    assert set(spread) == {base, (base + 1) % 8, (base + 2) % 8}
+    assert max(spread.values()) / min(spread.values()) < 1.2
+    # The same record always goes to the same place; other keys as key-hash.
+    assert place(b"hot", b"value-1", 0) == place(b"hot", b"value-1", 3)
+    assert place(b"cold", b"x", 0) == key_partition(b"cold", 8)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (("s", "s", 3, "key-hash", None, None), "is the source itself"),
+        (("s", "t", 0, "key-hash", None, None), "--partitions must be at least 1"),
+        (("s", "t", 3, "range", None, None), "--strategy 'range' is unknown"),
+        (("s", "t", 3, "key-hash", "a", None), "apply to --strategy salted only"),
+        (("s", "t", 3, "salted", None, 2), "--salts needs hot keys"),
+        (("s", "t", 3, "salted", None, None), "needs --hot-keys"),
+        (("s", "t", 3, "salted", "a", 1), "--salts must be between 2 and --partitions (3)"),
+        (("s", "t", 3, "salted", "a", 4), "--salts must be between 2 and --partitions (3)"),
+    ],
+)
+def test_bad_arguments_name_the_argument(arguments: tuple, message: str):
+    with pytest.raises(UsageError) as error:
+        check_arguments(*arguments)
+    assert message in str(error.value)
+
+
+def test_good_arguments_pass():
+    check_arguments("s", "t", 1, "key-hash", None, None)
+    check_arguments("s", "t", 4, "salted", "auto", None)
+    check_arguments("s", "t", 4, "salted", "a,b", 4)
+
+
+def test_plan_metadata_names_everything_that_places_records():
+    plan = Plan("s", "t", 6, "salted", ("a", "b"), 3)
+    assert plan.metadata() == (
+        '{"source":"s","strategy":"salted","partitions":6,"hot_keys":["a","b"],"salts":3}'
+    )
+    assert plan.group == "duality-repartition-t"
+    assert plan.transactional_id(2) != plan.transactional_id(3)
+
+
+def test_skew_ratio_and_hot_partitions():
+    assert skew.ratio([10, 10, 10]) == 1.0
+    assert skew.ratio([30, 10, 10, 10]) == pytest.approx(2.0)
+    assert skew.ratio([0, 0]) == 1.0
+    assert skew.hot([30, 10, 10, 10]) == [0]
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("60s", 60), ("5m", 300), ("1h", 3600), ("90", 90)])
+def test_window_parses(text: str, seconds: float):
+    assert skew.parse_window(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "soon", "-5s", "0"])
+def test_bad_window_is_a_usage_error(text: str):
+    with pytest.raises(UsageError, match="--window"):
+        skew.parse_window(text)
+
+
+def test_hot_keys_salt_the_dominant_key_and_even_the_prediction():
+    counts: Counter[bytes | None] = Counter({b"hot": 3000})
+    counts.update({f"k{i}".encode(): 7 for i in range(1000)})
+    keys = skew.hot_keys(counts, 6)
+    assert keys[0] == "hot"
+    assert skew.ratio(skew.predicted_loads(counts, 6, keys, 6)) <= skew.SALTED_GOAL
+    uniform: Counter[bytes | None] = Counter({f"k{i}".encode(): 10 for i in range(1000)})
+    assert skew.hot_keys(uniform, 6) == []
