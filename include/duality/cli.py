@@ -148,6 +148,10 @@ def _cmd_spec_validate(
     for path in paths:
         try:
             loaded = spec.find_spec(settings, str(path))
+            if loaded.expectations:
+                from duality import validate
+
+                validate.check_spec_expectations(loaded, str(path))
             valid.append({"file": str(path), "pipeline": loaded.name})
             if not args.json:
                 console.print(f"[green]ok[/]      {path} ({loaded.name})")

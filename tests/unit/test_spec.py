@@ -77,6 +77,16 @@ def test_durations():
             "needs source.event_time",
         ),
         ({"extra": 1}, "extra", "Extra inputs are not permitted"),
+        (
+            {
+                "expectations": [
+                    {"type": "expect_column_values_to_be_between", "kwargs": {"column": "amount"}}
+                ]
+            },
+            "(top level)",
+            "expectations[0] (expect_column_values_to_be_between) names column 'amount'",
+        ),
+        ({"expectations": [{"type": "column_min"}]}, "expectations.0.type", "should match"),
     ],
 )
 def test_bad_spec_names_file_field_and_reason(
@@ -128,3 +138,30 @@ def test_json_schema_documents_aggregates_as_strings():
     aggregates = schema["properties"]["aggregates"]["additionalProperties"]
     assert aggregates["type"] == "string"
     assert "source" in schema["required"]
+
+
+def test_spec_validate_checks_expectations_with_great_expectations(tmp_path: Path):
+    unknown = {**GOOD, "expectations": [{"type": "expect_revenue_to_grow", "kwargs": {}}]}
+    bad_args = {
+        **GOOD,
+        "name": "bad_args",
+        "expectations": [
+            {"type": "expect_column_values_to_be_between", "kwargs": {"column": "units"}}
+        ],
+    }
+    env = {**os.environ, "DUALITY_PIPELINES": str(tmp_path)}
+    for data, needle in (
+        (unknown, "unknown expectation 'expect_revenue_to_grow'"),
+        (bad_args, "min_value and max_value cannot both be None"),
+    ):
+        path = _write(tmp_path, data)
+        result = subprocess.run(
+            [sys.executable, "-m", "duality.cli", "spec", "validate", str(path)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 2, result.stderr
+        assert str(path) in result.stderr and "expectations[0]" in result.stderr
+        assert needle in result.stderr and "Traceback" not in result.stderr
