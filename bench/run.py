@@ -30,6 +30,7 @@ from duality import kafka
 from duality.config import Settings
 from duality.local import ephemeral_broker
 from repartition import repartition_scenarios
+from snapshots import snapshot_scenarios, validation_scenario
 from streaming import bench_spec, restore_versus_recompute, run_to_end
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -78,6 +79,18 @@ def render(figures: list[Figure], console: Console) -> None:
             *ratios,
         )
     console.print(table)
+    for figure in figures:
+        details = figure.as_dict()
+        if "changelog_records_read" in details:
+            console.print(
+                f"{figure.scenario}: {details['mode']}, read "
+                f"{details['changelog_records_read']:,} changelog records, {figure.records:,} rows"
+            )
+        if "seconds_per_million_rows" in details:
+            console.print(
+                f"{figure.scenario}: {details['checks']} checks, "
+                f"{details['seconds_per_million_rows']:.1f} s per million rows"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint_root=scratch / "checkpoints",
         warehouse=scratch / "warehouse",
         local_dir=scratch / "local",
+        reports=scratch / "reports",
     )
     started = datetime.now(UTC)
     stamp = int(time.time())
@@ -140,6 +154,13 @@ def main(argv: list[str] | None = None) -> int:
         figures.extend(
             repartition_scenarios(scoped, source, args.records, args.keys, megabytes, progress)
         )
+
+        progress.console.print(f"snapshots of {args.keys:,} keys: full, then 1% changed")
+        snapshots = bench_spec(f"bench_snapshot_{stamp}", source)
+        figures.extend(snapshot_scenarios(scoped, snapshots, args.keys))
+        progress.console.print(f"validating a snapshot of {args.records:,} rows")
+        checked = bench_spec(f"bench_validate_{stamp}", source)
+        figures.append(validation_scenario(scoped, checked, args.records))
     document = {
         "started": started.isoformat(),
         "machine": {

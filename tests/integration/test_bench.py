@@ -29,7 +29,7 @@ def test_bench_writes_baselines(settings: Settings, tmp_path: Path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     document = json.loads((tmp_path / "latest.json").read_text())
@@ -42,6 +42,10 @@ def test_bench_writes_baselines(settings: Settings, tmp_path: Path):
         "recompute-from-source",
         "repartition-key-hash",
         "repartition-salted",
+        "snapshot-full",
+        "snapshot-incremental",
+        "snapshot-full-after",
+        "validate",
     }
     for name in ("kafka-consumer-perf", "python-copy", "stream-throughput"):
         assert figures[name]["records"] == 20000
@@ -52,4 +56,11 @@ def test_bench_writes_baselines(settings: Settings, tmp_path: Path):
         assert figures[name]["records"] == 20000 and figures[name]["records_per_s"] > 0
     assert figures["repartition-salted"]["skew_before"] > 1.5
     assert figures["repartition-salted"]["skew_after"] <= 1.3
+    # 500 keys, 1% of them (5) changed: the incremental run reads only those records.
+    assert figures["snapshot-full"]["records"] == 500
+    assert figures["snapshot-incremental"]["changelog_records_read"] == 5
+    assert figures["snapshot-full-after"]["changelog_records_read"] >= 505
+    assert figures["snapshot-incremental"]["records"] == figures["snapshot-full-after"]["records"]
+    assert figures["validate"]["records"] == 20000 and figures["validate"]["checks"] > 10
+    assert figures["validate"]["seconds_per_million_rows"] > 0
     assert "records/s" in result.stdout and "python-copy" in result.stdout
