@@ -470,7 +470,6 @@ def _failures(
     checks: list[Check],
 ) -> list[dict[str, Any]]:
     """The failed expectations, each with the keys of a few failing rows."""
-    origins = {(c.type, json.dumps(c.kwargs, sort_keys=True, default=str)): c for c in checks}
     failed = []
     for result in results:
         for item in result["results"]:
@@ -483,11 +482,22 @@ def _failures(
                 if k not in ("batch_id", "result_format") and v is not None
             }
             outcome = item.get("result") or {}
-            check = origins.get((config["type"], json.dumps(kwargs, sort_keys=True, default=str)))
+            # GE fills in default arguments: a check is the one whose arguments all match.
+            check = next(
+                (
+                    c
+                    for c in checks
+                    if c.type == config["type"]
+                    and all(kwargs.get(k) == v for k, v in c.kwargs.items() if k != "description")
+                ),
+                None,
+            )
             entry: dict[str, Any] = {
                 "expectation": config["type"],
                 "kwargs": kwargs,
-                "origin": check.origin if check else "reconcile",
+                "origin": check.origin
+                if check
+                else "reconcile: the rows recomputed from the source",
                 "unexpected_count": outcome.get("unexpected_count", outcome.get("observed_value")),
                 "keys": outcome.get("partial_unexpected_index_list", [])[:SAMPLE_KEYS],
             }
