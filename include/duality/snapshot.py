@@ -360,7 +360,7 @@ def build(
         reason = "the table does not exist yet"
     if mode == "full":
         base, reason = None, None
-    elif mode == "incremental" and base is None:
+    elif base is None:
         progress(f"incremental refresh not possible: {reason}; rebuilding in full")
 
     if base is not None and base.changelog == coverage.changelog:
@@ -414,14 +414,16 @@ def build(
                     .write.format("delta")
                     .mode("overwrite")
                     .option("overwriteSchema", "true")
+                    # Set when the table is created: a MERGE then marks changed rows in
+                    # deletion vectors instead of rewriting every file a change touches.
+                    .option("delta.enableDeletionVectors", "true")
                     .save(str(path))
                 )
-            inserted, updated, deleted = _last_commit_counts(spark, path)
         else:
-            inserted, updated, deleted = _merge(spark, spec, path, rows, metadata)
+            _merge(spark, spec, path, rows, metadata)
     finally:
         latest.unpersist()
-    version = history(spark, path)[0].version
+    version, inserted, updated, deleted = _last_commit(spark, path)
     progress(f"version {version} of {path} written ({ran})")
     return SnapshotResult(
         pipeline=spec.name,
@@ -480,7 +482,7 @@ def _merge(
     path: Path,
     rows: DataFrame,
     metadata: dict[str, Any],
-) -> tuple[int, int, int]:
+) -> None:
     from delta.tables import DeltaTable
 
     columns = list(column_types(spec))
@@ -488,7 +490,7 @@ def _merge(
     values: dict[str, str | Column] = {f"`{c}`": f"s.`{c}`" for c in columns}
     changed = {k: v for k, v in values.items() if k.strip("`") not in spec.key_columns}
     with commit_metadata(spark, metadata):
-        metrics = (
+        (
             DeltaTable.forPath(spark, str(path))
             .alias("t")
             .merge(rows.alias("s"), on)
@@ -496,23 +498,25 @@ def _merge(
             .whenMatchedUpdate(set=changed)
             .whenNotMatchedInsert(condition="NOT s._deleted", values=values)
             .execute()
-            .first()
         )
-    if metrics is None:
-        return 0, 0, 0
-    return (
-        int(metrics["num_inserted_rows"]),
-        int(metrics["num_updated_rows"]),
-        int(metrics["num_deleted_rows"]),
-    )
 
 
-def _last_commit_counts(spark: SparkSession, path: Path) -> tuple[int, int, int]:
+def _last_commit(spark: SparkSession, path: Path) -> tuple[int, int, int, int]:
+    """The newest version and the rows it inserted, updated and deleted (Delta's own metrics)."""
     from delta.tables import DeltaTable
 
-    row = DeltaTable.forPath(spark, str(path)).history(1).select("operationMetrics").first()
-    metrics = (row["operationMetrics"] if row else None) or {}
-    return int(metrics.get("numOutputRows", 0)), 0, 0
+    row = DeltaTable.forPath(spark, str(path)).history(1).first()
+    assert row is not None
+    metrics = row["operationMetrics"] or {}
+    if row["operation"] == "MERGE":
+        counts = (
+            metrics.get("numTargetRowsInserted", 0),
+            metrics.get("numTargetRowsUpdated", 0),
+            metrics.get("numTargetRowsDeleted", 0),
+        )
+    else:
+        counts = (metrics.get("numOutputRows", 0), 0, 0)
+    return int(row["version"]), *(int(c) for c in counts)  # type: ignore[return-value]
 
 
 def _row_count(spark: SparkSession, path: Path, version: int | None = None) -> int:

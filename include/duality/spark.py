@@ -63,6 +63,8 @@ def session_config(settings: Settings, app_name: str) -> dict[str, str]:
                 "spark.default.parallelism": "4",
                 "spark.ui.enabled": "false",
                 "spark.sql.adaptive.enabled": "true",
+                # Delta rebuilds a table's state from its log in this many tasks (default 50).
+                "spark.databricks.delta.snapshotPartitions": "2",
                 "spark.driver.host": "127.0.0.1",
                 "spark.driver.bindAddress": "127.0.0.1",
             }

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
 
 # GE reports usage to a remote service unless told not to; duality never phones home.
 os.environ.setdefault("GX_ANALYTICS_ENABLED", "False")
+# GE logs its own start-up at INFO; jobs log at INFO, so keep GE to warnings.
+logging.getLogger("great_expectations").setLevel(logging.WARNING)
 
 FLOAT_TOLERANCE = 1e-9  # relative, for floating sums and averages
 SAMPLE_KEYS = 5

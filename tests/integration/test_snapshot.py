@@ -158,10 +158,21 @@ def test_full_then_incremental_equal_the_changelog(spark, pipeline) -> None:  # 
     kafka.delete_topic(settings, spec.changelog_topic)
     _create_again(settings, spec)
     _write(settings, spec, _history(rng, range(5)))
-    after_reset = snapshot.build(settings, spec, "incremental", spark=spark)
-    assert after_reset.mode == "full"
-    assert "recreated" in (after_reset.fallback_reason or "")
-    assert _table(snapshot.load(spark, path, after_reset.version), spec) == _truth(settings, spec)
+    # The spark-submit entry point, as Airflow runs it.
+    job = subprocess.run(
+        [sys.executable, str(ROOT / "jobs" / "rebuild_snapshot.py"), spec.name, "--incremental"],
+        env=_env(settings),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert job.returncode == 0, job.stderr[-2000:]
+    after_reset = json.loads(job.stdout)
+    assert after_reset["mode"] == "full" and "recreated" in after_reset["fallback_reason"]
+    assert after_reset["fallback_reason"] in job.stderr  # said in the log too
+    assert _table(snapshot.load(spark, path, after_reset["version"]), spec) == _truth(
+        settings, spec
+    )
 
 
 def _create_again(settings: Settings, spec: PipelineSpec) -> None:
@@ -177,8 +188,8 @@ def _create_again(settings: Settings, spec: PipelineSpec) -> None:
     assert_eventually(created, timeout=60, message="changelog could not be recreated")
 
 
-def _cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {
+def _env(settings: Settings) -> dict[str, str]:
+    return {
         **os.environ,
         "DUALITY_BOOTSTRAP_SERVERS": settings.bootstrap_servers,
         "DUALITY_PIPELINES": str(settings.pipelines),
@@ -186,9 +197,12 @@ def _cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
         "DUALITY_REPORTS": str(settings.reports),
         "DUALITY_LOCAL_DIR": str(settings.local_dir),
     }
+
+
+def _cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "duality.cli", *args, "--json"],
-        env=env,
+        env=_env(settings),
         capture_output=True,
         text=True,
         timeout=300,
