@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from duality.config import Settings
 from duality.errors import UsageError
@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
 # Every jar the Spark sessions need must be in the cache; these name the essential ones.
 REQUIRED_JARS = ("spark-sql-kafka-0-10_2.13-", "delta-spark_4.1_2.13-", "kafka-clients-")
+
+T = TypeVar("T")
 
 _ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
 
@@ -88,6 +90,22 @@ def session(
     builder = SparkSession.builder
     for key, value in config.items():
         builder = builder.config(key, value)
-    spark = builder.getOrCreate()
+    spark = _with_stdout_to_stderr(builder.getOrCreate)
     spark.sparkContext.setLogLevel("WARN")
     return spark
+
+
+def _with_stdout_to_stderr(start: Callable[[], T]) -> T:
+    """Run `start` with file descriptor 1 pointing at stderr.
+
+    The JVM that a first session launches inherits it, so what Spark and Delta print (VACUUM
+    prints its counts) goes to stderr, and stdout stays for results (`--json`, job output).
+    """
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        return start()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
