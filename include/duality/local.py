@@ -210,7 +210,7 @@ class LocalBroker:
         ]
 
     def _format_storage(self) -> None:
-        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        cluster_id = new_cluster_id()
         command = self._java(
             "kafka.tools.StorageTool",
             "format",
@@ -306,6 +306,18 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def new_cluster_id() -> str:
+    """A KRaft cluster id: a random UUID in URL-safe base64, never starting with '-'.
+
+    An id starting with '-' reads as an option to `kafka-storage format` (Kafka's own
+    Uuid.randomUuid() draws again in that case too).
+    """
+    while True:
+        candidate = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not candidate.startswith("-"):
+            return candidate
 
 
 @contextlib.contextmanager

@@ -75,3 +75,12 @@ def test_every_setting_is_described():
         "DUALITY_AIRFLOW_URL",
     }
     assert all(meaning for _, _, meaning in rows)
+
+
+def test_cluster_ids_never_read_as_options():
+    from duality.local import new_cluster_id
+
+    ids = {new_cluster_id() for _ in range(5000)}
+    assert len(ids) == 5000
+    assert not any(i.startswith("-") for i in ids)
+    assert all(len(i) == 22 for i in ids)
