@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from duality import kafka
 from duality.config import Settings
 from duality.errors import CheckFailed, UsageError
-from duality.spec import PipelineSpec
+from duality.spec import SQL_TYPES, PipelineSpec
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
@@ -44,8 +44,8 @@ PUBLISHED_COVERAGE = "duality.published.coverage"
 _ROW_PRESERVING = {"OPTIMIZE", "VACUUM START", "VACUUM END", "SET TBLPROPERTIES"}
 
 
-def _quiet(_: str) -> None:
-    pass
+def quiet(_: str) -> None:
+    """The default progress callback: says nothing."""
 
 
 # -- what a version covers ----------------------------------------------------------------
@@ -117,20 +117,10 @@ def _source_offsets(settings: Settings, group: str, topic: str) -> dict[int, int
 # -- the snapshot's shape -------------------------------------------------------------------
 
 
-_SQL_TYPES = {
-    "string": "string",
-    "long": "bigint",
-    "int": "int",
-    "double": "double",
-    "boolean": "boolean",
-    "timestamp": "timestamp",
-}
-
-
 def column_types(spec: PipelineSpec) -> dict[str, str]:
     """The snapshot's columns and their Spark SQL types, in table order."""
     fields = spec.source.fields
-    types = {name: _SQL_TYPES[fields[name]] for name in spec.source.key}
+    types = {name: SQL_TYPES[fields[name]] for name in spec.source.key}
     if spec.window is not None:
         types["window_start"] = "timestamp"
     for column, aggregate in spec.aggregates.items():
@@ -140,7 +130,7 @@ def column_types(spec: PipelineSpec) -> dict[str, str]:
             types[column] = "double"
         else:
             kind = fields[aggregate.field or ""]
-            types[column] = "bigint" if kind in ("long", "int") else _SQL_TYPES[kind]
+            types[column] = "bigint" if kind in ("long", "int") else SQL_TYPES[kind]
             if aggregate.function == "sum" and kind == "int":
                 types[column] = "bigint"
     types["_updated_at"] = "timestamp"
@@ -329,7 +319,7 @@ def build(
     mode: Mode = "auto",
     *,
     spark: SparkSession | None = None,
-    progress: Progress = _quiet,
+    progress: Progress = quiet,
 ) -> SnapshotResult:
     """Write one new snapshot version (or none when the changelog has not moved)."""
     started = time.monotonic()
@@ -566,9 +556,10 @@ def publish(spark: SparkSession, path: Path, version: int, coverage: Coverage) -
     return history(spark, path)[0].version
 
 
-def version_coverage(spark: SparkSession, path: Path, version: int) -> Coverage | None:
-    """What a given version covers: its own commit's record, or the one it was built on."""
-    for entry in history(spark, path):
+def version_coverage(versions: list[Version], version: int) -> Coverage | None:
+    """What a given version covers (from `history()`): its commit's record, or the one it
+    was built on."""
+    for entry in versions:
         if entry.version > version:
             continue
         if entry.metadata is not None and "coverage" in entry.metadata:
@@ -610,7 +601,7 @@ def maintain(
     *,
     retain_hours: float = 168.0,
     spark: SparkSession | None = None,
-    progress: Progress = _quiet,
+    progress: Progress = quiet,
 ) -> dict[str, Any]:
     """OPTIMIZE (compact small files) and VACUUM, keeping the published version readable.
 
@@ -640,7 +631,7 @@ def maintain(
     if found is not None:
         retention = max(retention, 1)
     table = DeltaTable.forPath(spark, str(path))
-    coverage = version_coverage(spark, path, versions[0].version)
+    coverage = version_coverage(versions, versions[0].version)
     metadata: dict[str, Any] = {"kind": "maintain"}
     if coverage is not None:
         metadata["coverage"] = coverage.as_dict()

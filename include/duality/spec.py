@@ -31,6 +31,15 @@ NAME = r"^[a-z][a-z0-9_]*$"
 FIELD = r"^[A-Za-z_][A-Za-z0-9_]*$"
 FieldType = Literal["string", "long", "int", "double", "boolean", "timestamp"]
 NUMERIC: tuple[str, ...] = ("long", "int", "double")
+# Each field type as a Spark SQL type.
+SQL_TYPES = {
+    "string": "string",
+    "long": "bigint",
+    "int": "int",
+    "double": "double",
+    "boolean": "boolean",
+    "timestamp": "timestamp",
+}
 FUNCTIONS = ("count", "sum", "min", "max", "avg")
 _CALL = re.compile(r"^\s*([a-z_]+)\s*\(\s*([A-Za-z_][A-Za-z0-9_]*)?\s*\)\s*$")
 _DURATION = re.compile(

@@ -23,7 +23,7 @@ from confluent_kafka import KafkaException, Producer, TopicPartition
 
 from duality import changelog, kafka
 from duality.config import Settings
-from duality.spec import PipelineSpec
+from duality.spec import SQL_TYPES, PipelineSpec
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
@@ -89,17 +89,6 @@ def aggregate_values(spec: PipelineSpec, state: dict[str, Any]) -> dict[str, Any
 # -- classification and pre-aggregation in the JVM ------------------------------------------
 
 
-def _spark_type(kind: str) -> str:
-    return {
-        "string": "string",
-        "long": "bigint",
-        "int": "int",
-        "double": "double",
-        "boolean": "boolean",
-        "timestamp": "timestamp",
-    }[kind]
-
-
 def required_fields(spec: PipelineSpec) -> list[str]:
     fields = list(spec.source.key)
     for aggregate in spec.aggregates.values():
@@ -125,7 +114,7 @@ def classify(
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    ddl = ", ".join(f"`{f}` {_spark_type(k)}" for f, k in spec.source.fields.items())
+    ddl = ", ".join(f"`{f}` {SQL_TYPES[k]}" for f, k in spec.source.fields.items())
     text = F.col("value").cast("string")
     required = required_fields(spec)
     # Every JSON value reads as a string, so this struct tells present fields from missing ones

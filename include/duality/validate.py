@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,13 +47,6 @@ _GE_TYPES = {
     "boolean": "BooleanType",
     "timestamp": "TimestampType",
 }
-
-Progress = Callable[[str], None]
-
-
-def _quiet(_: str) -> None:
-    pass
-
 
 # -- the suite ------------------------------------------------------------------------------
 
@@ -316,7 +308,7 @@ def run(
     publish: bool = True,
     version: int | None = None,
     spark: SparkSession | None = None,
-    progress: Progress = _quiet,
+    progress: snapshot.Progress = snapshot.quiet,
 ) -> Report:
     """Validate a snapshot version (default: the latest) and publish it when it passes."""
     origin = f"pipeline {spec.name}"
@@ -334,7 +326,7 @@ def run(
         version = versions[0].version
     elif version not in {v.version for v in versions}:
         raise UsageError(f"{path} has no version {version}: versions are 0..{versions[0].version}")
-    coverage = snapshot.version_coverage(spark, path, version)
+    coverage = snapshot.version_coverage(versions, version)
     if reconcile and coverage is None:
         raise UsageError(
             f"version {version} of {path} does not record what it covers (it was written outside "
@@ -425,37 +417,28 @@ def _run_ge(
     }
     definitions = []
     batches: dict[str, dict[str, Any]] = {}
-    suite = context.suites.add(gx.ExpectationSuite(f"{spec.name}_v{version}"))
-    for _, expectation in expectations:
-        suite.add_expectation(expectation)
-    asset = source.add_dataframe_asset("snapshot")
-    definitions.append(
-        gx.ValidationDefinition(
-            name=f"{spec.name}_snapshot",
-            data=asset.add_batch_definition_whole_dataframe("version"),
-            suite=suite,
-        )
-    )
-    batches[f"{spec.name}_snapshot"] = {"dataframe": table}
-    if diff is not None:
-        reconcile_suite = context.suites.add(
-            gx.ExpectationSuite(f"{spec.name}_v{version}_reconcile")
-        )
-        reconcile_suite.add_expectation(
-            gx.expectations.ExpectColumnValuesToBeNull(
-                column="_mismatch",
-                description="each row equals the aggregates recomputed from the source",
-            )
-        )
-        reconcile_asset = source.add_dataframe_asset("reconciliation")
+
+    def add(name: str, frame: DataFrame, checks: list[Any]) -> None:
+        suite = context.suites.add(gx.ExpectationSuite(f"{spec.name}_v{version}_{name}"))
+        for check in checks:
+            suite.add_expectation(check)
+        asset = source.add_dataframe_asset(name)
         definitions.append(
             gx.ValidationDefinition(
-                name=f"{spec.name}_reconcile",
-                data=reconcile_asset.add_batch_definition_whole_dataframe("version"),
-                suite=reconcile_suite,
+                name=f"{spec.name}_{name}",
+                data=asset.add_batch_definition_whole_dataframe("version"),
+                suite=suite,
             )
         )
-        batches[f"{spec.name}_reconcile"] = {"dataframe": diff}
+        batches[f"{spec.name}_{name}"] = {"dataframe": frame}
+
+    add("snapshot", table, [expectation for _, expectation in expectations])
+    if diff is not None:
+        mismatch = gx.expectations.ExpectColumnValuesToBeNull(
+            column="_mismatch",
+            description="each row equals the aggregates recomputed from the source",
+        )
+        add("reconcile", diff, [mismatch])
     results = []
     for definition in definitions:
         saved = context.validation_definitions.add(definition)
