@@ -18,7 +18,7 @@ from rich.table import Table
 from duality import kafka, spec
 from duality.config import Settings
 from duality.errors import DualityError, UsageError
-from duality.local import LocalBroker
+from duality.local import LocalAirflow, LocalBroker
 
 Handler = Callable[[Settings, argparse.Namespace, Console], Any]
 
@@ -47,18 +47,39 @@ def _cmd_up(settings: Settings, args: argparse.Namespace, console: Console) -> d
             f"Kafka broker {verb} at [bold]{state['bootstrap_servers']}[/] "
             f"(pid {state['pid']}); logs in {state['log']}"
         )
-    return {"broker": state}
+    airflow = LocalAirflow(settings)
+    with console.status(f"starting Airflow on {settings.airflow_url}") as status:
+        web = airflow.start(progress=lambda text: status.update(text))
+    if not args.json:
+        verb = "already running" if web["already_running"] else "started"
+        console.print(
+            f"Airflow {verb} at [bold]{web['url']}[/] (pid {web['pid']}); log in as "
+            f"[bold]{web['user']}[/] with password [bold]{web['password']}[/] "
+            f"(kept in {web['password_file']}); logs in {web['log']}"
+        )
+    return {"broker": state, "airflow": web}
 
 
 def _cmd_down(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    from duality import stream_control
+
+    streams = stream_control.stop_all(settings)
+    airflow = LocalAirflow(settings).stop()
     state = LocalBroker(settings).stop()
     if not args.json:
+        for stopped in streams:
+            console.print(f"stream {stopped['pipeline']} stopped (pid {stopped['pid']})")
+        console.print(
+            f"Airflow stopped (pid {airflow['pid']})"
+            if airflow["was_running"]
+            else "Airflow was not running"
+        )
         console.print(
             f"Kafka broker stopped (pid {state['pid']})"
             if state["was_running"]
             else "Kafka broker was not running"
         )
-    return {"broker": state}
+    return {"broker": state, "airflow": airflow, "streams": streams}
 
 
 def _cmd_status(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
@@ -71,6 +92,7 @@ def _cmd_status(settings: Settings, args: argparse.Namespace, console: Console) 
             state["state"] = "external"
         except DualityError:
             state["reachable"] = False
+    airflow = LocalAirflow(settings).status()
     if not args.json:
         table = Table(title="duality local stack", show_header=True)
         for column in ("service", "state", "address", "pid", "reachable", "log"):
@@ -83,8 +105,16 @@ def _cmd_status(settings: Settings, args: argparse.Namespace, console: Console) 
             "yes" if state["reachable"] else "no",
             state["log"],
         )
+        table.add_row(
+            "airflow",
+            airflow["state"],
+            airflow["url"],
+            str(airflow["pid"] or "-"),
+            "yes" if airflow["healthy"] else "no",
+            airflow["log"],
+        )
         console.print(table)
-    return {"broker": state}
+    return {"broker": state, "airflow": airflow}
 
 
 def _cmd_lag(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
@@ -341,6 +371,21 @@ def _cmd_validate(settings: Settings, args: argparse.Namespace, console: Console
     return report.as_dict()
 
 
+def _cmd_publish(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    from duality import validate
+
+    pipeline = spec.find_spec(settings, args.pipeline)
+    with console.status(f"publishing version {args.version} of {pipeline.name}"):
+        result = validate.publish_validated(settings, pipeline, args.version)
+    if not args.json:
+        verb = "was already" if result["already_published"] else "is now"
+        console.print(
+            f"version {args.version} of {pipeline.name} {verb} the published version "
+            f"(validated in {result['report']})"
+        )
+    return result
+
+
 def _cmd_read(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
     from duality import snapshot
 
@@ -447,6 +492,16 @@ def _cmd_repartition(
         args.hot_keys,
         args.salts,
     )
+    if args.dry_run:
+        result = repartition.dry_run(settings, plan)
+        if not args.json:
+            console.print(
+                f"would copy {result['to_copy']:,} records of {plan.source} into {plan.target} "
+                f"({plan.partitions} partitions, {plan.strategy}"
+                + (f", hot keys {', '.join(plan.hot_keys)}" if plan.hot_keys else "")
+                + f"); predicted skew after {result['predicted_skew_after']:.2f}; nothing changed"
+            )
+        return result
     stop = threading.Event()
     if args.continuous:
         # Stop mirroring after the round in progress, then report what was copied.
@@ -590,6 +645,11 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--no-publish", action="store_true", help="validate only; do not publish on success"
     )
+    publisher = add("publish", _cmd_publish, "publish a version that passed validation")
+    publisher.add_argument("pipeline", help="pipeline name or spec file")
+    publisher.add_argument(
+        "--version", type=int, required=True, help="the version `validate --no-publish` passed"
+    )
     reader = add("read", _cmd_read, "the published (validated) snapshot of a pipeline")
     reader.add_argument("pipeline", help="pipeline name or spec file")
     reader.add_argument("--limit", type=int, default=20, help="rows to show (ordered by key)")
@@ -616,6 +676,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     repartition_parser.add_argument(
         "--continuous", action="store_true", help="keep mirroring new records until stopped"
+    )
+    repartition_parser.add_argument(
+        "--dry-run", action="store_true", help="check the plan and say what it would copy"
     )
 
     demo = add("demo", _cmd_demo, "produce orders, aggregate them with Spark into Delta")

@@ -48,6 +48,7 @@ class Settings:
     checkpoint_root: Path = Path(".local/checkpoints")
     jar_cache: Path = Path(".cache/jars")
     pipelines: Path = Path("include/pipelines")
+    repartition_config: Path = Path("include/repartition.yaml")
     local_dir: Path = Path(".local")
     reports: Path = Path(".local/reports")
     airflow_url: str = "http://localhost:8080"
@@ -75,6 +76,7 @@ class Settings:
             "checkpoint_root",
             "jar_cache",
             "pipelines",
+            "repartition_config",
             "local_dir",
             "reports",
         ):
@@ -99,6 +101,15 @@ class Settings:
     def replace(self, **changes: object) -> Settings:
         """A copy with some fields changed (Airflow connections, tests)."""
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    def as_env(self) -> dict[str, str]:
+        """These settings as `DUALITY_*` variables, for the processes duality starts."""
+        env = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is not None:
+                env[PREFIX + field.name.upper()] = str(value)
+        return env
 
     @property
     def first_bootstrap(self) -> tuple[str, int]:
@@ -169,6 +180,7 @@ def describe() -> list[tuple[str, str, str]]:
         "checkpoint_root": "folder of streaming checkpoints",
         "jar_cache": "folder the Maven-fetched jars are copied into",
         "pipelines": "folder of pipeline specs",
+        "repartition_config": "topics the scheduled repartition DAG checks and copies",
         "local_dir": "data, logs and pid files of the local stack",
         "reports": "validation reports: JSON and Great Expectations Data Docs per pipeline",
         "airflow_url": "Airflow UI and API address",

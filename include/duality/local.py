@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -18,7 +19,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -340,3 +341,202 @@ def ephemeral_broker(settings: Settings) -> Iterator[Settings]:
         broker.stop()
         if sys.exc_info()[0] is None:
             shutil.rmtree(root, ignore_errors=True)
+
+
+# -- Airflow ------------------------------------------------------------------------------
+
+_AIRFLOW_START_TIMEOUT_S = 300.0
+AIRFLOW_USER = "admin"
+
+
+class LocalAirflow:
+    """Airflow standalone (SQLite, LocalExecutor) with this checkout's `dags/` and `plugins/`.
+
+    Its home is `<local_dir>/airflow`. The connections `kafka_default` and `spark_default` are
+    given as `AIRFLOW_CONN_*` variables built from the settings, and every `DUALITY_*` setting is
+    passed on, so tasks see the same stack as the command that started Airflow.
+    """
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.home = settings.local_dir / "airflow"
+        self.pid_file = self.home / "standalone.pid"
+        self.log_file = self.home / "standalone.log"
+        self.password_file = self.home / "passwords.json"
+
+    @property
+    def port(self) -> int:
+        return airflow_port(self.settings.airflow_url)
+
+    def password(self) -> str:
+        """The admin password; generated once per Airflow home."""
+        if not self.password_file.is_file():
+            self.home.mkdir(parents=True, exist_ok=True)
+            secret = base64.urlsafe_b64encode(os.urandom(12)).decode()
+            self.password_file.write_text(json.dumps({AIRFLOW_USER: secret}))
+            self.password_file.chmod(0o600)
+        return str(json.loads(self.password_file.read_text())[AIRFLOW_USER])
+
+    def environment(self) -> dict[str, str]:
+        """The environment Airflow and its tasks run with."""
+        settings = self.settings
+        kafka_extra = {
+            key: value
+            for key, value in settings.kafka_client_config().items()
+            if key in ("bootstrap.servers", "security.protocol", "sasl.mechanism")
+        }
+        secret_file = self.home / "jwt_secret"
+        if not secret_file.is_file():
+            self.home.mkdir(parents=True, exist_ok=True)
+            secret_file.write_text(base64.urlsafe_b64encode(os.urandom(24)).decode())
+        local = f"http://localhost:{self.port}"
+        airflow = {
+            "AIRFLOW_HOME": str(self.home),
+            "AIRFLOW__CORE__DAGS_FOLDER": str(settings.home / "dags"),
+            "AIRFLOW__CORE__PLUGINS_FOLDER": str(settings.home / "plugins"),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+            "AIRFLOW__CORE__PARALLELISM": "4",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{AIRFLOW_USER}:admin",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(self.password_file),
+            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{local}/execution/",
+            "AIRFLOW__API__PORT": str(self.port),
+            "AIRFLOW__API__HOST": "127.0.0.1",
+            "AIRFLOW__API__BASE_URL": settings.airflow_url.rstrip("/"),
+            "AIRFLOW__API__WORKERS": "1",
+            "AIRFLOW__API_AUTH__JWT_SECRET": secret_file.read_text().strip(),
+            "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "30",
+            "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
+            "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "True",
+            "AIRFLOW_CONN_KAFKA_DEFAULT": json.dumps({"conn_type": "kafka", "extra": kafka_extra}),
+            "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps(
+                {"conn_type": "spark", "host": settings.spark_master}
+            ),
+            "NO_COLOR": "1",
+            # Airflow's own processes need not probe the network for analytics.
+            "SCARF_ANALYTICS": "false",
+            "GX_ANALYTICS_ENABLED": "False",
+        }
+        return {**os.environ, **settings.as_env(), **airflow}
+
+    def pid(self) -> int | None:
+        try:
+            pid = int(self.pid_file.read_text().strip())
+            cmdline = psutil.Process(pid).cmdline()
+        except (FileNotFoundError, ValueError, psutil.NoSuchProcess, psutil.ZombieProcess):
+            return None
+        if "standalone" in cmdline and any(part.endswith("airflow") for part in cmdline):
+            return pid
+        return None
+
+    def health(self, timeout: float = 3.0) -> dict[str, Any] | None:
+        """Airflow's own health document, or None when the API server does not answer."""
+        import urllib.request
+
+        url = f"http://localhost:{self.port}/api/v2/monitor/health"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as response:
+                return dict(json.loads(response.read()))
+        except (OSError, ValueError):
+            return None
+
+    def status(self) -> dict[str, Any]:
+        pid = self.pid()
+        health = self.health() if pid is not None else None
+        return {
+            "state": "running" if pid is not None else "stopped",
+            "pid": pid,
+            "url": self.settings.airflow_url,
+            "healthy": _healthy(health),
+            "user": AIRFLOW_USER,
+            "password_file": str(self.password_file),
+            "home": str(self.home),
+            "log": str(self.log_file),
+        }
+
+    def start(self, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+        """Start Airflow standalone unless it runs; wait until every component is healthy."""
+        if self.pid() is not None:
+            return {**self.status(), "already_running": True, "password": self.password()}
+        if _port_in_use("127.0.0.1", self.port):
+            raise LocalStackError(
+                f"port {self.port} is taken by another process: stop it, or point "
+                "DUALITY_AIRFLOW_URL at a free port (http://localhost:<port>)"
+            )
+        for folder in ("dags", "plugins"):
+            if not (self.settings.home / folder).is_dir():
+                raise LocalStackError(
+                    f"{self.settings.home / folder} is missing: set DUALITY_HOME to the checkout"
+                )
+        self.home.mkdir(parents=True, exist_ok=True)
+        password = self.password()
+        airflow = Path(sys.executable).with_name("airflow")
+        with open(self.log_file, "ab") as out:
+            process = subprocess.Popen(
+                [str(airflow), "standalone"],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=self.home,
+                env=self.environment(),
+            )
+        self.pid_file.write_text(f"{process.pid}\n")
+        deadline = time.monotonic() + _AIRFLOW_START_TIMEOUT_S
+        progress("starting Airflow (database, scheduler, DAG processor, triggerer, API server)")
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                self.pid_file.unlink(missing_ok=True)
+                raise LocalStackError(
+                    f"Airflow exited with code {process.returncode} while starting; last lines "
+                    f"of {self.log_file}:\n{_tail(self.log_file)}"
+                )
+            if _healthy(self.health()):
+                return {**self.status(), "already_running": False, "password": password}
+            time.sleep(1)
+        self.stop()
+        raise LocalStackError(
+            f"Airflow did not become healthy on {self.settings.airflow_url} within "
+            f"{_AIRFLOW_START_TIMEOUT_S:g}s; last lines of {self.log_file}:\n"
+            f"{_tail(self.log_file)}"
+        )
+
+    def stop(self) -> dict[str, Any]:
+        """Stop standalone and its components (SIGINT is its own shutdown), then the group."""
+        pid = self.pid()
+        if pid is None:
+            self.pid_file.unlink(missing_ok=True)
+            return {"state": "stopped", "was_running": False}
+        group = os.getpgid(pid)
+        process = psutil.Process(pid)
+        process.send_signal(signal.SIGINT)
+        with contextlib.suppress(psutil.TimeoutExpired):
+            process.wait(timeout=_STOP_TIMEOUT_S)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+        self.pid_file.unlink(missing_ok=True)
+        return {"state": "stopped", "was_running": True, "pid": pid}
+
+
+def airflow_port(url: str) -> int:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UsageError(
+            f"DUALITY_AIRFLOW_URL={url!r} is not an http URL: write it like http://localhost:8080"
+        )
+    return parts.port or (443 if parts.scheme == "https" else 80)
+
+
+def _healthy(health: dict[str, Any] | None) -> bool:
+    if not health:
+        return False
+    parts = ("metadatabase", "scheduler", "triggerer", "dag_processor")
+    return all((health.get(part) or {}).get("status") == "healthy" for part in parts)
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    if not path.is_file():
+        return "(no log output)"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])

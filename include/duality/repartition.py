@@ -196,6 +196,10 @@ def plan(
     check_arguments(source, target, partitions, strategy, hot_keys, salts)
     kafka.partition_count(settings, source)  # UsageError when the source is missing
     chosen: tuple[str, ...] = ()
+    resumed = _resumable_auto_plan(settings, source, target, partitions, hot_keys, salts)
+    if resumed is not None:
+        # `auto` keeps the keys it chose on the first run: the plan is part of the progress.
+        return resumed
     if strategy == "salted":
         assert hot_keys
         if hot_keys.strip() == "auto":
@@ -239,6 +243,48 @@ def plan(
                 "repeat that plan to resume it, or choose another target"
             )
     return result
+
+
+def _resumable_auto_plan(
+    settings: Settings,
+    source: str,
+    target: str,
+    partitions: int,
+    hot_keys: str | None,
+    salts: int | None,
+) -> Plan | None:
+    """The stored salted plan of TARGET when `--hot-keys auto` asks to go on with it."""
+    if (hot_keys or "").strip() != "auto" or not kafka.topic_exists(settings, target):
+        return None
+    probe = Plan(source, target, partitions, "salted", (), salts or partitions)
+    stored = stored_plan(settings, probe)
+    if stored is None or stored.strategy != "salted" or stored.partitions != partitions:
+        return None
+    if stored.source != source or (salts is not None and stored.salts != salts):
+        return None
+    if kafka.partition_count(settings, target) != partitions:
+        return None
+    return stored
+
+
+def dry_run(settings: Settings, plan: Plan) -> dict[str, Any]:
+    """What a run of `plan` would copy now, and the skew it would leave; changes nothing."""
+    ends = kafka.end_offsets(settings, plan.source, "read_committed")
+    todo = remaining(settings, plan, ends)
+    starts = kafka.beginning_offsets(settings, plan.source)
+    estimates = skew.key_estimates(
+        skew.sample(settings, plan.source), {p: ends[p] - starts.get(p, 0) for p in ends}
+    )
+    hot = list(plan.hot_keys) if plan.strategy == "salted" else None
+    loads = skew.predicted_loads(estimates, plan.partitions, hot, plan.salts)
+    return {
+        "dry_run": True,
+        "plan": plan.as_dict(),
+        "target_exists": kafka.topic_exists(settings, plan.target),
+        "to_copy": sum(todo.values()),
+        "per_source_partition": {str(p): n for p, n in sorted(todo.items())},
+        "predicted_skew_after": round(skew.ratio(loads), 3),
+    }
 
 
 def stored_plan(settings: Settings, requested: Plan) -> Plan | None:

@@ -125,8 +125,14 @@ def _offsets_at(settings: Settings, topic: str, partitions: int, ms: int) -> dic
 
 
 def execute(settings: Settings, spec: PipelineSpec, reset: ResetPlan) -> None:
-    if reset.stop_pid is not None:
-        stream_control.stop(settings, spec)
+    # The supervisor must not start the stream halfway through; afterwards it may again.
+    with stream_control.held(settings, spec):
+        _execute(settings, spec, reset)
+
+
+def _execute(settings: Settings, spec: PipelineSpec, reset: ResetPlan) -> None:
+    if reset.stop_pid is not None or stream_control.running_pid(settings, spec) is not None:
+        stream_control.stop(settings, spec, hold=False)
     group = kafka.consumer(settings, spec.consumer_group)
     try:
         group.commit(

@@ -376,3 +376,43 @@ def find_spec(settings: Settings, name_or_path: str) -> PipelineSpec:
 
 def json_schema() -> dict[str, Any]:
     return PipelineSpec.model_json_schema(by_alias=True)
+
+
+# -- the topics the scheduled repartition DAG looks after ----------------------------------
+
+
+class RepartitionTopic(BaseModel):
+    """One hot topic and the repartitioned copy its consumers read."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: str = Field(min_length=1)
+    target: str = Field(min_length=1)
+    partitions: int = Field(ge=1)
+    strategy: Literal["key-hash", "salted"] = "key-hash"
+    hot_keys: str | None = None
+    salts: int | None = Field(default=None, ge=2)
+
+
+class RepartitionConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    topics: list[RepartitionTopic] = Field(default_factory=list)
+
+
+def load_repartition_config(settings: Settings) -> RepartitionConfig:
+    """`DUALITY_REPARTITION_CONFIG` (YAML); a missing file means no topic is looked after."""
+    path = settings.repartition_config
+    if not path.is_file():
+        return RepartitionConfig()
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise UsageError(f"{path}: not valid YAML: {error}") from None
+    try:
+        return RepartitionConfig.model_validate(data)
+    except ValidationError as error:
+        problems = "; ".join(
+            f"{_location(tuple(e['loc']))}: {e['msg']}" for e in error.errors(include_url=False)
+        )
+        raise UsageError(f"{path}: {problems}") from None

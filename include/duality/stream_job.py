@@ -312,7 +312,7 @@ def supervise(
     backoff = 1.0
     with exclusive(settings, spec):
         while not stopping.is_set():
-            child = subprocess.Popen(command)
+            child = subprocess.Popen(command, preexec_fn=_die_with_parent)
             code = child.wait()
             if stopping.is_set():
                 break
@@ -324,6 +324,16 @@ def supervise(
             stopping.wait(backoff)
             backoff = min(backoff * 2, 30.0)
     return 0
+
+
+def _die_with_parent() -> None:
+    """In the driver child: the kernel kills it when the supervisor dies (even by SIGKILL), so
+    a killed stream never leaves a driver running without the lock."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 def _child_main(argv: list[str] | None = None) -> int:

@@ -511,6 +511,66 @@ def _write_json(folder: Path, report: Report, results: list[dict[str, Any]]) -> 
     (folder / "latest.json").write_text(text)
 
 
+def passing_report(settings: Settings, spec: PipelineSpec, version: int) -> dict[str, Any] | None:
+    """The newest report of `version`, if that validation passed."""
+    folder = settings.reports / spec.name
+    for path in sorted(folder.glob(f"*-v{version}.json"), reverse=True):
+        document = json.loads(path.read_text())
+        if document.get("version") == version and document.get("path") == str(
+            spec.snapshot_path(settings)
+        ):
+            return {**document, "file": str(path)} if document.get("success") else None
+    return None
+
+
+def publish_validated(
+    settings: Settings,
+    spec: PipelineSpec,
+    version: int,
+    *,
+    spark: SparkSession | None = None,
+) -> dict[str, Any]:
+    """Publish a version that passed `validate --no-publish` (the audit step before this)."""
+    path = spec.snapshot_path(settings)
+    snapshot.require_table(spec, path)
+    report = passing_report(settings, spec, version)
+    if report is None:
+        raise CheckFailed(
+            f"version {version} of {spec.name}'s snapshot has no passing validation in "
+            f"{settings.reports / spec.name}: run `duality validate {spec.name} --version "
+            f"{version}` first; nothing was published"
+        )
+    if spark is None:
+        from duality.spark import session
+
+        spark = session(settings, f"duality-publish-{spec.name}")
+    versions = snapshot.history(spark, path)
+    coverage = snapshot.version_coverage(versions, version)
+    if coverage is None:
+        raise CheckFailed(
+            f"version {version} of {path} does not record what it covers (written outside "
+            f"duality): it is never published; rebuild with `duality snapshot {spec.name} --full`"
+        )
+    current = snapshot.published(spark, path)
+    if current is not None and current[0] == version:
+        return {
+            "pipeline": spec.name,
+            "published_version": version,
+            "already_published": True,
+            "report": report["file"],
+            "coverage": coverage.as_dict(),
+        }
+    commit = snapshot.publish(spark, path, version, coverage)
+    return {
+        "pipeline": spec.name,
+        "published_version": version,
+        "already_published": False,
+        "commit": commit,
+        "report": report["file"],
+        "coverage": coverage.as_dict(),
+    }
+
+
 def summary(report: Report) -> str:
     """One paragraph for people: what failed and for which keys."""
     if report.success:

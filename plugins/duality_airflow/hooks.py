@@ -1,0 +1,70 @@
+"""Settings inside Airflow: `DUALITY_*` from the environment, then the connections
+`kafka_default` and `spark_default` take over the Kafka and Spark fields (DESIGN §4).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from duality.config import Settings
+
+KAFKA_CONN_ID = "kafka_default"
+SPARK_CONN_ID = "spark_default"
+
+# librdkafka names in the Kafka connection's extra -> Settings fields.
+_KAFKA_FIELDS = {
+    "bootstrap.servers": "bootstrap_servers",
+    "security.protocol": "security_protocol",
+    "sasl.mechanism": "sasl_mechanism",
+    "sasl.mechanisms": "sasl_mechanism",
+    "sasl.username": "sasl_username",
+    "sasl.password": "sasl_password",
+}
+
+
+def spark_master(host: str | None, port: int | None) -> str | None:
+    """The Spark master URL a `spark` connection names (host `local[2]`, or `spark://h` + port)."""
+    if not host:
+        return None
+    host = host.strip()
+    if host.startswith("local") or port in (None, 0) or host.rsplit(":", 1)[-1].isdigit():
+        return host
+    return f"{host}:{port}"
+
+
+def overrides(
+    kafka_extra: dict[str, Any] | None, spark: tuple[str | None, int | None] | None
+) -> dict[str, Any]:
+    """The Settings fields that the two connections set (pure: unit tests and compose tests)."""
+    changes: dict[str, Any] = {}
+    for name, field in _KAFKA_FIELDS.items():
+        value = (kafka_extra or {}).get(name)
+        if value not in (None, ""):
+            changes[field] = str(value)
+    if spark is not None:
+        master = spark_master(*spark)
+        if master:
+            changes["spark_master"] = master
+    return changes
+
+
+def settings() -> Settings:
+    """`Settings.from_env()` with the Airflow connections applied (missing ones are skipped)."""
+    from airflow.sdk import BaseHook
+
+    from duality.config import Settings
+
+    def connection(conn_id: str) -> Any:
+        try:
+            return BaseHook.get_connection(conn_id)
+        except Exception:  # not defined: the environment's settings stand
+            return None
+
+    kafka_conn = connection(KAFKA_CONN_ID)
+    spark_conn = connection(SPARK_CONN_ID)
+    changes = overrides(
+        kafka_conn.extra_dejson if kafka_conn is not None else None,
+        (spark_conn.host, spark_conn.port) if spark_conn is not None else None,
+    )
+    return Settings.from_env().replace(**changes)
