@@ -417,7 +417,9 @@ class LocalAirflow:
             "SCARF_ANALYTICS": "false",
             "GX_ANALYTICS_ENABLED": "False",
         }
-        return {**os.environ, **settings.as_env(), **airflow}
+        # Standalone runs its components as `airflow ...` from PATH: this interpreter's one.
+        path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        return {**os.environ, **settings.as_env(), **airflow, "PATH": path}
 
     def pid(self) -> int | None:
         try:

@@ -202,6 +202,8 @@ class Snapshot(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     path: str | None = None
+    # When the Airflow snapshot DAG runs: a cron expression or preset (@hourly, @daily).
+    schedule: str = "@hourly"
 
 
 class Expectation(BaseModel):

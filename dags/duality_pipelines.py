@@ -1,0 +1,146 @@
+"""Three DAGs per pipeline spec in DUALITY_PIPELINES (DESIGN §9):
+
+- `duality_<name>_stream`: the stream supervisor, every minute. It starts the stream when it
+  should run and does not, restarts it when it is dead or stalled (with backoff), and never
+  starts a second copy. Trigger it by hand with `action` start, stop or restart.
+- `duality_<name>_snapshot`: incremental snapshot -> validate -> publish, on the spec's
+  `snapshot.schedule` (hourly by default). Publishing updates the snapshot's Asset.
+- `duality_<name>_reset`: the application reset tool, by hand only, after a confirmation.
+
+Parsing reads the YAML specs and nothing else: no broker, no Spark.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from airflow.sdk import DAG, Asset, Param
+from duality_airflow.operators import (
+    PublishOperator,
+    ResetOperator,
+    SnapshotOperator,
+    SuperviseStreamOperator,
+    ValidateOperator,
+)
+from duality_airflow.sensors import StreamRunningSensor
+
+from duality.config import Settings
+from duality.spec import PipelineSpec, load_spec, spec_files
+
+START = datetime(2026, 1, 1)
+DEFAULT_ARGS = {
+    "owner": "duality",
+    "retries": 1,
+    "retry_delay": timedelta(minutes=1),
+}
+
+
+def stream_dag(spec: PipelineSpec) -> DAG:
+    with DAG(
+        dag_id=f"duality_{spec.name}_stream",
+        description=f"keeps the stream of {spec.name} running ({spec.source.topic} -> "
+        f"{spec.changelog_topic})",
+        doc_md=__doc__,
+        schedule=timedelta(minutes=1),
+        start_date=START,
+        catchup=False,
+        max_active_runs=1,
+        dagrun_timeout=timedelta(minutes=10),
+        default_args={**DEFAULT_ARGS, "retries": 0},  # the next minute's run is the retry
+        tags=["duality", "stream", spec.name],
+        params={
+            "action": Param(
+                "ensure",
+                type="string",
+                enum=["ensure", "start", "stop", "restart"],
+                title="Action",
+                description="ensure: start it if it should run and does not, restart it when "
+                "stalled (what the schedule does). start / stop / restart: do it now; a "
+                "stopped stream stays stopped until started.",
+            )
+        },
+    ) as dag:
+        supervise = SuperviseStreamOperator(
+            task_id="supervise", pipeline=spec.name, action="{{ params.action }}"
+        )
+        running = StreamRunningSensor(task_id="wait_running", pipeline=spec.name)
+        supervise >> running
+    return dag
+
+
+def snapshot_dag(spec: PipelineSpec, settings: Settings) -> DAG:
+    asset = Asset(
+        name=f"duality_{spec.name}_snapshot",
+        uri=f"file://{spec.snapshot_path(settings)}",
+        group="duality",
+    )
+    version = "{{ ti.xcom_pull(task_ids='snapshot')['version'] }}"
+    with DAG(
+        dag_id=f"duality_{spec.name}_snapshot",
+        description=f"Delta snapshot of {spec.name}: build -> validate -> publish",
+        doc_md=__doc__,
+        schedule=spec.snapshot.schedule,
+        start_date=START,
+        catchup=False,
+        max_active_runs=1,
+        dagrun_timeout=timedelta(hours=1),
+        default_args=DEFAULT_ARGS,
+        tags=["duality", "snapshot", spec.name],
+    ) as dag:
+        build = SnapshotOperator(task_id="snapshot", pipeline=spec.name)
+        check = ValidateOperator(
+            task_id="validate", pipeline=spec.name, version=version, retries=0
+        )
+        publish = PublishOperator(
+            task_id="publish", pipeline=spec.name, version=version, outlets=[asset]
+        )
+        build >> check >> publish
+    return dag
+
+
+def reset_dag(spec: PipelineSpec) -> DAG:
+    with DAG(
+        dag_id=f"duality_{spec.name}_reset",
+        description=f"reset {spec.name} to reprocess {spec.source.topic} (manual only)",
+        doc_md=__doc__,
+        schedule=None,
+        start_date=START,
+        catchup=False,
+        max_active_runs=1,
+        default_args={**DEFAULT_ARGS, "retries": 0},
+        tags=["duality", "reset", spec.name],
+        params={
+            "confirm": Param(
+                "",
+                type="string",
+                title="Confirm",
+                description=f"Type the pipeline name, {spec.name}, to reset it: the stream "
+                "stops, its changelog is emptied and it reprocesses the source.",
+            ),
+            "to_datetime": Param(
+                None,
+                type=["null", "string"],
+                format="date-time",
+                title="Reprocess from",
+                description="Reprocess the source from this time; empty: from the beginning.",
+            ),
+            "dry_run": Param(
+                False, type="boolean", title="Dry run", description="Only show the plan."
+            ),
+        },
+    ) as dag:
+        ResetOperator(task_id="reset", pipeline=spec.name)
+    return dag
+
+
+def _build() -> dict[str, DAG]:
+    settings = Settings.from_env()
+    dags: dict[str, DAG] = {}
+    for path in spec_files(settings):
+        spec = load_spec(path)  # a bad spec is an import error naming the file and field
+        for dag in (stream_dag(spec), snapshot_dag(spec, settings), reset_dag(spec)):
+            dags[dag.dag_id] = dag
+    return dags
+
+
+globals().update(_build())

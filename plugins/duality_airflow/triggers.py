@@ -1,0 +1,69 @@
+"""Triggers: waiting happens in the triggerer, not in a worker slot."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+
+def stream_health(env: dict[str, str], pipeline: str) -> dict[str, Any]:
+    """The supervisor's diagnosis of a stream, without acting on it (blocking; run in a thread)."""
+    from duality import stream_control
+    from duality.config import Settings
+    from duality.spec import find_spec
+
+    settings = Settings.from_env(env)
+    spec = find_spec(settings, pipeline)
+    info = stream_control.describe(settings, spec)
+    pid = info.get("pid")
+    started = None
+    if pid is not None:
+        import psutil
+
+        started = psutil.Process(pid).create_time()
+    health, reason = stream_control.diagnose(
+        pid, started, info.get("heartbeat"), info.get("lag"), time.time()
+    )
+    return {
+        "pipeline": pipeline,
+        "health": health,
+        "reason": reason,
+        "pid": pid,
+        "desired": stream_control.desired(settings, spec),
+        "lag": info.get("lag"),
+    }
+
+
+class StreamRunningTrigger(BaseTrigger):
+    """Fires once the pipeline's stream reports `running` from its own process, or once it is
+    clearly not coming up (no process, or stalled)."""
+
+    def __init__(self, pipeline: str, env: dict[str, str], poll_s: float = 3.0):
+        super().__init__()
+        self.pipeline = pipeline
+        self.env = env
+        self.poll_s = poll_s
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            "duality_airflow.triggers.StreamRunningTrigger",
+            {"pipeline": self.pipeline, "env": self.env, "poll_s": self.poll_s},
+        )
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        while True:
+            try:
+                health = await asyncio.to_thread(stream_health, self.env, self.pipeline)
+            except Exception as error:  # the broker may be restarting: look again
+                self.log.warning("cannot read the health of %s yet: %s", self.pipeline, error)
+                await asyncio.sleep(self.poll_s)
+                continue
+            if health["health"] in ("healthy", "stopped", "stalled"):
+                yield TriggerEvent(health)
+                return
+            self.log.info("%s: %s", self.pipeline, health["reason"])
+            await asyncio.sleep(self.poll_s)
