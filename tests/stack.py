@@ -1,0 +1,78 @@
+"""The whole local stack as `duality up` starts it (broker + Airflow standalone), on free ports
+in a temporary folder, with the pipelines and repartition config the test writes there."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from duality.airflow_api import AirflowClient
+from duality.config import Settings
+from duality.local import free_port
+
+
+@dataclass
+class Stack:
+    root: Path
+    env: dict[str, str]
+    settings: Settings
+    client: AirflowClient
+    password: str
+
+    def duality(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "duality.cli", *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+
+def stack_env(root: Path) -> dict[str, str]:
+    (root / "pipelines").mkdir(parents=True, exist_ok=True)
+    return {
+        **os.environ,
+        "DUALITY_LOCAL_DIR": str(root / "local"),
+        "DUALITY_WAREHOUSE": str(root / "warehouse"),
+        "DUALITY_CHECKPOINT_ROOT": str(root / "checkpoints"),
+        "DUALITY_REPORTS": str(root / "reports"),
+        "DUALITY_PIPELINES": str(root / "pipelines"),
+        "DUALITY_REPARTITION_CONFIG": str(root / "repartition.yaml"),
+        "DUALITY_BOOTSTRAP_SERVERS": f"localhost:{free_port()}",
+        "DUALITY_CONTROLLER_PORT": str(free_port()),
+        "DUALITY_AIRFLOW_URL": f"http://localhost:{free_port()}",
+    }
+
+
+@contextlib.contextmanager
+def running_stack(root: Path, env: dict[str, str] | None = None) -> Iterator[Stack]:
+    """`duality up` before, `duality down` after (also when the test failed)."""
+    env = env or stack_env(root)
+    settings = Settings.from_env(env)
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "duality.cli", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+
+    up = run("up", "--json")
+    try:
+        assert up.returncode == 0, up.stderr[-3000:]
+        started = json.loads(up.stdout)
+        password = started["airflow"]["password"]
+        client = AirflowClient(settings.airflow_url, started["airflow"]["user"], password)
+        yield Stack(root, env, settings, client, password)
+    finally:
+        down = run("down", "--json")
+        assert down.returncode == 0, down.stderr[-3000:]

@@ -1,0 +1,725 @@
+"""docker-compose.yml and docker/Dockerfile agree with the code, the Makefile and the poms.
+
+No Docker engine runs here, so the distributed stack (DESIGN §10) is kept correct by reading
+the files: the compose file with PyYAML, the Dockerfile and the Makefile as text.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import functools
+import json
+import re
+import shlex
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path, PurePosixPath
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+from duality.config import PREFIX, Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+MAKEFILE = ROOT / "Makefile"
+NS = {"m": "http://maven.apache.org/POM/4.0.0"}
+
+KAFKA = ("kafka-1", "kafka-2", "kafka-3")
+SPARK_MASTER = "spark-master"
+SPARK_WORKERS = ("spark-worker-1", "spark-worker-2")
+SPARK = (SPARK_MASTER, *SPARK_WORKERS)
+AIRFLOW_COMMANDS = {
+    "airflow-init": ["db", "migrate"],
+    "airflow-apiserver": ["api-server"],
+    "airflow-scheduler": ["scheduler"],
+    "airflow-dag-processor": ["dag-processor"],
+    "airflow-triggerer": ["triggerer"],
+}
+AIRFLOW = tuple(AIRFLOW_COMMANDS)
+POSTGRES = "postgres"
+WAREHOUSE_VOLUME = "warehouse"
+
+
+# -- reading the files ---------------------------------------------------------------------
+
+
+@functools.cache
+def _compose() -> dict[str, Any]:
+    data = yaml.safe_load(COMPOSE.read_text())
+    assert isinstance(data, dict) and isinstance(data.get("services"), dict), (
+        f"{COMPOSE} has no services mapping"
+    )
+    return data
+
+
+def _services() -> dict[str, dict[str, Any]]:
+    return dict(_compose()["services"])
+
+
+def _service(name: str) -> dict[str, Any]:
+    services = _services()
+    assert name in services, f"docker-compose.yml has no service {name!r}"
+    return dict(services[name])
+
+
+_INTERPOLATION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
+
+
+def _interpolate(value: str) -> str:
+    """Compose's `${VAR:-default}` with an empty environment: the stack's own defaults."""
+
+    def resolve(match: re.Match[str]) -> str:
+        name, operator, default = match.groups()
+        assert operator in ("-", ":-"), (
+            f"${{{name}}} in docker-compose.yml has no default: `docker compose up` without an "
+            f".env file would fail; write ${{{name}:-default}}"
+        )
+        return default
+
+    return _INTERPOLATION.sub(resolve, value.replace("$$", "\0")).replace("\0", "$")
+
+
+def _env(name: str) -> dict[str, str]:
+    """A service's environment with compose's defaults filled in, every value a string."""
+    raw = _service(name).get("environment") or {}
+    if isinstance(raw, list):
+        raw = dict(item.split("=", 1) for item in raw)
+    env = {}
+    for key, value in raw.items():
+        if isinstance(value, bool):
+            value = "true" if value else "false"
+        env[str(key)] = _interpolate(str(value)) if value is not None else ""
+    return env
+
+
+def _command(name: str) -> list[str]:
+    command = _service(name).get("command")
+    assert command, f"service {name!r} has no command"
+    return shlex.split(command) if isinstance(command, str) else [str(part) for part in command]
+
+
+def _volume_mounts(name: str) -> dict[str, str]:
+    """Named volume -> container path of one service (short and long syntax)."""
+    mounts = {}
+    for volume in _service(name).get("volumes") or []:
+        if isinstance(volume, dict):
+            source, target = volume.get("source"), volume.get("target")
+        else:
+            source, target, *_ = str(volume).split(":")
+        if source and target and not source.startswith((".", "/", "~")):
+            mounts[source] = target
+    return mounts
+
+
+def _published_ports(name: str) -> dict[int, int]:
+    """Host port -> container port of one service."""
+    published = {}
+    for port in _service(name).get("ports") or []:
+        if isinstance(port, dict):
+            host, container = port.get("published"), port.get("target")
+        else:
+            parts = str(port).split("/")[0].split(":")
+            assert len(parts) >= 2, f"{name}: port {port!r} publishes no fixed host port"
+            host, container = parts[-2], parts[-1]
+        published[int(host)] = int(container)
+    return published
+
+
+def _instructions(text: str) -> list[tuple[str, str]]:
+    """Dockerfile instructions with continuation lines joined and comments dropped."""
+    instructions: list[tuple[str, str]] = []
+    current = ""
+    for line in text.splitlines():
+        if line.strip().startswith("#") or (not line.strip() and not current):
+            continue
+        if line.rstrip().endswith("\\"):
+            current += line.rstrip()[:-1] + " "
+            continue
+        current += line
+        keyword, _, rest = current.strip().partition(" ")
+        instructions.append((keyword.upper(), rest.strip()))
+        current = ""
+    return instructions
+
+
+@functools.cache
+def _dockerfile() -> list[tuple[str, str]]:
+    assert DOCKERFILE.is_file(), f"{DOCKERFILE} is missing"
+    return _instructions(DOCKERFILE.read_text())
+
+
+def _dockerfile_args(keyword: str) -> list[str]:
+    return [rest for kw, rest in _dockerfile() if kw == keyword]
+
+
+def _image_env() -> dict[str, str]:
+    env = {}
+    for rest in _dockerfile_args("ENV"):
+        for item in shlex.split(rest):
+            key, _, value = item.partition("=")
+            env[key] = value
+    return env
+
+
+def _image_run() -> str:
+    """Every RUN instruction, in order, as one shell text."""
+    return "\n".join(_dockerfile_args("RUN"))
+
+
+def _workdir() -> str:
+    workdirs = _dockerfile_args("WORKDIR")
+    assert workdirs, "docker/Dockerfile sets no WORKDIR"
+    return workdirs[-1]
+
+
+def _copied() -> dict[str, str]:
+    """Source -> absolute destination of the Dockerfile's COPY instructions."""
+    copied = {}
+    for rest in _dockerfile_args("COPY"):
+        parts = [p for p in shlex.split(rest) if not p.startswith("--")]
+        *sources, destination = parts
+        into_folder = destination.endswith("/") or len(sources) > 1
+        if not destination.startswith("/"):
+            destination = str(PurePosixPath(_workdir()) / destination)
+        for source in sources:
+            target = destination
+            if into_folder and not source.endswith("/"):
+                target = str(PurePosixPath(destination) / PurePosixPath(source).name)
+            copied[source.rstrip("/")] = target.rstrip("/")
+    return copied
+
+
+def _mvn_invocation(shell: str) -> tuple[list[str], list[str]]:
+    """(parts of the `for part in ...` loop, the mvn command's arguments) of a shell text."""
+    loop = re.search(r"for\s+part\s+in\s+([^;]+);\s*do", shell)
+    mvn = re.search(r"\bmvn\s[^;|&]*dependency:copy-dependencies[^;|&]*", shell)
+    assert loop and mvn, f"no `for part in ...; do mvn ...` loop in:\n{shell}"
+    return loop.group(1).split(), shlex.split(mvn.group(0))
+
+
+def _makefile_rule(target: str) -> tuple[str, str]:
+    """(prerequisites, recipe) of one Makefile rule, continuation lines joined."""
+    text = MAKEFILE.read_text().replace("\\\n", " ")
+    match = re.search(
+        rf"^{re.escape(target)}\s*:([^\n]*)\n((?:\t[^\n]*\n?)*)", text, flags=re.MULTILINE
+    )
+    assert match, f"the Makefile has no {target} rule"
+    return match.group(1), match.group(2).replace("$$", "$")
+
+
+def _makefile_variable(name: str) -> str:
+    match = re.search(rf"^{name}\s*:?=\s*(.*)$", MAKEFILE.read_text(), flags=re.MULTILINE)
+    assert match, f"the Makefile defines no {name}"
+    return match.group(1).strip()
+
+
+def _lock_pins() -> dict[str, str]:
+    pins = {}
+    for line in (ROOT / "requirements.lock").read_text().splitlines():
+        if "==" in line and not line.startswith("#"):
+            name, version = line.split("==", 1)
+            pins[name.strip().lower().replace("_", "-")] = version.strip()
+    return pins
+
+
+def _pom(part: str) -> ET.ElementTree:
+    return ET.parse(ROOT / "jars" / part / "pom.xml")
+
+
+def _listeners(value: str) -> dict[str, tuple[str, int]]:
+    """`NAME://host:port,...` -> {NAME: (host, port)}."""
+    listeners = {}
+    for item in value.split(","):
+        name, _, address = item.strip().partition("://")
+        host, _, port = address.rpartition(":")
+        listeners[name] = (host, int(port))
+    return listeners
+
+
+def _all_envs() -> dict[str, dict[str, str]]:
+    return {name: _env(name) for name in _services()}
+
+
+def _settings_names() -> set[str]:
+    return {PREFIX + field.name.upper() for field in dataclasses.fields(Settings)}
+
+
+# -- 1. services ---------------------------------------------------------------------------
+
+
+def test_every_service_of_the_stack_is_there():
+    expected = {*KAFKA, *SPARK, POSTGRES, *AIRFLOW}
+    missing = expected - set(_services())
+    assert not missing, f"docker-compose.yml lacks the services {sorted(missing)}"
+
+
+@pytest.mark.parametrize("name", AIRFLOW)
+def test_each_airflow_service_runs_its_airflow_command(name: str):
+    command = _command(name)
+    assert command[0] == "airflow" and command[1:] == AIRFLOW_COMMANDS[name], (
+        f"{name} runs {command}, expected airflow {' '.join(AIRFLOW_COMMANDS[name])}"
+    )
+
+
+def test_spark_services_run_master_and_workers_from_pyspark():
+    spark_class = _image_env()["SPARK_HOME"] + "/bin/spark-class"
+    assert _command(SPARK_MASTER)[:2] == [spark_class, "org.apache.spark.deploy.master.Master"], (
+        f"spark-master must run {spark_class} org.apache.spark.deploy.master.Master"
+    )
+    for worker in SPARK_WORKERS:
+        assert _command(worker)[:2] == [spark_class, "org.apache.spark.deploy.worker.Worker"], (
+            f"{worker} must run {spark_class} org.apache.spark.deploy.worker.Worker"
+        )
+
+
+def test_dependencies_exist_and_wait_for_health():
+    services = _services()
+    for name, service in services.items():
+        depends_on = service.get("depends_on") or {}
+        if isinstance(depends_on, list):
+            depends_on = {target: {"condition": "service_started"} for target in depends_on}
+        for target, spec in depends_on.items():
+            assert target in services, f"{name} depends on {target!r}, which is no service"
+            condition = (spec or {}).get("condition")
+            if condition == "service_healthy":
+                assert services[target].get("healthcheck"), (
+                    f"{name} waits for {target} to be healthy, but {target} has no healthcheck"
+                )
+            if target == "airflow-init":
+                assert condition == "service_completed_successfully", (
+                    f"{name} must wait for airflow-init to complete successfully"
+                )
+    for name in AIRFLOW:
+        depends_on = _service(name).get("depends_on") or {}
+        assert depends_on.get(POSTGRES, {}).get("condition") == "service_healthy", (
+            f"{name} must wait for a healthy postgres"
+        )
+        if name != "airflow-init":
+            assert "airflow-init" in depends_on, f"{name} must wait for airflow-init (db migrate)"
+    scheduler = _service("airflow-scheduler")["depends_on"]
+    for name in (*KAFKA, SPARK_MASTER):
+        assert scheduler.get(name, {}).get("condition") == "service_healthy", (
+            f"airflow-scheduler runs the Spark drivers: it must wait for a healthy {name}"
+        )
+    for worker in SPARK_WORKERS:
+        condition = (_service(worker).get("depends_on") or {}).get(SPARK_MASTER, {})
+        assert condition.get("condition") == "service_healthy", f"{worker} must wait for master"
+
+
+def test_every_interpolation_has_a_default():
+    # _interpolate asserts on a variable without a default; run it over the whole file.
+    for name in _services():
+        _env(name)
+    for variable in _INTERPOLATION.finditer(COMPOSE.read_text()):
+        _interpolate(variable.group(0))
+
+
+# -- 2. Kafka ------------------------------------------------------------------------------
+
+
+def test_kafka_image_is_the_broker_version_of_the_pom():
+    version = _pom("broker").find("m:properties/m:kafka.version", NS)
+    assert version is not None and version.text
+    for name in KAFKA:
+        image = _service(name).get("image")
+        assert image == f"apache/kafka:{version.text}", (
+            f"{name} runs {image!r}, but jars/broker/pom.xml's kafka.version is {version.text}: "
+            f"use apache/kafka:{version.text}"
+        )
+
+
+def test_kraft_quorum_lists_exactly_the_three_brokers():
+    node_ids = {}
+    for name in KAFKA:
+        env = _env(name)
+        assert set(env["KAFKA_PROCESS_ROLES"].split(",")) == {"broker", "controller"}, (
+            f"{name} must run in combined mode (broker,controller)"
+        )
+        node_ids[name] = int(env["KAFKA_NODE_ID"])
+    assert sorted(node_ids.values()) == [1, 2, 3], f"node ids must be 1..3, got {node_ids}"
+    voter_lists = {_env(name)["KAFKA_CONTROLLER_QUORUM_VOTERS"] for name in KAFKA}
+    assert len(voter_lists) == 1, f"brokers disagree on the quorum voters: {voter_lists}"
+    voters = {}
+    for voter in voter_lists.pop().split(","):
+        node_id, _, address = voter.partition("@")
+        host, _, port = address.rpartition(":")
+        voters[int(node_id)] = (host, int(port))
+    expected = {}
+    for name in KAFKA:
+        env = _env(name)
+        controller = env["KAFKA_CONTROLLER_LISTENER_NAMES"]
+        expected[node_ids[name]] = (name, _listeners(env["KAFKA_LISTENERS"])[controller][1])
+    assert voters == expected, f"quorum voters {voters} are not the brokers {expected}"
+
+
+def test_kafka_cluster_id_is_one_valid_id():
+    ids = {name: _env(name).get("CLUSTER_ID") for name in KAFKA}
+    assert len(set(ids.values())) == 1 and None not in ids.values(), (
+        f"every broker needs the same CLUSTER_ID, got {ids}"
+    )
+    cluster_id = next(iter(ids.values()))
+    assert cluster_id is not None and not cluster_id.startswith("-"), cluster_id
+    assert len(base64.urlsafe_b64decode(cluster_id + "==")) == 16, (
+        f"CLUSTER_ID {cluster_id!r} is not a base64 UUID (kafka-storage.sh random-uuid)"
+    )
+
+
+def test_advertised_listeners_are_reachable_names():
+    published: dict[int, str] = {}
+    for name in KAFKA:
+        env = _env(name)
+        listeners = _listeners(env["KAFKA_LISTENERS"])
+        advertised = _listeners(env["KAFKA_ADVERTISED_LISTENERS"])
+        protocols = dict(
+            item.split(":") for item in env["KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"].split(",")
+        )
+        assert set(listeners) <= set(protocols), f"{name}: listeners without a protocol"
+        assert env["KAFKA_CONTROLLER_LISTENER_NAMES"] not in advertised, (
+            f"{name} must not advertise its controller listener"
+        )
+        internal = env["KAFKA_INTER_BROKER_LISTENER_NAME"]
+        assert advertised[internal] == (name, listeners[internal][1]), (
+            f"{name} advertises {internal} as {advertised[internal]}: clients in the compose "
+            f"network need ({name!r}, {listeners[internal][1]}), the service name"
+        )
+        ports = _published_ports(name)
+        for listener, (host, port) in advertised.items():
+            if listener == internal:
+                continue
+            assert host == "localhost" and ports.get(port) == listeners[listener][1], (
+                f"{name} advertises {listener} as {host}:{port}, which the host cannot reach: "
+                f"publish {port}:{listeners[listener][1]}"
+            )
+            published[port] = name
+    assert len(published) == len(KAFKA), f"each broker needs its own host listener: {published}"
+
+
+def test_kafka_cluster_settings():
+    for name in KAFKA:
+        env = _env(name)
+        assert env.get("KAFKA_AUTO_CREATE_TOPICS_ENABLE") == "false", (
+            f"{name}: topic auto-creation must be off (DESIGN §3)"
+        )
+        for prefix in ("KAFKA_OFFSETS_TOPIC", "KAFKA_TRANSACTION_STATE_LOG"):
+            assert env.get(f"{prefix}_REPLICATION_FACTOR") == str(len(KAFKA)), (
+                f"{name}: {prefix}_REPLICATION_FACTOR must be {len(KAFKA)}"
+            )
+        assert env.get("KAFKA_TRANSACTION_STATE_LOG_MIN_ISR") == "2", name
+    data = {name: _volume_mounts(name) for name in KAFKA}
+    for name, mounts in data.items():
+        log_dir = _env(name)["KAFKA_LOG_DIRS"]
+        assert log_dir in mounts.values(), f"{name} keeps its log dir {log_dir} on no volume"
+    volumes = [volume for mounts in data.values() for volume in mounts]
+    assert len(volumes) == len(set(volumes)) == len(KAFKA), f"one data volume per broker: {data}"
+
+
+# -- 3. the image --------------------------------------------------------------------------
+
+
+def test_image_base_and_environment():
+    base = _dockerfile_args("FROM")
+    assert base == ["python:3.11-slim-bookworm"], f"docker/Dockerfile builds FROM {base}"
+    env = _image_env()
+    assert env.get("DUALITY_HOME") == _workdir() == "/opt/duality"
+    assert env.get("SPARK_HOME") == "/usr/local/lib/python3.11/site-packages/pyspark"
+    assert env.get("JAVA_HOME"), "the image sets no JAVA_HOME"
+    assert "openjdk-17-jre-headless" in _image_run() and "maven" in _image_run()
+
+
+def test_image_fetches_jars_like_the_makefile():
+    prerequisites, recipe = _makefile_rule("$(JAR_STAMP)")
+    make_parts, make_mvn = _mvn_invocation(recipe)
+    image_parts, image_mvn = _mvn_invocation(_image_run())
+    assert image_parts == make_parts, f"the image fetches {image_parts}, the Makefile {make_parts}"
+    assert sorted(prerequisites.split()) == sorted(f"jars/{p}/pom.xml" for p in make_parts)
+
+    def without_cache(args: list[str]) -> list[str]:
+        return [a for a in args if not a.startswith("-Djar.cache=")]
+
+    assert without_cache(image_mvn) == without_cache(make_mvn), (
+        f"docker/Dockerfile runs {image_mvn}, the Makefile {make_mvn}: keep them the same"
+    )
+    make_cache = [a for a in make_mvn if a.startswith("-Djar.cache=")]
+    assert make_cache == ["-Djar.cache=$(JAR_CACHE)"], make_cache
+    image_cache = [a.partition("=")[2] for a in image_mvn if a.startswith("-Djar.cache=")]
+    assert image_cache == [_image_env()["DUALITY_JAR_CACHE"]], (
+        f"the image fetches jars into {image_cache} but sets "
+        f"DUALITY_JAR_CACHE={_image_env()['DUALITY_JAR_CACHE']}"
+    )
+    assert _copied().get("jars") == _workdir() + "/jars", "jars/ is not copied next to the poms"
+    for part in make_parts:
+        output = _pom(part).find("m:build/m:plugins/m:plugin/m:configuration/m:outputDirectory", NS)
+        assert output is not None and output.text == f"${{jar.cache}}/{part}", (
+            f"jars/{part}/pom.xml must copy into ${{jar.cache}}/{part}"
+        )
+
+
+def test_image_installs_the_lock_then_reinstalls_its_pyspark():
+    run = _image_run()
+    assert _copied().get("requirements.lock") == _workdir() + "/requirements.lock"
+    install = run.find("pip install -r requirements.lock")
+    assert install >= 0, "docker/Dockerfile does not pip install -r requirements.lock"
+    reinstall = re.search(
+        r"pip install --no-deps --force-reinstall \"?pyspark==(\S+?)\"?(\s|;)", run
+    )
+    assert reinstall and reinstall.start() > install, (
+        "after requirements.lock the image must reinstall pyspark with --no-deps "
+        "--force-reinstall, like `make setup`"
+    )
+    pinned = _lock_pins()["pyspark"]
+    version = reinstall.group(1)
+    if version.startswith("$"):
+        # Derived from the lock by the Makefile's own sed expression.
+        variable = version.strip("${}")
+        derivation = re.search(rf"{variable}=\"?\$\((sed [^)]*)\)", run)
+        make_sed = re.fullmatch(r"\$\(shell (sed [^)]*)\)", _makefile_variable("PYSPARK_VERSION"))
+        assert derivation and make_sed, f"${variable} is not derived from requirements.lock"
+        assert shlex.split(derivation.group(1)) == shlex.split(make_sed.group(1)), (
+            f"the image derives pyspark's version with {derivation.group(1)!r}, "
+            f"the Makefile with {make_sed.group(1)!r}"
+        )
+        expression = shlex.split(derivation.group(1))[2]
+        pattern = re.fullmatch(r"s/(.*)//p", expression)
+        assert pattern, expression
+        found = [
+            re.sub(pattern.group(1), "", line)
+            for line in (ROOT / "requirements.lock").read_text().splitlines()
+            if re.search(pattern.group(1), line)
+        ]
+        assert found == [pinned], f"{expression} finds {found} in requirements.lock"
+    else:
+        assert version == pinned, f"the image reinstalls pyspark=={version}, the lock pins {pinned}"
+    assert re.search(r"pip install --no-deps (-e )?\.(\s|;|$)", run), (
+        "the image must install duality itself (pip install --no-deps -e .)"
+    )
+    assert re.search(r"psycopg2-binary==\d+\.\d+\.\d+", run), (
+        "the image must pin psycopg2-binary, the driver of Airflow's PostgreSQL database"
+    )
+
+
+def test_image_holds_the_code_at_duality_home():
+    home = _image_env()["DUALITY_HOME"]
+    copied = _copied()
+    for source in ("pyproject.toml", "include", "jars", "jobs", "dags", "plugins"):
+        assert copied.get(source) == f"{home}/{source}", (
+            f"docker/Dockerfile must copy {source} to {home}/{source}, got {copied.get(source)}"
+        )
+
+
+def test_spark_and_airflow_run_the_one_built_image():
+    images = {}
+    for name in (*SPARK, *AIRFLOW):
+        service = _service(name)
+        build = service.get("build")
+        assert isinstance(build, dict), f"{name} is not built from docker/Dockerfile"
+        assert build.get("context") in (".", "./") and build.get("dockerfile") == (
+            "docker/Dockerfile"
+        ), f"{name} builds {build}, expected context . and docker/Dockerfile"
+        images[name] = service.get("image")
+    assert len(set(images.values())) == 1 and None not in images.values(), (
+        f"Spark and Airflow must share one image name: {images}"
+    )
+
+
+# -- 4. settings ---------------------------------------------------------------------------
+
+
+def test_every_duality_variable_is_a_setting():
+    known = _settings_names() | {PREFIX + "HOME"}
+    sources = {name: env for name, env in _all_envs().items()}
+    sources["docker/Dockerfile"] = _image_env()
+    for source, env in sources.items():
+        unknown = sorted(k for k in env if k.startswith(PREFIX) and k not in known)
+        assert not unknown, (
+            f"{source} sets {unknown}, which duality.config.Settings does not read; "
+            f"known: {sorted(known)}"
+        )
+
+
+def test_spark_and_airflow_see_the_same_settings():
+    image_env = _image_env()
+    expected = None
+    for name in (*SPARK, *AIRFLOW):
+        env = {k: v for k, v in _env(name).items() if k.startswith(PREFIX)}
+        assert env.get("DUALITY_HOME") == image_env["DUALITY_HOME"], name
+        assert env.get("DUALITY_JAR_CACHE") == image_env["DUALITY_JAR_CACHE"], (
+            f"{name}'s DUALITY_JAR_CACHE is not where the image fetched the jars"
+        )
+        expected = expected or env
+        assert env == expected, f"{name} has other DUALITY_* settings than the rest: {env}"
+
+
+def test_data_paths_lie_on_the_shared_volume():
+    assert WAREHOUSE_VOLUME in (_compose().get("volumes") or {}), "no top-level warehouse volume"
+    mount_paths = set()
+    for name, env in _all_envs().items():
+        if name in (*SPARK, *AIRFLOW):
+            assert "DUALITY_WAREHOUSE" in env, f"{name} does not set DUALITY_WAREHOUSE"
+        if "DUALITY_WAREHOUSE" not in env:
+            continue
+        mounts = _volume_mounts(name)
+        assert WAREHOUSE_VOLUME in mounts, (
+            f"{name} sets DUALITY_WAREHOUSE but does not mount the {WAREHOUSE_VOLUME} volume"
+        )
+        mount = PurePosixPath(mounts[WAREHOUSE_VOLUME])
+        mount_paths.add(mount)
+        settings = Settings.from_env(env)
+        for field in ("warehouse", "checkpoint_root", "reports", "local_dir"):
+            path = PurePosixPath(getattr(settings, field))
+            assert path.is_relative_to(mount) and path != mount, (
+                f"{name}: {field} {path} is not on the shared volume mounted at {mount}"
+            )
+    assert len(mount_paths) == 1, (
+        f"the warehouse volume is mounted at different paths {sorted(map(str, mount_paths))}: "
+        "Delta tables and checkpoints are addressed by absolute path"
+    )
+
+
+def test_settings_build_from_each_service_environment():
+    for name in (*SPARK, *AIRFLOW):
+        env = _env(name)
+        settings = Settings.from_env(env)
+        assert str(settings.home) == env["DUALITY_HOME"]
+        assert str(settings.jar_cache) == env["DUALITY_JAR_CACHE"]
+        assert settings.spark_master == env["DUALITY_SPARK_MASTER"]
+
+
+# -- 5. connections ------------------------------------------------------------------------
+
+
+def _overrides_of(env: dict[str, str]) -> dict[str, Any]:
+    sys.path.insert(0, str(ROOT / "plugins"))
+    try:
+        from duality_airflow.hooks import overrides
+    finally:
+        sys.path.remove(str(ROOT / "plugins"))
+    kafka = json.loads(env["AIRFLOW_CONN_KAFKA_DEFAULT"])
+    spark = json.loads(env["AIRFLOW_CONN_SPARK_DEFAULT"])
+    assert kafka.get("conn_type") == "kafka", kafka
+    assert spark.get("conn_type") == "spark", spark
+    return overrides(kafka.get("extra"), (spark.get("host"), spark.get("port")))
+
+
+def _broker_addresses() -> list[str]:
+    addresses = []
+    for name in KAFKA:
+        env = _env(name)
+        host, port = _listeners(env["KAFKA_ADVERTISED_LISTENERS"])[
+            env["KAFKA_INTER_BROKER_LISTENER_NAME"]
+        ]
+        addresses.append(f"{host}:{port}")
+    return addresses
+
+
+def _master_url() -> str:
+    command = _command(SPARK_MASTER)
+    options = dict(zip(command[2::2], command[3::2], strict=False))
+    host = options.get("--host", SPARK_MASTER)
+    port = int(options.get("--port", 7077))
+    assert host == SPARK_MASTER, f"spark-master binds {host}, not its service name"
+    assert port in _published_ports(SPARK_MASTER).values(), f"master port {port} not published"
+    return f"spark://{host}:{port}"
+
+
+@pytest.mark.parametrize("name", AIRFLOW)
+def test_connections_name_the_cluster(name: str):
+    env = _env(name)
+    changes = _overrides_of(env)
+    brokers = _broker_addresses()
+    assert changes.get("bootstrap_servers", "").split(",") == brokers, (
+        f"{name}: kafka_default gives bootstrap servers {changes.get('bootstrap_servers')!r}, "
+        f"the brokers advertise {','.join(brokers)}"
+    )
+    assert env["DUALITY_BOOTSTRAP_SERVERS"].split(",") == brokers, (
+        f"{name}: DUALITY_BOOTSTRAP_SERVERS is not the three brokers' client listeners"
+    )
+    assert changes.get("spark_master") == _master_url() == env["DUALITY_SPARK_MASTER"], (
+        f"{name}: spark_default gives {changes.get('spark_master')!r}, "
+        f"DUALITY_SPARK_MASTER is {env['DUALITY_SPARK_MASTER']!r}, the master is {_master_url()}"
+    )
+    settings = Settings.from_env(env).replace(**changes)
+    assert settings.bootstrap_servers == ",".join(brokers)
+    assert settings.spark_master == _master_url()
+    assert settings.security_protocol == "PLAINTEXT"
+
+
+def test_workers_register_with_the_master():
+    for worker in SPARK_WORKERS:
+        assert _master_url() in _command(worker), (
+            f"{worker} runs {_command(worker)}, which does not name {_master_url()}"
+        )
+
+
+# -- 6. Airflow ----------------------------------------------------------------------------
+
+
+def test_airflow_uses_the_postgres_service():
+    postgres = _env(POSTGRES)
+    assert not _published_ports(POSTGRES), "postgres need not be published on the host"
+    for name in AIRFLOW:
+        url = urlsplit(_env(name)["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"])
+        assert url.scheme == "postgresql+psycopg2", f"{name}: {url.scheme}"
+        assert (url.username, url.password, url.hostname, url.path.lstrip("/")) == (
+            postgres["POSTGRES_USER"],
+            postgres["POSTGRES_PASSWORD"],
+            POSTGRES,
+            postgres["POSTGRES_DB"],
+        ), f"{name}'s SQL_ALCHEMY_CONN does not match the postgres service"
+        assert url.port in (None, 5432)
+
+
+def test_airflow_reads_the_image_dags_and_plugins():
+    copied = _copied()
+    for name in AIRFLOW:
+        env = _env(name)
+        assert env["AIRFLOW__CORE__EXECUTOR"] == "LocalExecutor", name
+        assert env["AIRFLOW__CORE__DAGS_FOLDER"] == copied["dags"], (
+            f"{name}: DAGS_FOLDER {env['AIRFLOW__CORE__DAGS_FOLDER']} is not where the image "
+            f"holds dags/ ({copied['dags']})"
+        )
+        assert env["AIRFLOW__CORE__PLUGINS_FOLDER"] == copied["plugins"], name
+        assert env["AIRFLOW__CORE__LOAD_EXAMPLES"] == "False", name
+
+
+def test_airflow_urls_point_at_the_api_server():
+    (host_port, container_port), *_ = _published_ports("airflow-apiserver").items()
+    for name in AIRFLOW:
+        env = _env(name)
+        execution = urlsplit(env["AIRFLOW__CORE__EXECUTION_API_SERVER_URL"])
+        assert (execution.hostname, execution.port, execution.path) == (
+            "airflow-apiserver",
+            container_port,
+            "/execution/",
+        ), f"{name}: task runners cannot reach the execution API at {execution.geturl()}"
+        duality_url = urlsplit(env["DUALITY_AIRFLOW_URL"])
+        assert (duality_url.hostname, duality_url.port) == ("airflow-apiserver", container_port)
+        base = urlsplit(env["AIRFLOW__API__BASE_URL"])
+        assert base.port == host_port, f"{name}: BASE_URL {base.geturl()} is not the host's port"
+        assert env.get("AIRFLOW__API_AUTH__JWT_SECRET"), f"{name} has no shared JWT secret"
+
+
+def test_airflow_services_share_one_environment():
+    envs = {name: _env(name) for name in AIRFLOW}
+    first = envs[AIRFLOW[0]]
+    for name, env in envs.items():
+        differing = sorted(k for k in set(env) | set(first) if env.get(k) != first.get(k))
+        assert not differing, f"{name}'s environment differs from {AIRFLOW[0]}'s in {differing}"
+    assert re.search(r"^x-airflow-common:\s*&airflow-common", COMPOSE.read_text(), re.MULTILINE)
+
+
+# -- 7. ports ------------------------------------------------------------------------------
+
+
+def test_published_ports_do_not_collide():
+    owners: dict[int, list[str]] = {}
+    for name in _services():
+        for host in _published_ports(name):
+            owners.setdefault(host, []).append(name)
+    collisions = {port: names for port, names in owners.items() if len(names) > 1}
+    assert not collisions, f"host ports published twice: {collisions}"
+    assert 8080 in _published_ports("airflow-apiserver"), "the Airflow UI is not published"
