@@ -11,7 +11,7 @@ PY_STAMP := $(VENV)/.duality-installed
 JAR_STAMP := $(JAR_CACHE)/.duality-fetched
 PYTEST_ARGS ?=
 
-.PHONY: help setup demo test test-unit test-integration bench up down status lint lock clean
+.PHONY: help setup browser demo test test-unit test-integration bench up down status lint lock clean
 
 help:
 	@echo "make demo    run the demo on the local stack (sets itself up)"
@@ -45,17 +45,26 @@ $(JAR_STAMP): jars/broker/pom.xml jars/spark/pom.xml
 	done
 	@touch $@
 
+# Headless Chromium and its driver from Debian for the UI test (tests/e2e/test_airflow_ui.py);
+# Selenium uses /usr/bin/chromium and /usr/bin/chromedriver and never downloads a browser.
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+	  SUDO=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
+	  $$SUDO apt-get update && \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+	    chromium chromium-driver; }
+
 demo: setup
 	$(VENV)/bin/duality up
 	$(VENV)/bin/duality demo
 
-test: setup
+test: setup browser
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-unit: setup
 	$(PY) -m pytest -m unit $(PYTEST_ARGS)
 
-test-integration: setup
+test-integration: setup browser
 	$(PY) -m pytest -m "integration or e2e" $(PYTEST_ARGS)
 
 bench: setup

@@ -88,9 +88,7 @@ def snapshot_dag(spec: PipelineSpec, settings: Settings) -> DAG:
         tags=["duality", "snapshot", spec.name],
     ) as dag:
         build = SnapshotOperator(task_id="snapshot", pipeline=spec.name)
-        check = ValidateOperator(
-            task_id="validate", pipeline=spec.name, version=version, retries=0
-        )
+        check = ValidateOperator(task_id="validate", pipeline=spec.name, version=version, retries=0)
         publish = PublishOperator(
             task_id="publish", pipeline=spec.name, version=version, outlets=[asset]
         )

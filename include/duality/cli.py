@@ -151,20 +151,35 @@ def _cmd_lag(settings: Settings, args: argparse.Namespace, console: Console) -> 
 def _cmd_demo(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
     from duality import demo
 
-    result = demo.run(settings, args.events, console)
+    result = demo.run(settings, args.events, console, seed=args.seed)
     if not args.json:
-        table = Table(title=f"per-product sales in {result['delta_table']}")
-        for column in ("product", "orders", "units", "revenue"):
-            table.add_column(column, justify="left" if column == "product" else "right")
-        for row in result["products"][: args.top]:
-            table.add_row(
-                row["product"], f"{row['orders']:,}", f"{row['units']:,}", f"{row['revenue']:,.2f}"
-            )
-        console.print(table)
-        console.print(
-            f"{result['produced']:,} orders produced to {result['topic']} on "
-            f"{settings.bootstrap_servers}, read back by Spark, totals written to Delta."
+        produced, snap, moved = result["produced"], result["snapshot"], result["repartition"]
+        bad = sum(produced["bad"].values())
+        table = Table(title=f"duality demo: {result['pipeline']} in {result['seconds']:.0f}s")
+        table.add_column("what")
+        table.add_column("result")
+        table.add_row("events produced", f"{produced['produced']:,} to {produced['topic']}")
+        table.add_row(
+            "counted / dead letters",
+            f"{produced['valid']:,} counted; {result['dead_letters']:,} dead-lettered "
+            f"(produced bad: {bad:,})",
         )
+        table.add_row(
+            "skew (max/mean)",
+            f"{moved['skew_before']:.2f} in {moved['source']} -> {moved['skew_after']:.2f} in "
+            f"{moved['target']} (partitions {moved['partitions']}; it holds "
+            f"{moved['target_records']:,} records, {moved['copied_this_run']:,} copied by this "
+            "run)",
+        )
+        table.add_row(
+            "snapshot",
+            f"version {snap['version']} published ({snap['rows']:,} rows, {snap['mode']})",
+        )
+        table.add_row("validation", f"{snap['validation']} ({snap['checks']} checks)")
+        table.add_row("reports", f"{snap['data_docs']}\n{snap['report']}")
+        table.add_row("skew plot", moved["plot"])
+        table.add_row("Airflow", f"{result['airflow']} (DAGs tagged duality)")
+        console.print(table)
     return result
 
 
@@ -681,9 +696,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--dry-run", action="store_true", help="check the plan and say what it would copy"
     )
 
-    demo = add("demo", _cmd_demo, "produce orders, aggregate them with Spark into Delta")
-    demo.add_argument("--events", type=int, default=20_000, help="orders to produce")
-    demo.add_argument("--top", type=int, default=10, help="products to show")
+    demo = add("demo", _cmd_demo, "the whole story through Airflow on the local stack")
+    demo.add_argument("--events", type=int, default=50_000, help="orders to produce")
+    demo.add_argument("--seed", type=int, help="random seed, for a repeatable workload")
     return parser
 
 

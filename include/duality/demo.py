@@ -1,91 +1,180 @@
-"""`duality demo`: a short tour of the stack on whatever broker the settings name.
+"""`duality demo`: the whole story through Airflow on the stack `duality up` started.
 
-It produces a batch of orders, reads them back with Spark's Kafka source over fixed offsets,
-keeps per-product totals in a Delta table under the warehouse, and reports what it did.
+1. produce a skewed workload with bad records to the demo pipeline's source;
+2. the supervisor DAG starts the stream, which counts the good records into the changelog and
+   dead-letters the bad ones;
+3. the snapshot DAG builds a Delta snapshot from the changelog, validates it with Great
+   Expectations and publishes it;
+4. the repartition DAG checks the hot source topic and copies it into a topic with more
+   partitions, exactly once;
+5. a summary: events, dead letters, skew before and after, snapshot version, validation result,
+   where the reports and the skew plot are, and the Airflow address.
 """
 
 from __future__ import annotations
 
-import json
-import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
-from rich.progress import Progress
 
-from duality import kafka
+from duality import kafka, skew, spec, status, stream_control, workload
+from duality.airflow_api import AirflowClient
 from duality.config import Settings
-from duality.errors import UsageError
+from duality.errors import CheckFailed, LocalStackError, UsageError
+from duality.local import AIRFLOW_USER, LocalAirflow
 
-DEMO_TOPIC = "demo-orders"
-_PRODUCTS = [f"product-{i:02d}" for i in range(20)]
+PIPELINE = "product_sales"
+_CATCH_UP_TIMEOUT_S = 600.0
 
 
-def run(settings: Settings, events: int, console: Console) -> dict[str, Any]:
+def run(
+    settings: Settings,
+    events: int,
+    console: Console,
+    *,
+    keys: int = 500,
+    zipf: float = 1.3,
+    seed: int | None = None,
+) -> dict[str, Any]:
     if events < 1:
         raise UsageError(f"--events must be at least 1, got {events}")
     kafka.ensure_reachable(settings)
-    kafka.create_topic(settings, DEMO_TOPIC, 3, exist_ok=True)
-    before = kafka.end_offsets(settings, DEMO_TOPIC)
+    pipeline = spec.find_spec(settings, PIPELINE)
+    airflow = LocalAirflow(settings)
+    if airflow.health() is None:
+        raise LocalStackError(
+            f"Airflow does not answer at {settings.airflow_url}: start the stack with `duality up`"
+        )
+    client = AirflowClient(settings.airflow_url, AIRFLOW_USER, airflow.password())
+    moves = spec.load_repartition_config(settings).topics
+    move = next((m for m in moves if m.source == pipeline.source.topic), None)
+    if move is None:
+        raise UsageError(
+            f"{settings.repartition_config} has no entry for {pipeline.source.topic}: the demo "
+            "repartitions the demo pipeline's source; add it there"
+        )
+    started = time.monotonic()
+    result: dict[str, Any] = {"pipeline": PIPELINE, "airflow": settings.airflow_url}
 
-    rng = random.Random()
-    producer = kafka.producer(settings)
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task(f"producing {events:,} orders to {DEMO_TOPIC}", total=events)
-        for i in range(events):
-            # A skewed choice of product, as real sales are.
-            product = _PRODUCTS[min(int(rng.paretovariate(1.2)) - 1, len(_PRODUCTS) - 1)]
-            order = {
-                "order_id": f"{time.time_ns()}-{i}",
-                "product": product,
-                "quantity": rng.randint(1, 5),
-                "amount": round(rng.uniform(1, 200), 2),
+    def step(text: str) -> Callable[[str], None]:
+        console.print(f"[bold]>[/] {text}")
+        return lambda detail: status_line.update(f"{text}: {detail}")
+
+    dead_before = (
+        sum(kafka.end_offsets(settings, pipeline.dlq_topic).values())
+        if kafka.topic_exists(settings, pipeline.dlq_topic)
+        else 0
+    )
+    with console.status("") as status_line:
+        say = step(f"producing {events:,} orders with skewed products and bad records")
+        report = workload.produce(
+            settings,
+            pipeline,
+            events=events,
+            keys=keys,
+            zipf=zipf,
+            bad_fraction=0.02,
+            seed=seed,
+            progress=lambda done: say(f"{done:,} of {events:,}"),
+        )
+        result["produced"] = report.as_dict()
+
+        say = step(f"the supervisor DAG starts the stream of {PIPELINE}")
+        _run_dag(client, f"duality_{PIPELINE}_stream", {"action": "start"}, say)
+        say = step("waiting for the stream to count every event")
+        counted = _wait_caught_up(settings, pipeline, say)
+        result["stream"] = counted
+
+        say = step("the snapshot DAG builds, validates and publishes a Delta snapshot")
+        snapshot_run = _run_dag(client, f"duality_{PIPELINE}_snapshot", {}, say)
+        result["snapshot"] = _published(client, f"duality_{PIPELINE}_snapshot", snapshot_run)
+
+        say = step(f"the repartition DAG checks {move.source} and copies it into {move.target}")
+        repartition_run = _run_dag(client, "duality_repartition", {"topic": move.source}, say)
+        moved = client.xcom("duality_repartition", repartition_run, "repartition", map_index=0)
+        after = skew.analyse(settings, move.target)
+        result["repartition"] = {
+            "source": move.source,
+            "target": move.target,
+            "partitions": f"{kafka.partition_count(settings, move.source)} -> {move.partitions}",
+            "copied_this_run": moved["result"].get("copied", 0),
+            "target_records": sum(p.records for p in after.partitions),
+            "skew_before": moved["skew"]["skew_size"],
+            "skew_after": round(after.skew_size, 3),
+            "plot": str(settings.reports / "skew" / f"{move.source}.png"),
+        }
+    dead_after = sum(kafka.end_offsets(settings, pipeline.dlq_topic).values())
+    result["dead_letters"] = dead_after - dead_before
+    result["seconds"] = round(time.monotonic() - started, 1)
+    return result
+
+
+def _run_dag(
+    client: AirflowClient, dag_id: str, conf: dict[str, Any], say: Callable[[str], None]
+) -> str:
+    """Trigger a run with `conf`, make sure the DAG is unpaused, and wait for the run."""
+    client.wait_for_dag(dag_id)
+    run_id = client.trigger(dag_id, conf)
+    client.set_paused(dag_id, False)
+    finished = client.wait_run(dag_id, run_id, progress=say)
+    if finished["state"] != "success":
+        failed = [
+            t["task_id"]
+            for t in client.task_instances(dag_id, run_id)
+            if t.get("state") not in ("success", "skipped")
+        ]
+        raise CheckFailed(
+            f"the run {run_id} of {dag_id} ended {finished['state']} (tasks {failed}); see "
+            f"{client.url}/dags/{dag_id}"
+        )
+    return run_id
+
+
+def _wait_caught_up(
+    settings: Settings, pipeline: spec.PipelineSpec, say: Callable[[str], None]
+) -> dict[str, Any]:
+    deadline = time.monotonic() + _CATCH_UP_TIMEOUT_S
+    while True:
+        ends = kafka.end_offsets(settings, pipeline.source.topic)
+        committed = kafka.committed_offsets(
+            settings, pipeline.consumer_group, pipeline.source.topic
+        )
+        behind = sum(max(0, end - committed.get(p, (0, None))[0]) for p, end in ends.items())
+        if behind == 0:
+            beat = status.latest(settings).get(pipeline.name, {})
+            return {
+                "source_records": sum(ends.values()),
+                "keys": beat.get("keys"),
+                "pid": stream_control.running_pid(settings, pipeline),
             }
-            kafka.send(producer, DEMO_TOPIC, key=product, value=json.dumps(order))
-            if i % 5000 == 0:
-                producer.poll(0)
-                progress.update(task, completed=i)
-        undelivered = producer.flush(60)
-    if undelivered:
-        raise UsageError(f"{undelivered} demo records were not delivered to {DEMO_TOPIC}")
-    after = kafka.end_offsets(settings, DEMO_TOPIC)
-
-    from pyspark.sql import functions as F
-
-    from duality.spark import session
-
-    with console.status("reading the new orders with Spark and writing a Delta table"):
-        spark = session(settings, "duality-demo")
-        frame = (
-            spark.read.format("kafka")
-            .options(**settings.spark_kafka_options())
-            .option("subscribe", DEMO_TOPIC)
-            .option(
-                "startingOffsets", json.dumps({DEMO_TOPIC: {str(p): o for p, o in before.items()}})
+        if time.monotonic() > deadline:
+            raise CheckFailed(
+                f"the stream of {pipeline.name} is still {behind:,} records behind after "
+                f"{_CATCH_UP_TIMEOUT_S:g}s; see {stream_control.log_file(settings, pipeline)}"
             )
-            .option(
-                "endingOffsets", json.dumps({DEMO_TOPIC: {str(p): o for p, o in after.items()}})
-            )
-            .load()
-        )
-        schema = "order_id string, product string, quantity long, amount double"
-        totals = (
-            frame.select(F.from_json(F.col("value").cast("string"), schema).alias("o"))
-            .groupBy("o.product")
-            .agg(
-                F.count("*").alias("orders"),
-                F.sum("o.quantity").alias("units"),
-                F.round(F.sum("o.amount"), 2).alias("revenue"),
-            )
-        )
-        table = str(settings.warehouse / "demo_product_sales")
-        totals.write.format("delta").mode("overwrite").save(table)
-        rows = spark.read.format("delta").load(table).orderBy(F.desc("orders")).collect()
-    return {
-        "topic": DEMO_TOPIC,
-        "produced": events,
-        "offsets": {"from": before, "to": after},
-        "delta_table": table,
-        "products": [row.asDict() for row in rows],
-    }
+        say(f"{behind:,} records to go")
+        time.sleep(1)
+
+
+def _published(client: AirflowClient, dag_id: str, run_id: str) -> dict[str, Any]:
+    """What the snapshot DAG published: from this run, or the scheduled run that did the work
+    first (this one then had nothing new and skipped)."""
+    for candidate in [run_id, *(r["dag_run_id"] for r in client.runs(dag_id))]:
+        states = {t["task_id"]: t.get("state") for t in client.task_instances(dag_id, candidate)}
+        if states.get("publish") == "success":
+            built = client.xcom(dag_id, candidate, "snapshot")
+            report = client.xcom(dag_id, candidate, "validate")
+            published = client.xcom(dag_id, candidate, "publish")
+            return {
+                "run_id": candidate,
+                "version": published["published_version"],
+                "rows": built["rows"],
+                "mode": built["mode"],
+                "validation": "passed" if report["success"] else "failed",
+                "checks": report["checks"],
+                "report": report["json_report"],
+                "data_docs": report["data_docs"],
+            }
+    raise CheckFailed(f"no run of {dag_id} has published a snapshot; see {client.url}")

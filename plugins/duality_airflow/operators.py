@@ -205,9 +205,7 @@ class RepartitionOperator(BaseOperator):
         source = move["source"]
         plots = hooks.settings().reports / "skew"
         plots.mkdir(parents=True, exist_ok=True)
-        before = run_duality(
-            ["skew", source, "--plot", str(plots / f"{source}.png")], self.log
-        )
+        before = run_duality(["skew", source, "--plot", str(plots / f"{source}.png")], self.log)
         self.log.info(
             "%s: skew (max/mean) rate %.2f, size %.2f; hot partitions %s; advice: %s",
             source,

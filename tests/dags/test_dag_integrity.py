@@ -1,0 +1,130 @@
+"""Every DAG file imports quickly and cleanly, and every DAG is one a team can operate."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from tests.dags.conftest import ROOT
+
+DAG_FILES = sorted((ROOT / "dags").glob("*.py"))
+
+
+@pytest.fixture(scope="module")
+def bags():  # type: ignore[no-untyped-def]
+    from airflow.dag_processing.dagbag import DagBag
+
+    return {path.name: DagBag(dag_folder=str(path)) for path in DAG_FILES}
+
+
+@pytest.fixture(scope="module")
+def dags(bags):  # type: ignore[no-untyped-def]
+    found = {}
+    for bag in bags.values():
+        found.update(bag.dags)
+    return found
+
+
+def test_every_dag_file_imports_without_errors_in_under_two_seconds(bags):
+    assert DAG_FILES, "no DAG files in dags/"
+    for name, bag in bags.items():
+        assert bag.import_errors == {}, f"{name}: {bag.import_errors}"
+        assert bag.dags, f"{name} defines no DAG"
+        for stat in bag.dagbag_stats:
+            seconds = stat.duration.total_seconds()
+            assert seconds < 2.0, f"{name} took {seconds:.2f}s to import"
+
+
+def test_the_dags_of_every_pipeline_and_the_global_ones_exist(dags):
+    pipelines = sorted(p.stem for p in (ROOT / "include" / "pipelines").glob("*.yaml"))
+    assert pipelines
+    expected = {"duality_repartition"}
+    for name in pipelines:
+        expected |= {f"duality_{name}_{kind}" for kind in ("stream", "snapshot", "reset")}
+    assert set(dags) == expected
+
+
+def test_every_dag_has_tags_an_owner_and_retries(dags):
+    for dag_id, dag in dags.items():
+        assert "duality" in dag.tags, dag_id
+        assert len(dag.tags) >= 2, f"{dag_id}: tags {dag.tags} do not say its kind"
+        for task in dag.tasks:
+            assert task.owner == "duality", f"{dag_id}.{task.task_id} owner {task.owner!r}"
+            assert task.retries is not None, f"{dag_id}.{task.task_id} has no retries setting"
+        scheduled = dag.schedule is not None
+        if "snapshot" in dag.tags or "repartition" in dag.tags:
+            assert scheduled, f"{dag_id} should be scheduled"
+            assert any(t.retries >= 1 for t in dag.tasks), f"{dag_id} never retries"
+        if "reset" in dag.tags:
+            assert not scheduled, f"{dag_id}: a reset runs only by hand"
+
+
+def test_param_schemas_are_valid_json_schema_and_defaults_conform(dags):
+    manual = 0
+    for dag_id, dag in dags.items():
+        for name, param in dag.params.items():
+            schema = param.schema
+            jsonschema.Draft202012Validator.check_schema(schema)
+            jsonschema.Draft202012Validator(schema).validate(param.value)
+            assert param.description, f"{dag_id}: param {name} has no description for the form"
+            json.dumps(param.dump())  # the UI gets it as JSON
+        manual += bool(dag.params)
+    assert manual >= 3  # supervisor, reset and repartition forms
+
+
+def test_supervisor_and_repartition_params_offer_the_documented_choices(dags):
+    stream = next(d for d in dags.values() if "stream" in d.tags)
+    assert stream.params.get_param("action").schema["enum"] == [
+        "ensure",
+        "start",
+        "stop",
+        "restart",
+    ]
+    repartition = dags["duality_repartition"]
+    assert set(repartition.params) == {"topic", "partitions", "strategy", "dry_run"}
+    strategy = repartition.params.get_param("strategy").schema
+    assert {"key-hash", "salted"} <= set(strategy["enum"])
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(0, repartition.params.get_param("partitions").schema)
+
+
+def test_a_snapshot_dag_publishes_its_asset_only_after_validation(dags):
+    snapshot = next(d for d in dags.values() if "snapshot" in d.tags)
+    order = [t.task_id for t in snapshot.topological_sort()]
+    assert order == ["snapshot", "validate", "publish"]
+    publish = snapshot.get_task("publish")
+    assert [o.name for o in publish.outlets] == [snapshot.dag_id]
+    assert all(not t.outlets for t in snapshot.tasks if t.task_id != "publish")
+
+
+def test_parsing_touches_no_broker_and_no_spark(monkeypatch: pytest.MonkeyPatch):
+    """Parse every DAG file with networking refused: nothing at parse time may connect."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    def refuse(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError(f"a DAG file opened a connection at parse time: {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    import sys
+
+    before = set(sys.modules)
+    for path in DAG_FILES:
+        assert DagBag(dag_folder=str(path)).import_errors == {}
+    heavy = {"pyspark", "great_expectations", "confluent_kafka", "delta"}
+    loaded = {m.split(".")[0] for m in set(sys.modules) - before}
+    assert not heavy & loaded, f"parsing imported {heavy & loaded}"
+
+
+def test_a_bad_spec_is_an_import_error_naming_the_file(tmp_path: Path, monkeypatch):
+    from airflow.dag_processing.dagbag import DagBag
+
+    (tmp_path / "broken.yaml").write_text("name: broken\nsource: {topic: t}\n")
+    monkeypatch.setenv("DUALITY_PIPELINES", str(tmp_path))
+    bag = DagBag(dag_folder=str(ROOT / "dags" / "duality_pipelines.py"))
+    (error,) = bag.import_errors.values()
+    assert "broken.yaml" in error and "invalid pipeline spec" in error
