@@ -1,0 +1,170 @@
+"""`dag.test()` runs of the snapshot and repartition DAGs against the real broker, Spark and
+Delta. Each run is a child process (tests/run_dag.py) with its own Airflow home; Kafka comes
+from the `kafka_default` connection, as in a deployment (DUALITY_BOOTSTRAP_SERVERS is wrong on
+purpose, so a task that ignored the connection would fail)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from duality import changelog, kafka
+from duality.config import Settings
+from tests.harness import ROOT, StreamProcess, make_pipeline, read_topic
+
+
+@pytest.fixture(scope="module")
+def airflow_env(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    import os
+
+    root = tmp_path_factory.mktemp("dagtest")
+    env = {
+        **os.environ,
+        **settings.as_env(),
+        "DUALITY_BOOTSTRAP_SERVERS": "localhost:1",  # the connection below must take over
+        "DUALITY_PIPELINES": str(root / "pipelines"),
+        "DUALITY_REPORTS": str(root / "reports"),
+        "DUALITY_REPARTITION_CONFIG": str(root / "repartition.yaml"),
+        "AIRFLOW_HOME": str(root / "airflow"),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW_CONN_KAFKA_DEFAULT": json.dumps(
+            {"conn_type": "kafka", "extra": {"bootstrap.servers": settings.bootstrap_servers}}
+        ),
+        "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps(
+            {"conn_type": "spark", "host": settings.spark_master}
+        ),
+    }
+    (root / "pipelines").mkdir()
+    migrate = subprocess.run(
+        [str(Path(sys.executable).with_name("airflow")), "db", "migrate"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert migrate.returncode == 0, migrate.stderr[-3000:]
+    return env
+
+
+def dag_test(env: dict[str, str], dag_id: str, conf: dict[str, Any] | None = None) -> dict:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "run_dag.py"), dag_id, json.dumps(conf or {})],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def duality(env: dict[str, str], *args: str) -> dict[str, Any]:
+    """The CLI as a person runs it outside Airflow: Kafka from DUALITY_BOOTSTRAP_SERVERS."""
+    real = json.loads(env["AIRFLOW_CONN_KAFKA_DEFAULT"])["extra"]["bootstrap.servers"]
+    done = subprocess.run(
+        [sys.executable, "-m", "duality.cli", *args, "--json"],
+        env={**env, "DUALITY_BOOTSTRAP_SERVERS": real},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    result = json.loads(done.stdout) if done.stdout.strip() else {}
+    return {**result, "exit_code": done.returncode}
+
+
+def test_snapshot_dag_publishes_a_validated_version_and_a_failing_one_publishes_nothing(
+    settings: Settings, airflow_env: dict[str, str]
+):
+    pipelines = Path(airflow_env["DUALITY_PIPELINES"])
+    spec = make_pipeline(settings, pipelines, "product_sales")
+    scoped = settings.replace(pipelines=pipelines)
+    log = pipelines.parent / "stream.log"
+    workload_args = ("produce", spec.name, "--events", "1500", "--keys", "200")
+    assert duality(airflow_env, *workload_args, "--seed", "1")["exit_code"] == 0
+    StreamProcess(scoped, spec, pipelines, log).run_until_caught_up()
+
+    dag_id = f"duality_{spec.name}_snapshot"
+    good = dag_test(airflow_env, dag_id)
+    assert good["state"] == "success", good
+    assert good["tasks"] == {"snapshot": "success", "validate": "success", "publish": "success"}
+    published = duality(airflow_env, "read", spec.name, "--limit", "0")
+    assert published["exit_code"] == 0, published
+    live = changelog.read_latest(settings, spec)
+    assert published["rows"] == len(live)
+    first_version = published["version"]
+    report = json.loads(
+        (Path(airflow_env["DUALITY_REPORTS"]) / spec.name / "latest.json").read_text()
+    )
+    assert report["success"] and report["version"] == first_version
+
+    # An expectation the data cannot meet: the next version fails validation.
+    path = pipelines / f"{spec.name}.yaml"
+    data = yaml.safe_load(path.read_text())
+    data["expectations"] = [
+        {
+            "type": "expect_column_values_to_be_between",
+            "kwargs": {"column": "orders", "max_value": 1},
+        }
+    ]
+    path.write_text(yaml.safe_dump(data))
+    assert duality(airflow_env, *workload_args, "--seed", "2")["exit_code"] == 0
+    StreamProcess(scoped, spec, pipelines, log).run_until_caught_up()
+
+    bad = dag_test(airflow_env, dag_id)
+    assert bad["state"] == "failed", bad
+    assert bad["tasks"] == {
+        "snapshot": "success",
+        "validate": "failed",
+        "publish": "upstream_failed",
+    }
+    report = json.loads(
+        (Path(airflow_env["DUALITY_REPORTS"]) / spec.name / "latest.json").read_text()
+    )
+    assert not report["success"] and report["version"] > first_version
+    assert [f["expectation"] for f in report["failed"]] == ["expect_column_values_to_be_between"]
+    after = duality(airflow_env, "read", spec.name, "--limit", "0")
+    assert after["version"] == first_version and after["rows"] == published["rows"]
+
+
+def test_repartition_dag_moves_every_record_and_a_dry_run_moves_none(
+    settings: Settings, airflow_env: dict[str, str], topic: str
+):
+    pipelines = Path(airflow_env["DUALITY_PIPELINES"])
+    spec = make_pipeline(settings, pipelines, "product_sales", topic=topic)
+    produced = duality(airflow_env, "produce", spec.name, "--events", "3000", "--zipf", "1.4")
+    assert produced["exit_code"] == 0, produced
+    target = f"{topic}-8"
+    Path(airflow_env["DUALITY_REPARTITION_CONFIG"]).write_text(
+        yaml.safe_dump(
+            {
+                "topics": [
+                    {"source": topic, "target": target, "partitions": 8, "strategy": "key-hash"}
+                ]
+            }
+        )
+    )
+    dry = dag_test(airflow_env, "duality_repartition", {"dry_run": True})
+    assert dry["state"] == "success", dry
+    assert not kafka.topic_exists(settings, target)
+
+    run = dag_test(airflow_env, "duality_repartition")
+    assert run["state"] == "success", run
+    assert run["tasks"] == {"select": "success", "repartition[0]": "success"}
+    assert kafka.partition_count(settings, target) == 8
+    source = {(p, o) for p, o, _, _ in read_topic(settings, topic)}
+    lineage = set()
+    for message in kafka.read_to_end(settings, target):
+        headers = dict(message.headers() or [])
+        lineage.add(
+            (int(headers["duality.source.partition"]), int(headers["duality.source.offset"]))
+        )
+    assert lineage == source and len(lineage) == 3000
+    assert (Path(airflow_env["DUALITY_REPORTS"]) / "skew" / f"{topic}.png").is_file()

@@ -1,0 +1,134 @@
+"""The product as users run it: `duality up` (broker + Airflow standalone), then a reduced
+`duality demo` through the DAGs, then the stream supervisor against a SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from duality import changelog, kafka, stream_control
+from duality.spec import find_spec
+from tests import truth
+from tests.harness import ROOT, assert_eventually, read_topic
+from tests.stack import Stack, running_stack, stack_env
+
+SUPERVISE_INTERVAL_S = 60.0  # the stream DAG's schedule
+DEMO_EVENTS = 3000
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    root = tmp_path_factory.mktemp("stack")
+    env = stack_env(root)
+    shutil.copy(ROOT / "include" / "pipelines" / "product_sales.yaml", root / "pipelines")
+    shutil.copy(ROOT / "include" / "repartition.yaml", root / "repartition.yaml")
+    with running_stack(root, env) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def demo(stack: Stack) -> dict[str, Any]:
+    done = stack.duality("demo", "--events", str(DEMO_EVENTS), "--seed", "7", "--json")
+    assert done.returncode == 0, done.stderr[-4000:]
+    return dict(json.loads(done.stdout))
+
+
+def test_up_prints_the_ui_address_and_a_login_that_works(stack: Stack):
+    status = json.loads(stack.duality("status", "--json").stdout)
+    assert status["airflow"]["state"] == "running" and status["airflow"]["healthy"]
+    assert status["airflow"]["url"] == stack.settings.airflow_url
+    assert status["broker"]["reachable"]
+    assert stack.client.token()  # the printed password logs in
+    again = stack.duality("up")  # idempotent, and says where and how to log in
+    assert again.returncode == 0, again.stderr
+    assert "already running" in again.stdout and stack.settings.airflow_url in again.stdout
+    assert stack.password in again.stdout
+    assert stack.client.import_errors() == []
+
+
+def test_reduced_demo_tells_the_whole_story(stack: Stack, demo: dict[str, Any]):
+    spec = find_spec(stack.settings, "product_sales")
+    produced = demo["produced"]
+    assert produced["produced"] == DEMO_EVENTS
+    bad = sum(produced["bad"].values())
+    assert bad > 0 and demo["dead_letters"] == bad
+    assert demo["stream"]["source_records"] == DEMO_EVENTS
+
+    snap = demo["snapshot"]
+    assert snap["validation"] == "passed" and snap["checks"] >= 10
+    assert Path(snap["data_docs"]).is_file() and Path(snap["report"]).is_file()
+    read = stack.duality("read", "product_sales", "--json", "--limit", "0")
+    assert read.returncode == 0, read.stderr[-3000:]
+    published = json.loads(read.stdout)
+    assert published["version"] == snap["version"]
+    latest = changelog.read_latest(stack.settings, spec)
+    assert published["rows"] == snap["rows"] == sum(v is not None for v in latest.values())
+
+    moved = demo["repartition"]
+    copied = read_topic(stack.settings, moved["target"])
+    assert len(copied) == DEMO_EVENTS <= moved["target_records"]
+    assert kafka.partition_count(stack.settings, moved["target"]) == 12
+    assert moved["skew_before"] > moved["skew_after"]
+    assert Path(moved["plot"]).is_file()
+
+
+def test_supervisor_restarts_a_killed_stream_and_the_changelog_stays_exact(
+    stack: Stack, demo: dict[str, Any]
+):
+    settings = stack.settings
+    spec = find_spec(settings, "product_sales")
+    pid = stream_control.running_pid(settings, spec)
+    assert pid is not None, "the demo left the stream to the supervisor, running"
+    dag_id = "duality_product_sales_stream"
+    assert stack.client.dag(dag_id)["is_paused"] is False
+
+    # More events while it runs, then SIGKILL the whole stream (supervisor and driver).
+    produced = stack.duality("produce", "product_sales", "--events", "2000", "--seed", "8")
+    assert produced.returncode == 0, produced.stderr
+    os.killpg(os.getpgid(pid), signal.SIGKILL)
+    killed_at = time.time()
+    assert_eventually(lambda: not psutil.pid_exists(pid) or _zombie(pid), timeout=30)
+
+    def restarted() -> int | None:
+        new = stream_control.running_pid(settings, spec)
+        return new if new not in (None, pid) else None
+
+    new_pid = assert_eventually(
+        restarted,
+        timeout=2 * SUPERVISE_INTERVAL_S + 30,
+        interval=1.0,
+        message="the supervisor DAG did not restart the stream",
+    )
+    started = psutil.Process(new_pid).create_time()
+    assert started - killed_at <= 2 * SUPERVISE_INTERVAL_S, (
+        f"restarted {started - killed_at:.0f}s after the kill"
+    )
+
+    def caught_up() -> bool:
+        ends = kafka.end_offsets(settings, spec.source.topic)
+        committed = kafka.committed_offsets(settings, spec.consumer_group, spec.source.topic)
+        return all(committed.get(p, (0, None))[0] >= end for p, end in ends.items())
+
+    assert_eventually(caught_up, timeout=300, interval=1.0, message="stream did not catch up")
+    source = read_topic(settings, spec.source.topic)
+    assert len(source) == DEMO_EVENTS + 2000
+    table, _ = truth.expected(spec, source)
+    truth.assert_tables_equal(
+        truth.changelog_table(spec, changelog.read_latest(settings, spec)), table
+    )
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
