@@ -1,0 +1,107 @@
+"""Headless Chromium for the UI tests: Debian's `chromium` and `chromium-driver` packages (`make
+browser` installs them), driven by Selenium with explicit paths, so nothing is ever downloaded."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.remote.webelement import WebElement
+from selenium.webdriver.support.ui import WebDriverWait
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+ARGS = ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000")
+
+T = TypeVar("T")
+
+
+def chromium() -> WebDriver:
+    """A headless Chromium (fails the test, saying how to fix it, without the Debian packages)."""
+    for binary in (CHROMIUM, CHROMEDRIVER):
+        if not binary.is_file():
+            pytest.fail(
+                f"{binary} is missing: run `make browser` (Debian chromium, chromium-driver)"
+            )
+    options = webdriver.ChromeOptions()
+    # Both paths are explicit: Selenium Manager is skipped and never looks for a browser online.
+    options.binary_location = str(CHROMIUM)
+    for arg in ARGS:
+        options.add_argument(arg)
+    return webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
+
+
+class Browser:
+    """A driver with explicit waits, and evidence (screenshot, page source) when a step fails."""
+
+    def __init__(self, driver: WebDriver, base_url: str, evidence: Path):
+        self.driver = driver
+        self.base_url = base_url.rstrip("/")
+        self.evidence = evidence
+        self._steps = 0
+
+    def open(self, path: str) -> None:
+        self.driver.get(self.base_url + path)
+
+    def wait(
+        self, condition: Callable[[WebDriver], T], timeout: float = 60.0, poll: float = 0.25
+    ) -> T:
+        return WebDriverWait(self.driver, timeout, poll_frequency=poll).until(condition)
+
+    def visible(self, by: str, value: str, timeout: float = 60.0) -> WebElement:
+        """The first displayed element matching the locator, once there is one."""
+
+        def found(driver: WebDriver) -> WebElement | bool:
+            shown = [e for e in driver.find_elements(by, value) if e.is_displayed()]
+            return shown[0] if shown else False
+
+        return self.wait(found, timeout)  # type: ignore[return-value]
+
+    def click(self, by: str, value: str, timeout: float = 60.0) -> WebElement:
+        """Wait until the element is shown and enabled, scroll it to the middle and click it."""
+
+        def clickable(driver: WebDriver) -> WebElement | bool:
+            for element in driver.find_elements(by, value):
+                if element.is_displayed() and element.is_enabled():
+                    return element
+            return False
+
+        element: WebElement = self.wait(clickable, timeout)  # type: ignore[assignment]
+        self.driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", element)
+        element.click()
+        return element
+
+    def snapshot(self, label: str) -> tuple[Path, Path]:
+        """Save a screenshot and the page source; returns their paths."""
+        self.evidence.mkdir(parents=True, exist_ok=True)
+        stem = self.evidence / re.sub(r"[^a-zA-Z0-9_-]+", "-", label).strip("-")
+        png, html = stem.with_suffix(".png"), stem.with_suffix(".html")
+        with contextlib.suppress(Exception):
+            self.driver.save_screenshot(str(png))
+        with contextlib.suppress(Exception):
+            html.write_text(self.driver.page_source)
+        return png, html
+
+    @contextlib.contextmanager
+    def step(self, description: str) -> Iterator[None]:
+        """Run one step of the scenario; if it fails, say which, where, and where the evidence is."""
+        self._steps += 1
+        try:
+            yield
+        except Exception as error:
+            png, html = self.snapshot(f"{self._steps:02d}-{description}")
+            try:
+                url = self.driver.current_url
+            except Exception:
+                url = "?"
+            raise AssertionError(
+                f"UI step {description!r} failed at {url}: {type(error).__name__}: "
+                f"{str(error).strip() or '(no message)'}\n  screenshot: {png}\n  page source: {html}"
+            ) from error
