@@ -12,7 +12,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from airflow.sdk import DAG, Param, get_current_context, task
-from airflow.sdk.exceptions import AirflowFailException
+from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 from duality_airflow.operators import RepartitionOperator
 
 from duality.config import Settings
@@ -57,7 +57,7 @@ def select_moves(configured: list[dict[str, Any]], params: dict[str, Any]) -> li
                 move["hot_keys"] = "auto"
         move["dry_run"] = bool(params.get("dry_run"))
     if not moves:
-        raise AirflowFailException(
+        raise AirflowSkipException(
             "no topic to repartition: DUALITY_REPARTITION_CONFIG lists none; add one there or "
             "name a `topic` when triggering"
         )

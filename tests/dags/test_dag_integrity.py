@@ -128,3 +128,55 @@ def test_a_bad_spec_is_an_import_error_naming_the_file(tmp_path: Path, monkeypat
     bag = DagBag(dag_folder=str(ROOT / "dags" / "duality_pipelines.py"))
     (error,) = bag.import_errors.values()
     assert "broken.yaml" in error and "invalid pipeline spec" in error
+
+
+def test_repartition_params_select_the_moves():
+    import importlib.util
+
+    from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
+
+    loader = importlib.util.spec_from_file_location(
+        "repartition_dag", ROOT / "dags" / "duality_repartition.py"
+    )
+    assert loader is not None and loader.loader is not None
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+    select = module.select_moves
+    configured = [
+        {
+            "source": "a",
+            "target": "a-r",
+            "partitions": 12,
+            "strategy": "salted",
+            "hot_keys": "auto",
+            "salts": None,
+        },
+        {
+            "source": "b",
+            "target": "b-r",
+            "partitions": 4,
+            "strategy": "key-hash",
+            "hot_keys": None,
+            "salts": None,
+        },
+    ]
+    defaults = {"topic": "", "partitions": None, "strategy": "configured", "dry_run": False}
+    assert [m["source"] for m in select(configured, defaults)] == ["a", "b"]
+    (only,) = select(
+        configured, {**defaults, "topic": "a", "strategy": "key-hash", "dry_run": True}
+    )
+    assert only["strategy"] == "key-hash" and only["hot_keys"] is None and only["dry_run"]
+    (other,) = select(configured, {**defaults, "topic": "c", "partitions": 8})
+    assert other == {
+        "source": "c",
+        "target": "c-8p",
+        "partitions": 8,
+        "strategy": "key-hash",
+        "hot_keys": None,
+        "salts": None,
+        "dry_run": False,
+    }
+    with pytest.raises(AirflowFailException, match="partitions"):
+        select(configured, {**defaults, "topic": "c"})
+    with pytest.raises(AirflowSkipException):
+        select([], defaults)

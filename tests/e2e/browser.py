@@ -51,9 +51,17 @@ class Browser:
         self.driver.get(self.base_url + path)
 
     def wait(
-        self, condition: Callable[[WebDriver], T], timeout: float = 60.0, poll: float = 0.25
+        self,
+        condition: Callable[[WebDriver], T],
+        timeout: float = 60.0,
+        poll: float = 0.25,
+        message: str = "",
     ) -> T:
-        return WebDriverWait(self.driver, timeout, poll_frequency=poll).until(condition)
+        """Poll `condition` until it returns something truthy; returns that."""
+        name = getattr(condition, "__name__", "condition")
+        return WebDriverWait(self.driver, timeout, poll_frequency=poll).until(
+            condition, message or f"{name} not met within {timeout:g}s"
+        )
 
     def visible(self, by: str, value: str, timeout: float = 60.0) -> WebElement:
         """The first displayed element matching the locator, once there is one."""
@@ -62,7 +70,8 @@ class Browser:
             shown = [e for e in driver.find_elements(by, value) if e.is_displayed()]
             return shown[0] if shown else False
 
-        return self.wait(found, timeout)  # type: ignore[return-value]
+        message = f"nothing shown matches {by} {value!r} within {timeout:g}s"
+        return self.wait(found, timeout, message=message)  # type: ignore[return-value]
 
     def click(self, by: str, value: str, timeout: float = 60.0) -> WebElement:
         """Wait until the element is shown and enabled, scroll it to the middle and click it."""
@@ -73,7 +82,8 @@ class Browser:
                     return element
             return False
 
-        element: WebElement = self.wait(clickable, timeout)  # type: ignore[assignment]
+        message = f"nothing shown and enabled matches {by} {value!r} within {timeout:g}s"
+        element: WebElement = self.wait(clickable, timeout, message=message)  # type: ignore[assignment]
         self.driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", element)
         element.click()
         return element
@@ -91,7 +101,7 @@ class Browser:
 
     @contextlib.contextmanager
     def step(self, description: str) -> Iterator[None]:
-        """Run one step of the scenario; if it fails, say which, where, and where the evidence is."""
+        """One step of the scenario; when it fails, say which, where, and where the evidence is."""
         self._steps += 1
         try:
             yield
@@ -103,5 +113,6 @@ class Browser:
                 url = "?"
             raise AssertionError(
                 f"UI step {description!r} failed at {url}: {type(error).__name__}: "
-                f"{str(error).strip() or '(no message)'}\n  screenshot: {png}\n  page source: {html}"
+                f"{str(error).strip() or '(no message)'}"
+                f"\n  screenshot: {png}\n  page source: {html}"
             ) from error
