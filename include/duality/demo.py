@@ -79,6 +79,8 @@ def run(
 
         say = step(f"the supervisor DAG starts the stream of {PIPELINE}")
         _run_dag(client, f"duality_{PIPELINE}_stream", {"action": "start"}, say)
+        if stream_control.desired(settings, pipeline) == "stopped":  # stopped by hand earlier
+            _run_dag(client, f"duality_{PIPELINE}_stream", {"action": "start"}, say)
         say = step("waiting for the stream to count every event")
         counted = _wait_caught_up(settings, pipeline, say)
         result["stream"] = counted
@@ -89,7 +91,7 @@ def run(
 
         say = step(f"the repartition DAG checks {move.source} and copies it into {move.target}")
         repartition_run = _run_dag(client, "duality_repartition", {"topic": move.source}, say)
-        moved = client.xcom("duality_repartition", repartition_run, "repartition", map_index=0)
+        moved = _moved(client, repartition_run, move.source)
         after = skew.analyse(settings, move.target)
         result["repartition"] = {
             "source": move.source,
@@ -109,10 +111,27 @@ def run(
 def _run_dag(
     client: AirflowClient, dag_id: str, conf: dict[str, Any], say: Callable[[str], None]
 ) -> str:
-    """Trigger a run with `conf`, make sure the DAG is unpaused, and wait for the run."""
-    client.wait_for_dag(dag_id)
-    run_id = client.trigger(dag_id, conf)
-    client.set_paused(dag_id, False)
+    """Run a DAG and wait for the run. A paused DAG is unpaused, and the run its schedule then
+    makes at once is the one waited for (a manual run beside it would do the work twice); an
+    unpaused one gets a manual run with `conf`."""
+    dag = client.wait_for_dag(dag_id)
+    if dag.get("is_paused"):
+        known = {r["dag_run_id"] for r in client.runs(dag_id)}
+        client.set_paused(dag_id, False)
+        deadline = time.monotonic() + 120
+        while True:
+            fresh = [r["dag_run_id"] for r in client.runs(dag_id) if r["dag_run_id"] not in known]
+            if fresh:
+                run_id = str(fresh[0])
+                break
+            if time.monotonic() > deadline:
+                raise LocalStackError(
+                    f"unpausing {dag_id} started no run within 120s; see {client.url}/dags/{dag_id}"
+                )
+            say("waiting for the scheduler")
+            time.sleep(1)
+    else:
+        run_id = client.trigger(dag_id, conf)
     finished = client.wait_run(dag_id, run_id, progress=say)
     if finished["state"] != "success":
         failed = [
@@ -180,3 +199,13 @@ def _records(settings: Settings, topic: str) -> int:
     if not kafka.topic_exists(settings, topic):
         return 0
     return sum(1 for _ in kafka.read_to_end(settings, topic))
+
+
+def _moved(client: AirflowClient, run_id: str, source: str) -> dict[str, Any]:
+    """The repartition DAG's result for `source` (one mapped task per configured topic)."""
+    for task in client.task_instances("duality_repartition", run_id):
+        if task["task_id"] == "repartition":
+            found = client.xcom("duality_repartition", run_id, "repartition", task["map_index"])
+            if found and found.get("source") == source:
+                return dict(found)
+    raise CheckFailed(f"the run {run_id} of duality_repartition did not copy {source}")

@@ -89,8 +89,18 @@ def test_snapshot_dag_publishes_a_validated_version_and_a_failing_one_publishes_
     log = pipelines.parent / "stream.log"
     workload_args = ("produce", spec.name, "--events", "1500", "--keys", "200")
     assert duality(airflow_env, *workload_args, "--seed", "1")["exit_code"] == 0
-    StreamProcess(scoped, spec, pipelines, log).run_until_caught_up()
+    stream = StreamProcess(scoped, spec, pipelines, log)
+    stream.start()
+    try:
+        stream.wait_caught_up()
+        _snapshot_runs(airflow_env, spec, stream, workload_args)
+    finally:
+        assert stream.stop() == 0, stream.tail()
 
+
+def _snapshot_runs(airflow_env, spec, stream, workload_args) -> None:  # type: ignore[no-untyped-def]
+    settings = stream.settings
+    pipelines = Path(airflow_env["DUALITY_PIPELINES"])
     dag_id = f"duality_{spec.name}_snapshot"
     good = dag_test(airflow_env, dag_id)
     assert good["state"] == "success", good
@@ -116,7 +126,7 @@ def test_snapshot_dag_publishes_a_validated_version_and_a_failing_one_publishes_
     ]
     path.write_text(yaml.safe_dump(data))
     assert duality(airflow_env, *workload_args, "--seed", "2")["exit_code"] == 0
-    StreamProcess(scoped, spec, pipelines, log).run_until_caught_up()
+    stream.wait_caught_up()
 
     bad = dag_test(airflow_env, dag_id)
     assert bad["state"] == "failed", bad
