@@ -157,7 +157,7 @@ def _cmd_demo(settings: Settings, args: argparse.Namespace, console: Console) ->
         bad = sum(produced["bad"].values())
         table = Table(title=f"duality demo: {result['pipeline']} in {result['seconds']:.0f}s")
         table.add_column("what")
-        table.add_column("result")
+        table.add_column("result", overflow="fold")
         table.add_row("events produced", f"{produced['produced']:,} to {produced['topic']}")
         table.add_row(
             "counted / dead letters",

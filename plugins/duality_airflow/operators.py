@@ -205,7 +205,10 @@ class RepartitionOperator(BaseOperator):
         source = move["source"]
         plots = hooks.settings().reports / "skew"
         plots.mkdir(parents=True, exist_ok=True)
-        before = run_duality(["skew", source, "--plot", str(plots / f"{source}.png")], self.log)
+        # A daily check: the rate over the last hour says more than over the last minute.
+        before = run_duality(
+            ["skew", source, "--window", "1h", "--plot", str(plots / f"{source}.png")], self.log
+        )
         self.log.info(
             "%s: skew (max/mean) rate %.2f, size %.2f; hot partitions %s; advice: %s",
             source,
