@@ -19,7 +19,7 @@ from typing import Any
 
 from rich.console import Console
 
-from duality import kafka, skew, spec, status, stream_control, workload
+from duality import kafka, skew, spec, stream_control, workload
 from duality.airflow_api import AirflowClient
 from duality.config import Settings
 from duality.errors import CheckFailed, LocalStackError, UsageError
@@ -151,17 +151,13 @@ def _wait_caught_up(
 ) -> dict[str, Any]:
     deadline = time.monotonic() + _CATCH_UP_TIMEOUT_S
     while True:
-        ends = kafka.end_offsets(settings, pipeline.source.topic)
-        committed = kafka.committed_offsets(
-            settings, pipeline.consumer_group, pipeline.source.topic
-        )
-        behind = sum(max(0, end - committed.get(p, (0, None))[0]) for p, end in ends.items())
+        info = stream_control.describe(settings, pipeline)
+        behind = info.get("lag", 0)
         if behind == 0:
-            beat = status.latest(settings).get(pipeline.name, {})
             return {
-                "source_records": sum(ends.values()),
-                "keys": beat.get("keys"),
-                "pid": stream_control.running_pid(settings, pipeline),
+                "source_records": sum(kafka.end_offsets(settings, pipeline.source.topic).values()),
+                "keys": info.get("heartbeat", {}).get("keys"),
+                "pid": info["pid"],
             }
         if time.monotonic() > deadline:
             raise CheckFailed(

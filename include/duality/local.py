@@ -95,17 +95,10 @@ class LocalBroker:
 
     def pid(self) -> int | None:
         """The pid of this broker's running process, or None (a stale pid file is ignored)."""
-        try:
-            pid = int(self.pid_file.read_text().strip())
-        except (FileNotFoundError, ValueError):
-            return None
-        try:
-            cmdline = psutil.Process(pid).cmdline()
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            return None
-        if _MAIN_CLASS in cmdline and str(self.config_file) in cmdline:
-            return pid
-        return None
+        return live_pid(
+            self.pid_file,
+            lambda cmdline: _MAIN_CLASS in cmdline and str(self.config_file) in cmdline,
+        )
 
     def _listening(self) -> str | None:
         if self.pid() is None or not self.config_file.is_file():
@@ -297,6 +290,17 @@ class LocalBroker:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
+def live_pid(pid_file: Path, matches: Callable[[list[str]], bool]) -> int | None:
+    """The pid in `pid_file` if that process runs and its command line `matches`; a stale pid
+    file (the process gone, or the pid reused by another program) gives None."""
+    try:
+        pid = int(pid_file.read_text().strip())
+        cmdline = psutil.Process(pid).cmdline()
+    except (FileNotFoundError, ValueError, psutil.Error):
+        return None
+    return pid if matches(cmdline) else None
+
+
 def _port_in_use(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.settimeout(0.5)
@@ -422,14 +426,10 @@ class LocalAirflow:
         return {**os.environ, **settings.as_env(), **airflow, "PATH": path}
 
     def pid(self) -> int | None:
-        try:
-            pid = int(self.pid_file.read_text().strip())
-            cmdline = psutil.Process(pid).cmdline()
-        except (FileNotFoundError, ValueError, psutil.NoSuchProcess, psutil.ZombieProcess):
-            return None
-        if "standalone" in cmdline and any(part.endswith("airflow") for part in cmdline):
-            return pid
-        return None
+        return live_pid(
+            self.pid_file,
+            lambda cmdline: "standalone" in cmdline and any(p.endswith("airflow") for p in cmdline),
+        )
 
     def health(self, timeout: float = 3.0) -> dict[str, Any] | None:
         """Airflow's own health document, or None when the API server does not answer."""

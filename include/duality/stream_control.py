@@ -29,6 +29,7 @@ import psutil
 from duality import kafka, status
 from duality.config import Settings
 from duality.errors import LocalStackError, UsageError
+from duality.local import live_pid
 from duality.spec import PipelineSpec
 
 _STOP_GRACE_S = 90.0
@@ -57,15 +58,26 @@ def log_file(settings: Settings, spec: PipelineSpec) -> Path:
     return _folder(settings) / f"{spec.name}.log"
 
 
+def _stream_pid(path: Path, name: str) -> int | None:
+    return live_pid(
+        path,
+        lambda cmdline: any(p.endswith("stream_aggregate.py") for p in cmdline) and name in cmdline,
+    )
+
+
 def running_pid(settings: Settings, spec: PipelineSpec) -> int | None:
+    return _stream_pid(pid_file(settings, spec), spec.name)
+
+
+def _terminate(pid: int) -> None:
+    """SIGTERM (the running batch commits first), then SIGKILL of the group after the grace."""
+    process = psutil.Process(pid)
+    process.send_signal(signal.SIGTERM)
     try:
-        pid = int(pid_file(settings, spec).read_text().strip())
-        cmdline = psutil.Process(pid).cmdline()
-    except (FileNotFoundError, ValueError, psutil.NoSuchProcess, psutil.ZombieProcess):
-        return None
-    if any(part.endswith("stream_aggregate.py") for part in cmdline) and spec.name in cmdline:
-        return pid
-    return None
+        process.wait(_STOP_GRACE_S)
+    except psutil.TimeoutExpired:
+        os.killpg(os.getpgid(pid), signal.SIGKILL)
+        process.wait(10)
 
 
 def job_path(settings: Settings) -> Path:
@@ -134,13 +146,7 @@ def stop(settings: Settings, spec: PipelineSpec, *, hold: bool = True) -> dict[s
     if pid is None:
         pid_file(settings, spec).unlink(missing_ok=True)
         return {"pipeline": spec.name, "state": "stopped", "was_running": False}
-    process = psutil.Process(pid)
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(_STOP_GRACE_S)
-    except psutil.TimeoutExpired:
-        os.killpg(os.getpgid(pid), signal.SIGKILL)
-        process.wait(10)
+    _terminate(pid)
     pid_file(settings, spec).unlink(missing_ok=True)
     return {"pipeline": spec.name, "state": "stopped", "was_running": True, "pid": pid}
 
@@ -170,22 +176,11 @@ def stop_all(settings: Settings) -> list[dict[str, Any]]:
     """Stop every stream this local stack runs (`duality down`); they stay wanted as before."""
     stopped = []
     for path in sorted(_folder(settings).glob("*.pid")):
-        try:
-            pid = int(path.read_text().strip())
-            cmdline = psutil.Process(pid).cmdline()
-        except (ValueError, OSError, psutil.NoSuchProcess, psutil.ZombieProcess):
-            path.unlink(missing_ok=True)
-            continue
-        if not any(part.endswith("stream_aggregate.py") for part in cmdline):
-            continue
-        process = psutil.Process(pid)
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(_STOP_GRACE_S)
-        except psutil.TimeoutExpired:
-            os.killpg(os.getpgid(pid), signal.SIGKILL)
+        pid = _stream_pid(path, path.stem)
+        if pid is not None:
+            _terminate(pid)
+            stopped.append({"pipeline": path.stem, "pid": pid})
         path.unlink(missing_ok=True)
-        stopped.append({"pipeline": path.stem, "pid": pid})
     return stopped
 
 
@@ -278,6 +273,26 @@ def diagnose(
     )
 
 
+def check(
+    settings: Settings,
+    spec: PipelineSpec,
+    now: float | None = None,
+    stall_after_s: float = STALL_AFTER_S,
+) -> tuple[dict[str, Any], str, str]:
+    """`describe()` and the diagnosis of it: (info, health, reason); acts on nothing."""
+    now = time.time() if now is None else now
+    info = describe(settings, spec)
+    pid = info["pid"]
+    try:
+        started_at = psutil.Process(pid).create_time() if pid is not None else None
+    except psutil.NoSuchProcess:  # ended between the two looks
+        pid = started_at = None
+    health, reason = diagnose(
+        pid, started_at, info.get("heartbeat"), info.get("lag"), now, stall_after_s
+    )
+    return {**info, "pid": pid}, health, reason
+
+
 def supervise_once(
     settings: Settings,
     spec: PipelineSpec,
@@ -309,12 +324,8 @@ def supervise_once(
         return {**result, "action": "restarted"}
 
     state = _load_state(settings, spec)
-    pid = running_pid(settings, spec)
-    info = describe(settings, spec)
-    started_at = psutil.Process(pid).create_time() if pid is not None else None
-    health, reason = diagnose(
-        pid, started_at, info.get("heartbeat"), info.get("lag"), now, stall_after_s
-    )
+    info, health, reason = check(settings, spec, now, stall_after_s)
+    pid = info["pid"]
     base = {"pipeline": spec.name, "health": health, "reason": reason, "desired": state["desired"]}
     if state["desired"] == "stopped":
         return {**info, **base, "action": "none", "reason": f"held stopped; {reason}"}

@@ -16,17 +16,20 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 
 from duality_airflow import hooks
 
+if TYPE_CHECKING:
+    from duality.config import Settings
 
-def run_duality(arguments: Sequence[str], log: Any) -> Any:
+
+def run_duality(arguments: Sequence[str], log: Any, settings: Settings | None = None) -> Any:
     """Run `duality ARGUMENTS --json` with the task's settings; its JSON result, or an error."""
-    settings = hooks.settings()
+    settings = settings or hooks.settings()
     command = [sys.executable, "-m", "duality.cli", *map(str, arguments), "--json"]
     log.info("running %s", " ".join(command[2:]))
     process = subprocess.Popen(
@@ -203,11 +206,14 @@ class RepartitionOperator(BaseOperator):
     def execute(self, context: Context) -> dict[str, Any]:
         move = dict(self.move)
         source = move["source"]
-        plots = hooks.settings().reports / "skew"
+        settings = hooks.settings()
+        plots = settings.reports / "skew"
         plots.mkdir(parents=True, exist_ok=True)
         # A daily check: the rate over the last hour says more than over the last minute.
         before = run_duality(
-            ["skew", source, "--window", "1h", "--plot", str(plots / f"{source}.png")], self.log
+            ["skew", source, "--window", "1h", "--plot", str(plots / f"{source}.png")],
+            self.log,
+            settings,
         )
         self.log.info(
             "%s: skew (max/mean) rate %.2f, size %.2f; hot partitions %s; advice: %s",
@@ -233,7 +239,7 @@ class RepartitionOperator(BaseOperator):
             arguments += ["--salts", str(move["salts"])]
         if move.get("dry_run"):
             arguments.append("--dry-run")
-        moved = run_duality(arguments, self.log)
+        moved = run_duality(arguments, self.log, settings)
         return {"source": source, "target": move["target"], "skew": before, "result": moved}
 
 

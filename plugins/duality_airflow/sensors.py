@@ -28,15 +28,13 @@ class StreamRunningSensor(BaseSensorOperator):
         super().__init__(**kwargs)
         self.pipeline = pipeline
 
-    def _env(self) -> dict[str, str]:
-        return hooks.settings().as_env()
-
     def execute(self, context: Context) -> Any:
-        health = stream_health(self._env(), self.pipeline)
+        env = hooks.settings().as_env()
+        health = stream_health(env, self.pipeline)
         if health["health"] == "healthy" or health["desired"] == "stopped":
             return self._done(health)
         self.defer(
-            trigger=StreamRunningTrigger(self.pipeline, self._env()),
+            trigger=StreamRunningTrigger(self.pipeline, env),
             method_name="execute_complete",
             timeout=timedelta(seconds=float(self.timeout)),
         )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,21 +17,12 @@ def stream_health(env: dict[str, str], pipeline: str) -> dict[str, Any]:
 
     settings = Settings.from_env(env)
     spec = find_spec(settings, pipeline)
-    info = stream_control.describe(settings, spec)
-    pid = info.get("pid")
-    started = None
-    if pid is not None:
-        import psutil
-
-        started = psutil.Process(pid).create_time()
-    health, reason = stream_control.diagnose(
-        pid, started, info.get("heartbeat"), info.get("lag"), time.time()
-    )
+    info, health, reason = stream_control.check(settings, spec)
     return {
         "pipeline": pipeline,
         "health": health,
         "reason": reason,
-        "pid": pid,
+        "pid": info["pid"],
         "desired": stream_control.desired(settings, spec),
         "lag": info.get("lag"),
     }
