@@ -252,9 +252,9 @@ def _cmd_stream(settings: Settings, args: argparse.Namespace, console: Console) 
     pipeline = spec.find_spec(settings, args.pipeline)
     action = args.stream_command
     if action == "start" and args.foreground:
-        from duality.stream_job import supervise
+        from duality.stream_job import StreamOptions, supervise
 
-        code = supervise(settings, pipeline, args.pipeline)
+        code = supervise(settings, pipeline, args.pipeline, StreamOptions())
         return {"pipeline": pipeline.name, "state": "stopped", "exit_code": code}
     if action == "start":
         with console.status(f"starting the stream of {pipeline.name}"):
@@ -283,7 +283,7 @@ def _cmd_stream(settings: Settings, args: argparse.Namespace, console: Console) 
             + (f" (pid {result['pid']})" if result["pid"] else "")
             + (
                 f"; last heartbeat {result['heartbeat_age_s']}s ago: {beat.get('state')}, "
-                f"batch {beat.get('batch_id', '-')}, {beat.get('keys', '-')} keys"
+                f"batch {beat.get('batch_id', '-')}, {beat.get('state_rows', '-')} rows in state"
                 if beat
                 else "; no heartbeat yet"
             )

@@ -156,7 +156,7 @@ def _wait_caught_up(
         if behind == 0:
             return {
                 "source_records": sum(kafka.end_offsets(settings, pipeline.source.topic).values()),
-                "keys": info.get("heartbeat", {}).get("keys"),
+                "keys": info.get("heartbeat", {}).get("state_rows"),
                 "pid": info["pid"],
             }
         if time.monotonic() > deadline:

@@ -258,6 +258,14 @@ def topic_overrides(settings: Settings, name: str) -> dict[str, str]:
     }
 
 
+def max_message_bytes(settings: Settings, topic: str) -> int:
+    """The largest record batch `topic` accepts: its max.message.bytes, broker default included."""
+    client = admin(settings)
+    resource = ConfigResource(ConfigResource.Type.TOPIC, topic)
+    entries = _result(client.describe_configs([resource])[resource], settings)
+    return int(entries["max.message.bytes"].value)
+
+
 def _source(entry: Any) -> int:
     return int(getattr(entry.source, "value", entry.source))
 

@@ -1,42 +1,57 @@
-"""The changelog-backed streaming aggregate: source topic -> keyed aggregates -> changelog topic.
+"""The stream engine: source topic -> a table in Spark's state store -> the changelog topic.
 
-A Structured Streaming query reads the source; for each micro-batch, Spark (in the JVM) parses
-and classifies the records and pre-aggregates the good ones per group key. Python then sees only
-the per-key partial aggregates and the bad records: it merges the partials into the table state,
-and in one Kafka transaction writes the updated rows (absolute values) to the changelog, the bad
-records to the dead-letter topic, and the source offsets the batch covers to the pipeline's
-consumer group. The changelog and those offsets therefore always agree; on every start the state
-is restored from the changelog and the source resumes from the committed offsets
-(docs/decisions/0003-exactly-once-changelog.md).
+One Structured Streaming query per pipeline. Spark parses and classifies every source record;
+the good ones feed a built-in streaming aggregation (Update mode) whose state lives in the
+RocksDB state store, partitioned by group key over the executors. The query's output is the
+union of the rows that aggregation changed in the micro-batch and the bad records, already
+encoded as Kafka keys and values in the JVM. The driver only copies that output into one Kafka
+transaction per micro-batch: changelog records, dead letters, and the source offsets the batch
+covers, committed to the pipeline's consumer group
+(docs/decisions/0008-state-in-spark-state-store.md).
+
+Without a checkpoint the state is seeded from the changelog: the latest `_state` partials per
+key are written as Parquet files that a file source feeds into the same aggregation, beside the
+source topic read from the committed offsets.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
+import shutil
 import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-from confluent_kafka import KafkaException, Producer, TopicPartition
 
 from duality import changelog, kafka
 from duality.config import Settings
+from duality.errors import UsageError
 from duality.spec import SQL_TYPES, PipelineSpec
 
 if TYPE_CHECKING:
-    from pyspark.sql import Column, DataFrame
+    from pyspark.sql import Column, DataFrame, SparkSession
 
 log = logging.getLogger("duality.stream")
 
+# A dead letter's headers and key get this much room when its value has to be cut to fit.
+_DEAD_LETTER_MARGIN = 16_384
+# Marks a checkpoint written by this engine, with the fingerprint of the state's layout.
+_ENGINE_FILE = "duality-engine.json"
+_ENGINE = "state-store-1"
 
-# -- the state of one pipeline ------------------------------------------------------------
+
+# -- partial aggregates ---------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class Partial:
-    """One partial aggregate kept in the state: `count`, or `sum|min|max` of a field."""
+    """One partial aggregate kept in the state: `count`, or `sum|min|max` of a field.
+
+    `name` is its key in the changelog's `_state`; `column` its column inside Spark.
+    """
 
     function: str
     field: str | None
@@ -44,6 +59,10 @@ class Partial:
     @property
     def name(self) -> str:
         return "count" if self.field is None else f"{self.function}.{self.field}"
+
+    @property
+    def column(self) -> str:
+        return "_count" if self.field is None else f"_{self.function}_{self.field}"
 
 
 def partials_of(spec: PipelineSpec) -> list[Partial]:
@@ -59,34 +78,18 @@ def partials_of(spec: PipelineSpec) -> list[Partial]:
     return needed
 
 
-def merge(spec: PipelineSpec, old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
-    if old is None:
-        return dict(new)
-    merged = dict(old)
-    for part in partials_of(spec):
-        name = part.name
-        if part.function in ("count", "sum"):
-            merged[name] = old[name] + new[name]
-        elif part.function == "min":
-            merged[name] = min(old[name], new[name])
-        else:
-            merged[name] = max(old[name], new[name])
-    return merged
+def _partial_type(spec: PipelineSpec, part: Partial) -> str:
+    if part.field is None:
+        return "bigint"
+    kind = spec.source.fields[part.field]
+    if kind == "timestamp":
+        return "bigint"  # epoch milliseconds
+    if part.function == "sum" and kind in ("int", "long"):
+        return "bigint"
+    return SQL_TYPES[kind]
 
 
-def aggregate_values(spec: PipelineSpec, state: dict[str, Any]) -> dict[str, Any]:
-    values: dict[str, Any] = {}
-    for column, aggregate in spec.aggregates.items():
-        if aggregate.function == "count":
-            values[column] = state["count"]
-        elif aggregate.function == "avg":
-            values[column] = state[f"sum.{aggregate.field}"] / state["count"]
-        else:
-            values[column] = state[f"{aggregate.function}.{aggregate.field}"]
-    return values
-
-
-# -- classification and pre-aggregation in the JVM ------------------------------------------
+# -- classification (stateless, in the JVM) -------------------------------------------------
 
 
 def required_fields(spec: PipelineSpec) -> list[str]:
@@ -99,19 +102,14 @@ def required_fields(spec: PipelineSpec) -> list[str]:
     return fields
 
 
-def classify(
-    spec: PipelineSpec,
-    raw: DataFrame,
-    stream_time_ms: dict[int, int],
-) -> DataFrame:
+def classify(spec: PipelineSpec, raw: DataFrame) -> DataFrame:
     """Parse the raw Kafka rows and name each bad record's reason in `_error` (null when good).
 
-    Adds `_p` (the parsed struct) and, for windowed pipelines, `_ts_ms` (event time in ms).
-    Lateness follows Kafka Streams' stream time: per source partition, the largest event time
-    of the good records before this one (in offset order, continuing from the committed stream
-    time); a record more than the watermark behind it is late.
+    Adds `_p`, the parsed struct. Stateless, so it runs inside the streaming query. A record is
+    good when it is one JSON object and nothing else, every field the pipeline uses is present
+    with its type, and every double is finite. Lateness is decided later, against the query's
+    watermark (`late_events`).
     """
-    from pyspark.sql import Window
     from pyspark.sql import functions as F
 
     ddl = ", ".join(f"`{f}` {SQL_TYPES[k]}" for f, k in spec.source.fields.items())
@@ -122,6 +120,12 @@ def classify(
     as_text = ", ".join(f"`{f}` string" for f in required)
     frame = raw.withColumn("_p", F.from_json(text, ddl, {"mode": "PERMISSIVE"})).withColumn(
         "_present", F.from_json(text, as_text, {"mode": "PERMISSIVE"})
+    )
+    # Spark's JSON readers stop after the first value, so `{..} tail` and `{..}{..}` would pass
+    # as one object. Wrapped once as an array's only element and once as an object's only
+    # value, text with anything after its first value fails one of the two.
+    alone = (F.json_array_length(F.concat(F.lit("["), text, F.lit("]"))) == 1) & (
+        F.size(F.json_object_keys(F.concat(F.lit('{"v":'), text, F.lit("}")))) == 1
     )
     limit = spec.source.max_record_bytes
     checks: list[tuple[Column, Column]] = [
@@ -134,182 +138,366 @@ def classify(
                 F.lit(f" bytes, the limit is {limit}"),
             ),
         ),
-        (F.try_parse_json(text).isNull(), F.lit("malformed JSON")),
+        (~F.coalesce(alone, F.lit(False)), F.lit("malformed JSON: not exactly one JSON value")),
         (~F.ltrim(text).startswith("{"), F.lit("not a JSON object")),
     ]
     for field in required:
         kind = spec.source.fields[field]
+        value = F.col(f"_p.{field}")
         present = F.col(f"_present.{field}").isNotNull()
         checks.append((~present, F.lit(f"missing field {field}")))
-        checks.append(
-            (F.col(f"_p.{field}").isNull(), F.lit(f"wrong type for {field}: expected {kind}"))
-        )
+        checks.append((value.isNull(), F.lit(f"wrong type for {field}: expected {kind}")))
+        if kind == "double":
+            checks.append(
+                (
+                    F.isnan(value) | (F.abs(value) == F.lit(float("inf"))),
+                    F.concat(
+                        F.lit(f"wrong type for {field}: expected a finite double, got "),
+                        value.cast("string"),
+                    ),
+                )
+            )
     error = F.lit(None).cast("string")
     for condition, reason in reversed(checks):
         error = F.when(condition, reason).otherwise(error)
-    frame = frame.withColumn("_error", error)
-
-    if spec.window is not None and spec.source.event_time is not None:
-        ts_ms = F.unix_millis(F.col(f"_p.{spec.source.event_time}"))
-        frame = frame.withColumn("_ts_ms", F.when(F.col("_error").isNull(), ts_ms))
-        before = (
-            Window.partitionBy("partition")
-            .orderBy("offset")
-            .rowsBetween(Window.unboundedPreceding, -1)
-        )
-        start = _map_literal(stream_time_ms)
-        committed_time = F.coalesce(F.element_at(start, F.col("partition")), F.lit(-(2**62)))
-        stream_time = F.greatest(
-            committed_time, F.coalesce(F.max("_ts_ms").over(before), committed_time)
-        )
-        limit_ms = spec.window.watermark_seconds * 1000
-        late = F.col("_ts_ms") < stream_time - F.lit(limit_ms)
-        frame = frame.withColumn("_stream_time", stream_time).withColumn(
-            "_error",
-            F.when(
-                F.col("_error").isNull() & late,
-                F.concat(
-                    F.lit("late event: event time "),
-                    F.date_format(F.timestamp_millis("_ts_ms"), "yyyy-MM-dd'T'HH:mm:ss.SSS'Z'"),
-                    F.lit(f" is more than {spec.window.watermark} behind the stream time "),
-                    F.date_format(
-                        F.timestamp_millis("_stream_time"), "yyyy-MM-dd'T'HH:mm:ss.SSS'Z'"
-                    ),
-                ),
-            ).otherwise(F.col("_error")),
-        )
-    return frame
+    return frame.withColumn("_error", error)
 
 
-def _map_literal(values: dict[int, int]) -> Column:
-    from pyspark.sql import functions as F
-
-    if not values:
-        return F.create_map().cast("map<int,bigint>")
-    pairs: list[Column] = []
-    for key, value in values.items():
-        pairs.extend([F.lit(key), F.lit(value).cast("bigint")])
-    return F.create_map(*pairs)
-
-
-def pre_aggregate(spec: PipelineSpec, good: DataFrame) -> DataFrame:
-    """Per group key (and window), the partial aggregates of this batch's good records."""
-    from pyspark.sql import functions as F
-
-    groups = [F.col(f"_p.{f}").alias(f) for f in spec.source.key]
-    if spec.window is not None:
-        window = F.window(
-            F.col(f"_p.{spec.source.event_time}"), f"{spec.window.size_seconds} seconds"
-        )
-        groups.append(F.unix_millis(window.start).alias("window_start"))
-    columns = []
-    for part in partials_of(spec):
-        if part.function == "count":
-            columns.append(F.count(F.lit(1)).alias(part.name))
-            continue
-        value = F.col(f"_p.{part.field}")
-        if spec.source.fields[part.field or ""] == "timestamp":
-            value = F.unix_millis(value)
-        function = {"sum": F.sum, "min": F.min, "max": F.max}[part.function]
-        columns.append(function(value).alias(part.name))
-    return good.groupBy(*groups).agg(*columns)
-
-
-# -- one micro-batch -----------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Committed:
-    """What the changelog covers: per source partition, the next offset and the stream time."""
-
-    offsets: dict[int, int]
-    stream_time_ms: dict[int, int]
-
-    def to_kafka(self, topic: str) -> list[TopicPartition]:
-        return [
-            TopicPartition(
-                topic, p, offset, json.dumps({"stream_time": self.stream_time_ms.get(p)})
+def late_records(settings: Settings, spec: PipelineSpec) -> list[tuple[int, int]]:
+    """(partition, offset) of the source records the dead-letter topic holds as late."""
+    late = []
+    for message in kafka.read_to_end(settings, spec.dlq_topic):
+        headers = dict(message.headers() or [])
+        reason = headers.get("duality.error") or b""
+        if isinstance(reason, bytes) and reason.startswith(b"late event"):
+            late.append(
+                (
+                    int(headers["duality.source.partition"] or -1),
+                    int(headers["duality.source.offset"] or -1),
+                )
             )
-            for p, offset in sorted(self.offsets.items())
-        ]
+    return late
 
-    def _metadata(self, partition: int) -> str:
-        return json.dumps({"stream_time": self.stream_time_ms.get(partition)})
 
-    @classmethod
-    def from_kafka(cls, committed: dict[int, tuple[int, str | None]]) -> Committed:
-        offsets, times = {}, {}
-        for partition, (offset, metadata) in committed.items():
-            offsets[partition] = offset
-            try:
-                stream_time = json.loads(metadata or "{}").get("stream_time")
-            except json.JSONDecodeError:
-                stream_time = None
-            if stream_time is not None:
-                times[partition] = int(stream_time)
-        return cls(offsets, times)
+# -- the stateful aggregation ---------------------------------------------------------------
+
+
+def _event_time_ms(spec: PipelineSpec) -> Column:
+    from pyspark.sql import functions as F
+
+    assert spec.source.event_time is not None
+    return F.unix_millis(F.col(f"_p.{spec.source.event_time}"))
+
+
+def _window_end_ms(spec: PipelineSpec, ts_ms: Column) -> Column:
+    """The end of the tumbling window holding `ts_ms` (Spark's `window()` for these)."""
+    from pyspark.sql import functions as F
+
+    assert spec.window is not None
+    size = spec.window.size_seconds * 1000
+    return ts_ms - F.pmod(ts_ms, F.lit(size)) + F.lit(size)
+
+
+def _rows_schema(spec: PipelineSpec) -> str:
+    """What the aggregation consumes: group fields, event time, one partial per column."""
+    columns = [f"`{f}` {SQL_TYPES[spec.source.fields[f]]}" for f in spec.source.key]
+    if spec.window is not None:
+        columns.append("`_ts` timestamp")
+    columns += [f"`{p.column}` {_partial_type(spec, p)}" for p in partials_of(spec)]
+    columns.append("`_fresh` int")
+    return ", ".join(columns)
+
+
+def source_rows(spec: PipelineSpec, classified: DataFrame) -> DataFrame:
+    """Each good record as one row of partials: count 1, and its own value for the rest."""
+    from pyspark.sql import functions as F
+
+    columns = [F.col(f"_p.{f}").alias(f) for f in spec.source.key]
+    if spec.window is not None:
+        columns.append(F.col(f"_p.{spec.source.event_time}").alias("_ts"))
+    for part in partials_of(spec):
+        if part.field is None:
+            value = F.lit(1).cast("bigint")
+        else:
+            value = F.col(f"_p.{part.field}")
+            if spec.source.fields[part.field] == "timestamp":
+                value = F.unix_millis(value)
+        columns.append(value.cast(_partial_type(spec, part)).alias(part.column))
+    columns.append(F.lit(1).alias("_fresh"))
+    return classified.where(F.col("_error").isNull()).select(*columns)
+
+
+def aggregate(spec: PipelineSpec, rows: DataFrame) -> DataFrame:
+    """The streaming aggregation (its state is the table); `_fresh` is 1 for a key that source
+    records touched, 0 for one only seeded from the changelog."""
+    from pyspark.sql import functions as F
+
+    groups: list[Column | str] = list(spec.source.key)
+    if spec.window is not None:
+        rows = rows.withWatermark("_ts", f"{spec.window.watermark_seconds} seconds")
+        groups.append(F.window("_ts", f"{spec.window.size_seconds} seconds").alias("_window"))
+    merge = {"count": F.sum, "sum": F.sum, "min": F.min, "max": F.max}
+    columns = [
+        merge[p.function](p.column).cast(_partial_type(spec, p)).alias(p.column)
+        for p in partials_of(spec)
+    ]
+    return rows.groupBy(*groups).agg(*columns, F.max("_fresh").alias("_fresh"))
+
+
+def changelog_records(spec: PipelineSpec, table: DataFrame) -> DataFrame:
+    """The changed rows as changelog records (DESIGN §6), encoded in the JVM."""
+    from pyspark.sql import functions as F
+
+    keys: list[Column] = [F.col(f) for f in spec.source.key]
+    if spec.window is not None:
+        keys.append(
+            F.date_format("_window.start", "yyyy-MM-dd'T'HH:mm:ss.SSS'Z'").alias("window_start")
+        )
+    if len(keys) == 1:
+        key = keys[0].cast("string")
+    else:
+        key = F.to_json(F.array(*[k.cast("variant") for k in keys]))
+    aggregates = []
+    for column, agg in spec.aggregates.items():
+        if agg.function == "count":
+            value = F.col("_count")
+        elif agg.function == "avg":
+            value = F.col(f"_sum_{agg.field}") / F.col("_count")
+        else:
+            value = F.col(f"_{agg.function}_{agg.field}")
+        aggregates.append(value.alias(column))
+    state = F.struct(*[F.col(p.column).alias(p.name) for p in partials_of(spec)])
+    document = F.struct(
+        *[k.alias(name) for k, name in zip(keys, spec.key_columns, strict=True)],
+        *aggregates,
+        F.unix_millis(F.current_timestamp()).alias("_updated_at"),
+        state.alias("_state"),
+    )
+    return table.where(F.col("_fresh") == 1).select(
+        F.lit("update").alias("_kind"),
+        key.cast("binary").alias("_key"),
+        F.to_json(document).cast("binary").alias("_value"),
+        *_no_lineage(),
+    )
+
+
+def _no_lineage() -> list[Column]:
+    from pyspark.sql import functions as F
+
+    return [
+        F.lit(None).cast("int").alias("_partition"),
+        F.lit(None).cast("bigint").alias("_offset"),
+        F.lit(None).cast("string").alias("_error"),
+        F.lit(None).cast("bigint").alias("_window_end"),
+    ]
+
+
+def dead_letter_records(spec: PipelineSpec, classified: DataFrame) -> DataFrame:
+    """Bad records with their lineage; for windowed pipelines also every good record with its
+    window's end, so the driver can dead-letter those the watermark drops (`late_events`)."""
+    from pyspark.sql import functions as F
+
+    kind = F.when(F.col("_error").isNotNull(), F.lit("dead")).otherwise(F.lit("candidate"))
+    window_end = F.lit(None).cast("bigint")
+    frame = classified
+    if spec.window is None:
+        frame = frame.where(F.col("_error").isNotNull())
+    else:
+        window_end = F.when(
+            F.col("_error").isNull(), _window_end_ms(spec, _event_time_ms(spec))
+        ).cast("bigint")
+    return frame.select(
+        kind.alias("_kind"),
+        F.col("key").alias("_key"),
+        F.col("value").alias("_value"),
+        F.col("partition").alias("_partition"),
+        F.col("offset").alias("_offset"),
+        F.col("_error"),
+        window_end.alias("_window_end"),
+    )
+
+
+def build_query_frame(spec: PipelineSpec, source: DataFrame, seeds: DataFrame) -> DataFrame:
+    """The streaming DataFrame whose micro-batches the driver writes: changed rows and bad
+    records (plus late-event candidates), all as `_kind, _key, _value` and lineage."""
+    classified = classify(spec, source)
+    rows = source_rows(spec, classified).unionByName(seeds)
+    table = aggregate(spec, rows)
+    return changelog_records(spec, table).unionByName(dead_letter_records(spec, classified))
+
+
+# -- seeding the state from the changelog ----------------------------------------------------
+
+
+def seed_dir(checkpoint: Path) -> Path:
+    return checkpoint / "seed"
+
+
+def seeds_stream(spark: SparkSession, spec: PipelineSpec, checkpoint: Path) -> DataFrame:
+    folder = seed_dir(checkpoint)
+    folder.mkdir(parents=True, exist_ok=True)
+    return spark.readStream.schema(_rows_schema(spec)).parquet(str(folder))
+
+
+def write_seed(
+    spark: SparkSession, settings: Settings, spec: PipelineSpec, checkpoint: Path
+) -> int:
+    """The changelog's latest `_state` per key, read_committed, as Parquet seed files; returns
+    the number of keys. Tombstones remove their key."""
+    from pyspark.sql import functions as F
+
+    folder = seed_dir(checkpoint)
+    shutil.rmtree(folder, ignore_errors=True)
+    raw = (
+        spark.read.format("kafka")
+        .options(**settings.spark_kafka_options())
+        .option("subscribe", spec.changelog_topic)
+        .option("startingOffsets", "earliest")
+        .option("endingOffsets", "latest")
+        .option("kafka.isolation.level", "read_committed")
+        .load()
+    )
+    latest = raw.groupBy("key").agg(F.max_by("value", "offset").alias("value"))
+    state_ddl = ", ".join(f"`{p.name}` {_partial_type(spec, p)}" for p in partials_of(spec))
+    fields = ", ".join(f"`{f}` {SQL_TYPES[spec.source.fields[f]]}" for f in spec.source.key) + (
+        ", `window_start` string" if spec.window is not None else ""
+    )
+    parsed = latest.where(F.col("value").isNotNull()).select(
+        F.from_json(F.col("value").cast("string"), f"{fields}, `_state` struct<{state_ddl}>").alias(
+            "v"
+        )
+    )
+    columns: list[Column] = [F.col(f"v.{f}").alias(f) for f in spec.source.key]
+    if spec.window is not None:
+        columns.append(F.to_timestamp("v.window_start").alias("_ts"))
+    columns += [F.col(f"v._state.`{p.name}`").alias(p.column) for p in partials_of(spec)]
+    columns.append(F.lit(0).alias("_fresh"))
+    seeds = parsed.select(*columns)
+    staging = folder.with_name("seed.staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    seeds.write.parquet(str(staging))
+    count = spark.read.parquet(str(staging)).count()
+    staging.rename(folder)
+    return count
+
+
+# -- the checkpoint ----------------------------------------------------------------------------
+
+
+def state_layout(spec: PipelineSpec) -> str:
+    """What the state's schema depends on; a checkpoint of another layout cannot be resumed."""
+    layout = {
+        "key": spec.source.key,
+        "types": [spec.source.fields[f] for f in spec.source.key],
+        "window": spec.window.model_dump() if spec.window else None,
+        "partials": _rows_schema(spec),
+    }
+    return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def checkpoint_usable(spec: PipelineSpec, checkpoint: Path) -> bool:
+    """True when the query can resume from `checkpoint`; False when it must be (re)built from
+    the changelog (no checkpoint, or one the query never got going with, or one of the older
+    driver-side engine). A checkpoint of another state layout is a usage error."""
+    offsets = checkpoint / "offsets"
+    if not offsets.is_dir() or not any(offsets.iterdir()):
+        return False
+    marker = checkpoint / _ENGINE_FILE
+    if not marker.is_file():
+        log.warning(
+            "%s: checkpoint %s was written by an older engine; rebuilding the state from %s",
+            spec.name,
+            checkpoint,
+            spec.changelog_topic,
+        )
+        return False
+    recorded = json.loads(marker.read_text())
+    if recorded.get("layout") != state_layout(spec):
+        raise UsageError(
+            f"pipeline {spec.name}: its key, window or aggregates changed since the checkpoint "
+            f"{checkpoint} was written, so neither it nor the changelog can be resumed: run "
+            f"`duality reset {spec.name}` to recompute the table from the source"
+        )
+    return True
+
+
+def prepare_checkpoint(spec: PipelineSpec, checkpoint: Path) -> None:
+    """Empty the checkpoint folder and mark it as this engine's."""
+    shutil.rmtree(checkpoint, ignore_errors=True)
+    checkpoint.mkdir(parents=True)
+    (checkpoint / _ENGINE_FILE).write_text(
+        json.dumps({"engine": _ENGINE, "layout": state_layout(spec)})
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedBatch:
+    """What Spark's offset log says of one micro-batch: source end offsets and watermark."""
+
+    end_offsets: dict[int, int]
+    watermark_ms: int
+
+
+def planned_batch(checkpoint: Path, topic: str, batch_id: int) -> PlannedBatch:
+    """Read `offsets/<batch_id>` of the checkpoint, which Spark writes before it runs the batch.
+
+    Lines: a version, the batch's metadata (with `batchWatermarkMs`), then one offset per
+    source; the Kafka source's is `{topic: {partition: offset}}`.
+    """
+    path = checkpoint / "offsets" / str(batch_id)
+    lines = path.read_text().splitlines()
+    metadata = json.loads(lines[1])
+    for line in lines[2:]:
+        if line.startswith("{"):
+            document = json.loads(line)
+            if topic in document:
+                ends = {int(p): int(o) for p, o in document[topic].items()}
+                return PlannedBatch(ends, int(metadata.get("batchWatermarkMs", 0)))
+    raise AssertionError(f"{path} holds no offsets of {topic}: {lines}")
+
+
+# -- writing a micro-batch exactly once -----------------------------------------------------
 
 
 @dataclasses.dataclass
 class BatchResult:
     batch_id: int
-    records: int
-    aggregated: int
+    records: int  # source offsets the batch covers
     dead_lettered: int
+    late: int
     updated_keys: int
-    skipped: int
-    spark_s: float = 0.0  # parse, classify, pre-aggregate, collect
-    merge_s: float = 0.0  # merge the partials into the state
-    commit_s: float = 0.0  # the Kafka transaction
+    replayed: bool = False
+    seconds: float = 0.0
 
 
-class Aggregator:
-    """Holds one pipeline's table state and applies micro-batches to it exactly once."""
+class ChangelogWriter:
+    """Writes each micro-batch's output in one Kafka transaction with the source offsets."""
 
-    def __init__(self, settings: Settings, spec: PipelineSpec):
+    def __init__(self, settings: Settings, spec: PipelineSpec, checkpoint: Path):
         self.settings = settings
         self.spec = spec
-        self.state: dict[tuple[Any, ...], dict[str, Any]] = {}
-        self.committed = Committed({}, {})
-        self.producer: Producer | None = None
-
-    # The transactional id is the pipeline's: a new driver fences any older one still alive.
-    @property
-    def transactional_id(self) -> str:
-        return f"duality-{self.spec.name}"
-
-    def restore(self) -> None:
-        """Load the state from the changelog and what it covers from the committed offsets."""
-        started = time.monotonic()
-        committed = kafka.committed_offsets(
-            self.settings, self.spec.consumer_group, self.spec.source.topic
-        )
-        self.committed = Committed.from_kafka(committed)
-        latest = changelog.read_latest(self.settings, self.spec)
-        self.state = {}
-        for value in latest.values():
-            key = tuple(value[column] for column in self.spec.key_columns)
-            if self.spec.window is not None:
-                key = (*key[:-1], _iso_to_ms(key[-1]))
-            self.state[key] = value["_state"]
-        log.info(
-            "%s: restored %d keys from %s in %.1fs; source resumes at %s",
-            self.spec.name,
-            len(self.state),
-            self.spec.changelog_topic,
-            time.monotonic() - started,
-            self.committed.offsets or "the beginning",
-        )
+        self.checkpoint = checkpoint
+        # The transactional id is the pipeline's: a new driver fences any older one still alive,
+        # and its open transaction is aborted before anything is read.
         self.producer = kafka.producer(
-            self.settings,
-            transactional_id=self.transactional_id,
+            settings,
+            transactional_id=f"duality-{spec.name}",
             transaction_timeout_ms=300_000,
             queue_buffering_max_messages=1_000_000,
-            linger_ms=50,
+            linger_ms=20,
+            message_max_bytes=kafka.max_message_bytes(settings, spec.dlq_topic)
+            + _DEAD_LETTER_MARGIN,
         )
-        self.producer.init_transactions(self.settings.connect_timeout_s * 6)
+        self.producer.init_transactions(settings.connect_timeout_s * 6)
+        self.dead_letter_limit = kafka.max_message_bytes(settings, spec.dlq_topic)
+        self.committed = {
+            p: offset
+            for p, (offset, _) in kafka.committed_offsets(
+                settings, spec.consumer_group, spec.source.topic
+            ).items()
+        }
         # The group the offsets are committed to; it never subscribes, so it never rebalances.
-        group = kafka.consumer(self.settings, self.spec.consumer_group)
+        group = kafka.consumer(settings, spec.consumer_group)
         self._group_metadata = group.consumer_group_metadata()
         group.close()
 
@@ -317,145 +505,103 @@ class Aggregator:
         """Spark's startingOffsets for a query without checkpoint: the committed offsets."""
         partitions = kafka.partition_count(self.settings, self.spec.source.topic)
         # -2 is Spark's "earliest" for a partition the changelog does not cover yet.
-        offsets = {str(p): self.committed.offsets.get(p, -2) for p in range(partitions)}
+        offsets = {str(p): self.committed.get(p, -2) for p in range(partitions)}
         return json.dumps({self.spec.source.topic: offsets})
 
-    def process(self, raw: DataFrame, batch_id: int) -> BatchResult:
+    def write(self, batch: DataFrame, batch_id: int) -> BatchResult:
         from pyspark.sql import functions as F
 
-        assert self.producer is not None, "restore() first"
-        spec = self.spec
         started = time.perf_counter()
-        # Records the changelog already covers (a replayed batch) are skipped, not re-applied.
-        fresh = raw.where(
-            F.col("offset")
-            >= F.coalesce(
-                F.element_at(_map_literal(self.committed.offsets), F.col("partition")), F.lit(0)
-            )
+        planned = planned_batch(self.checkpoint, self.spec.source.topic, batch_id)
+        records = sum(
+            max(0, end - self.committed.get(p, 0)) for p, end in planned.end_offsets.items()
         )
-        classified = classify(spec, fresh, self.committed.stream_time_ms)
-        # Cache only what the three actions below need; raw bytes only of the bad records.
-        bad = F.col("_error").isNotNull()
-        frame = classified.select(
-            "partition",
-            "offset",
-            "_error",
-            "_p",
-            *(["_ts_ms"] if spec.window is not None else []),
-            F.when(bad, F.col("key")).alias("key"),
-            F.when(bad, F.col("value")).alias("value"),
-        ).persist()
-        try:
-            summary = (
-                frame.groupBy("partition")
-                .agg(
-                    F.max("offset").alias("last"),
-                    F.count(F.lit(1)).alias("records"),
-                    F.sum(F.when(F.col("_error").isNotNull(), 1).otherwise(0)).alias("bad"),
-                    *([F.max("_ts_ms").alias("stream_time")] if spec.window is not None else []),
-                )
-                .collect()
-            )
-            if not summary:
-                skipped = raw.count()
-                result = BatchResult(batch_id, 0, 0, 0, 0, skipped)
-                return result
-            bad_rows = (
-                frame.where(F.col("_error").isNotNull())
-                .select("key", "value", "partition", "offset", "_error")
-                .collect()
-            )
-            partial_rows = pre_aggregate(spec, frame.where(F.col("_error").isNull())).collect()
-        finally:
-            frame.unpersist()
-        collected = time.perf_counter()
-
-        offsets = dict(self.committed.offsets)
-        stream_time = dict(self.committed.stream_time_ms)
-        records = 0
-        for row in summary:
-            offsets[row["partition"]] = row["last"] + 1
-            records += row["records"]
-            if spec.window is not None and row["stream_time"] is not None:
-                stream_time[row["partition"]] = max(
-                    stream_time.get(row["partition"], row["stream_time"]), row["stream_time"]
-                )
-        updates: dict[tuple[Any, ...], dict[str, Any]] = {}
-        for row in partial_rows:
-            values = row.asDict()
-            key = tuple(values.pop(column) for column in spec.key_columns)
-            updates[key] = merge(spec, self.state.get(key), values)
-
-        merged = time.perf_counter()
-        now_ms = int(time.time() * 1000)
-        self._write(bad_rows, updates, Committed(offsets, stream_time), now_ms)
-        committed = time.perf_counter()
-        # Only after the commit succeeded does the in-memory state move on.
-        self.state.update(updates)
-        self.committed = Committed(offsets, stream_time)
-        result = BatchResult(
-            batch_id,
-            records,
-            records - len(bad_rows),
-            len(bad_rows),
-            len(updates),
-            0,
-            spark_s=round(collected - started, 2),
-            merge_s=round(merged - collected, 2),
-            commit_s=round(committed - merged, 2),
-        )
+        if all(self.committed.get(p, 0) >= end for p, end in planned.end_offsets.items()):
+            # Spark replays a batch whose transaction had committed (the driver died between
+            # the commit and Spark's own commit log). Run it for its state, write nothing.
+            batch.write.format("noop").mode("overwrite").save()
+            return BatchResult(batch_id, 0, 0, 0, 0, replayed=records == 0)
+        wanted = F.col("_kind") != "candidate"
+        if self.spec.window is not None:
+            # Spark drops a windowed row whose window ended at or before the batch's watermark.
+            wanted = wanted | (F.col("_window_end") <= F.lit(planned.watermark_ms))
+        result = self._commit(_rows(batch.where(wanted)), batch_id, planned)
+        result.records = records
+        result.seconds = round(time.perf_counter() - started, 2)
         return result
 
-    def _write(
-        self,
-        bad_rows: Iterable[Any],
-        updates: dict[tuple[Any, ...], dict[str, Any]],
-        covered: Committed,
-        now_ms: int,
-    ) -> None:
+    def _commit(self, rows: Iterable[Any], batch_id: int, planned: PlannedBatch) -> BatchResult:
         spec, producer = self.spec, self.producer
-        assert producer is not None
-        source = spec.source.topic
+        result = BatchResult(batch_id, 0, 0, 0, 0)
+        source = spec.source.topic.encode()
+        watermark = changelog.window_iso(planned.watermark_ms)
+        delay = spec.window.watermark if spec.window is not None else ""
         producer.begin_transaction()
         try:
-            for row in bad_rows:
-                headers: list[tuple[str, str | bytes | None]] = [
-                    ("duality.error", row["_error"].encode()),
-                    ("duality.source.topic", source.encode()),
-                    ("duality.source.partition", str(row["partition"]).encode()),
-                    ("duality.source.offset", str(row["offset"]).encode()),
-                ]
-                kafka.send(
-                    producer, spec.dlq_topic, _bytes(row["key"]), _bytes(row["value"]), headers
-                )
-            for key, state in updates.items():
-                shown = key if spec.window is None else (*key[:-1], changelog.window_iso(key[-1]))
-                value = changelog.encode_value(
-                    spec, shown, aggregate_values(spec, state), state, now_ms
-                )
-                kafka.send(producer, spec.changelog_topic, changelog.encode_key(spec, shown), value)
+            for row in rows:
+                kind = row["_kind"]
+                if kind == "update":
+                    kafka.send(producer, spec.changelog_topic, row["_key"], row["_value"])
+                    result.updated_keys += 1
+                    continue
+                if kind == "candidate":
+                    ended = changelog.window_iso(row["_window_end"])
+                    reason = (
+                        f"late event: its window ended at {ended}, not after the watermark "
+                        f"{watermark} (the latest event time of earlier micro-batches minus "
+                        f"{delay})"
+                    )
+                    result.late += 1
+                else:
+                    reason = row["_error"]
+                result.dead_lettered += 1
+                self._dead_letter(row, reason, source)
+            offsets = [
+                kafka.TopicPartition(spec.source.topic, p, end)
+                for p, end in sorted(planned.end_offsets.items())
+            ]
             producer.send_offsets_to_transaction(
-                covered.to_kafka(source), self._group_metadata, self.settings.connect_timeout_s * 3
+                offsets, self._group_metadata, self.settings.connect_timeout_s * 3
             )
             producer.commit_transaction(self.settings.connect_timeout_s * 6)
-        except KafkaException:
+        except BaseException:
             try:
                 producer.abort_transaction(self.settings.connect_timeout_s)
-            except KafkaException:
+            except Exception:
                 log.warning("%s: aborting the transaction failed too", spec.name)
             raise
+        self.committed.update(planned.end_offsets)
+        return result
+
+    def _dead_letter(self, row: Any, reason: str, source: bytes) -> None:
+        key = _bytes(row["_key"])
+        value = _bytes(row["_value"])
+        room = self.dead_letter_limit - _DEAD_LETTER_MARGIN - len(key or b"")
+        if value is not None and len(value) > room:
+            kept = max(0, room)
+            reason += (
+                f"; the value was cut to its first {kept} of {len(value)} bytes, the most the "
+                f"dead-letter topic {self.spec.dlq_topic} accepts (max.message.bytes "
+                f"{self.dead_letter_limit})"
+            )
+            value = value[:kept]
+        headers: list[tuple[str, str | bytes | None]] = [
+            ("duality.error", reason.encode()),
+            ("duality.source.topic", source),
+            ("duality.source.partition", str(row["_partition"]).encode()),
+            ("duality.source.offset", str(row["_offset"]).encode()),
+        ]
+        kafka.send(self.producer, self.spec.dlq_topic, key, value, headers)
 
     def close(self) -> None:
-        if self.producer is not None:
-            self.producer.flush(10)
-            self.producer = None
+        self.producer.flush(10)
 
 
 def _bytes(value: Any) -> bytes | None:
     return None if value is None else bytes(value)
 
 
-def _iso_to_ms(text: str) -> int:
-    from datetime import datetime
-
-    return int(datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() * 1000)
+def _rows(frame: DataFrame) -> Iterable[dict[str, Any]]:
+    """The rows of a micro-batch's output, fetched in one Spark job as Arrow record batches."""
+    for chunk in frame.toArrow().to_batches(max_chunksize=10_000):
+        yield from chunk.to_pylist()

@@ -1,13 +1,16 @@
 """The stream's driver: creates the pipeline's topics, runs the query, and keeps it running.
 
 A failed query (the broker went away, a transaction could not commit) is restarted with
-backoff after the state is restored from the changelog again, so the stream recovers by itself.
-SIGTERM stops it gracefully. A lock file makes sure one checkpoint never has two drivers.
+backoff from its checkpoint, so the stream recovers by itself; only a lost checkpoint makes it
+seed its state from the changelog. SIGTERM stops it gracefully. A lock file makes sure one
+checkpoint never has two drivers.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import dataclasses
 import fcntl
 import logging
 import os
@@ -20,11 +23,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from duality import kafka, status
+from duality import kafka, status, stream
 from duality.config import Settings
 from duality.errors import DualityError, LocalStackError, UsageError
 from duality.spec import PipelineSpec
-from duality.stream import Aggregator
 
 log = logging.getLogger("duality.stream")
 
@@ -33,6 +35,54 @@ MAX_OFFSETS_PER_TRIGGER = 500_000
 # never recovers): the query is stopped and restarted from the changelog.
 STALL_TIMEOUT_S = 300.0
 STALLED_EXIT = 75
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamOptions:
+    """How a stream runs; the same arguments for `jobs/stream_aggregate.py` and its driver."""
+
+    max_offsets_per_trigger: int = MAX_OFFSETS_PER_TRIGGER
+    stall_timeout_s: float = STALL_TIMEOUT_S
+    trigger_seconds: float = 1.0
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--max-offsets-per-trigger",
+            type=int,
+            default=MAX_OFFSETS_PER_TRIGGER,
+            help="the most source records one micro-batch reads (default %(default)s)",
+        )
+        parser.add_argument(
+            "--stall-timeout",
+            type=float,
+            default=STALL_TIMEOUT_S,
+            help="seconds after which a running micro-batch is stalled (default %(default)s)",
+        )
+        parser.add_argument(
+            "--trigger-seconds",
+            type=float,
+            default=1.0,
+            help="the micro-batch trigger interval in seconds (default %(default)s)",
+        )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> StreamOptions:
+        if args.max_offsets_per_trigger < 1:
+            raise UsageError("--max-offsets-per-trigger must be at least 1")
+        if args.trigger_seconds < 0 or args.stall_timeout <= 0:
+            raise UsageError("--trigger-seconds must be 0 or more and --stall-timeout positive")
+        return cls(args.max_offsets_per_trigger, args.stall_timeout, args.trigger_seconds)
+
+    def to_args(self) -> list[str]:
+        return [
+            "--max-offsets-per-trigger",
+            str(self.max_offsets_per_trigger),
+            "--stall-timeout",
+            str(self.stall_timeout_s),
+            "--trigger-seconds",
+            str(self.trigger_seconds),
+        ]
 
 
 def changelog_config(spec: PipelineSpec) -> dict[str, str]:
@@ -85,34 +135,44 @@ def exclusive(settings: Settings, spec: PipelineSpec) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _heartbeat_listener(heartbeat: status.Heartbeat, aggregator: Aggregator) -> Any:
+def _heartbeat_listener(heartbeat: status.Heartbeat, writer: stream.ChangelogWriter) -> Any:
     """A StreamingQueryListener that turns query progress into heartbeats on `_duality-status`."""
     from pyspark.sql.streaming import StreamingQueryListener
 
     class Listener(StreamingQueryListener):
+        def __init__(self) -> None:
+            self.state: dict[str, Any] = {}
+
         def onQueryStarted(self, event: Any) -> None:
             heartbeat.publish("running", query_id=str(event.id))
 
         def onQueryProgress(self, event: Any) -> None:
             progress = event.progress
-            source = progress.sources[0] if progress.sources else None
+            kafka_source = next(
+                (s for s in progress.sources if "kafka" in s.description.lower()), None
+            )
+            operators = progress.stateOperators
+            if operators:
+                # Rows in Spark's state store: the table's keys (or windows) on the executors.
+                self.state = {
+                    "state_rows": operators[0].numRowsTotal,
+                    "state_memory_bytes": operators[0].memoryUsedBytes,
+                }
             heartbeat.publish(
                 "running",
                 batch_id=progress.batchId,
                 input_rows_per_second=progress.inputRowsPerSecond,
                 processed_rows_per_second=progress.processedRowsPerSecond,
                 num_input_rows=progress.numInputRows,
-                source_offsets=json_or_none(source.endOffset) if source else None,
-                committed_offsets=aggregator.committed.offsets,
-                keys=len(aggregator.state),
+                source_offsets=json_or_none(kafka_source.endOffset) if kafka_source else None,
+                committed_offsets=writer.committed,
+                watermark=progress.eventTime.get("watermark") if progress.eventTime else None,
+                **self.state,
             )
 
         def onQueryIdle(self, event: Any) -> None:
             heartbeat.publish(
-                "running",
-                idle=True,
-                committed_offsets=aggregator.committed.offsets,
-                keys=len(aggregator.state),
+                "running", idle=True, committed_offsets=writer.committed, **self.state
             )
 
         def onQueryTerminated(self, event: Any) -> None:
@@ -131,20 +191,12 @@ def json_or_none(text: Any) -> Any:
 
 
 class StreamDriver:
-    def __init__(
-        self,
-        settings: Settings,
-        spec: PipelineSpec,
-        *,
-        trigger_seconds: float = 1.0,
-        max_offsets_per_trigger: int = MAX_OFFSETS_PER_TRIGGER,
-        stall_timeout_s: float = STALL_TIMEOUT_S,
-    ):
+    def __init__(self, settings: Settings, spec: PipelineSpec, options: StreamOptions):
         self.settings = settings
         self.spec = spec
-        self.trigger_seconds = trigger_seconds
-        self.max_offsets_per_trigger = max_offsets_per_trigger
-        self.stall_timeout_s = stall_timeout_s
+        self.trigger_seconds = options.trigger_seconds
+        self.max_offsets_per_trigger = options.max_offsets_per_trigger
+        self.stall_timeout_s = options.stall_timeout_s
         self.stopping = threading.Event()
 
     def request_stop(self, *_: Any) -> None:
@@ -184,29 +236,55 @@ class StreamDriver:
 
     def _run_query(self, spark: Any, heartbeat: status.Heartbeat) -> None:
         spec, settings = self.spec, self.settings
-        aggregator = Aggregator(settings, spec)
+        checkpoint = checkpoint_dir(settings, spec)
         heartbeat.publish("restoring")
-        aggregator.restore()
-        listener = _heartbeat_listener(heartbeat, aggregator)
+        # First fence any older driver and abort its open transaction, then read what the
+        # changelog covers: the seed and the starting offsets below are a consistent pair.
+        writer = stream.ChangelogWriter(settings, spec, checkpoint)
+        if stream.checkpoint_usable(spec, checkpoint):
+            log.info(
+                "%s: resuming from the checkpoint %s (the state is in Spark's state store; the "
+                "changelog is not read)",
+                spec.name,
+                checkpoint,
+            )
+        else:
+            started = time.monotonic()
+            stream.prepare_checkpoint(spec, checkpoint)
+            keys = stream.write_seed(spark, settings, spec, checkpoint)
+            log.info(
+                "%s: restored %d keys from %s in %.1fs (seeding the state store); source resumes "
+                "at %s",
+                spec.name,
+                keys,
+                spec.changelog_topic,
+                time.monotonic() - started,
+                writer.committed or "the beginning",
+            )
+        # One global watermark for late rows and eviction: the one Spark records per batch.
+        spark.conf.set("spark.sql.streaming.statefulOperator.allowMultiple", "false")
+        listener = _heartbeat_listener(heartbeat, writer)
         spark.streams.addListener(listener)
         source = (
             spark.readStream.format("kafka")
             .options(**settings.spark_kafka_options())
             .option("subscribe", spec.source.topic)
-            .option("startingOffsets", aggregator.starting_offsets())
+            .option("startingOffsets", writer.starting_offsets())
             .option("maxOffsetsPerTrigger", str(self.max_offsets_per_trigger))
             .option("kafka.isolation.level", "read_committed")
             .load()
         )
+        frame = stream.build_query_frame(spec, source, stream.seeds_stream(spark, spec, checkpoint))
 
         def apply(batch: Any, batch_id: int) -> None:
-            result = aggregator.process(batch, batch_id)
+            result = writer.write(batch, batch_id)
             log.info("%s: batch %d: %s", spec.name, batch_id, result)
 
         query = (
-            source.writeStream.queryName(f"duality-{spec.name}")
+            frame.writeStream.queryName(f"duality-{spec.name}")
+            .outputMode("update")
             .foreachBatch(apply)
-            .option("checkpointLocation", str(checkpoint_dir(settings, spec)))
+            .option("checkpointLocation", str(checkpoint))
             .trigger(processingTime=f"{self.trigger_seconds} seconds")
             .start()
         )
@@ -238,7 +316,7 @@ class StreamDriver:
             if query.isActive:
                 query.stop()
             spark.streams.removeListener(listener)
-            aggregator.close()
+            writer.close()
 
     def _give_up_stalled(self, heartbeat: status.Heartbeat) -> None:
         """A batch hangs in a call that cannot be interrupted (a Kafka client waiting on a
@@ -257,33 +335,15 @@ def _short(error: BaseException) -> str:
     return text[0][:300] if text else type(error).__name__
 
 
-def run_child(
-    settings: Settings,
-    spec: PipelineSpec,
-    *,
-    max_offsets_per_trigger: int = MAX_OFFSETS_PER_TRIGGER,
-    stall_timeout_s: float = STALL_TIMEOUT_S,
-) -> int:
+def run_child(settings: Settings, spec: PipelineSpec, options: StreamOptions) -> int:
     """Run the driver in this process (the supervisor holds the pipeline's lock)."""
-    driver = StreamDriver(
-        settings,
-        spec,
-        max_offsets_per_trigger=max_offsets_per_trigger,
-        stall_timeout_s=stall_timeout_s,
-    )
+    driver = StreamDriver(settings, spec, options)
     signal.signal(signal.SIGTERM, driver.request_stop)
     signal.signal(signal.SIGINT, driver.request_stop)
     return driver.run()
 
 
-def supervise(
-    settings: Settings,
-    spec: PipelineSpec,
-    pipeline: str,
-    *,
-    max_offsets_per_trigger: int = MAX_OFFSETS_PER_TRIGGER,
-    stall_timeout_s: float = STALL_TIMEOUT_S,
-) -> int:
+def supervise(settings: Settings, spec: PipelineSpec, pipeline: str, options: StreamOptions) -> int:
     """Hold the lock and keep a driver process running until SIGTERM.
 
     A driver that exits on its own (stalled, crashed) is replaced after a backoff; one that
@@ -299,16 +359,7 @@ def supervise(
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    command = [
-        sys.executable,
-        "-m",
-        "duality.stream_job",
-        pipeline,
-        "--max-offsets-per-trigger",
-        str(max_offsets_per_trigger),
-        "--stall-timeout",
-        str(stall_timeout_s),
-    ]
+    command = [sys.executable, "-m", "duality.stream_job", pipeline, *options.to_args()]
     backoff = 1.0
     with exclusive(settings, spec):
         while not stopping.is_set():
@@ -337,15 +388,11 @@ def _die_with_parent() -> None:
 
 
 def _child_main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    from duality.errors import DualityError
     from duality.spec import find_spec
 
     parser = argparse.ArgumentParser(prog="python -m duality.stream_job")
     parser.add_argument("pipeline")
-    parser.add_argument("--max-offsets-per-trigger", type=int, default=MAX_OFFSETS_PER_TRIGGER)
-    parser.add_argument("--stall-timeout", type=float, default=STALL_TIMEOUT_S)
+    StreamOptions.add_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -353,12 +400,7 @@ def _child_main(argv: list[str] | None = None) -> int:
     try:
         settings = Settings.from_env()
         spec = find_spec(settings, args.pipeline)
-        return run_child(
-            settings,
-            spec,
-            max_offsets_per_trigger=args.max_offsets_per_trigger,
-            stall_timeout_s=args.stall_timeout,
-        )
+        return run_child(settings, spec, StreamOptions.from_args(args))
     except DualityError as error:
         log.error("%s", error)
         return error.exit_code

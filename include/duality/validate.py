@@ -183,12 +183,13 @@ def recompute(
 ) -> DataFrame:
     """The aggregates recomputed from the source records below `source_offsets`.
 
-    Uses the stream's classification (bad and late records excluded, lateness from stream time
-    in offset order) over the whole covered prefix in one batch.
+    Uses the stream's classification over the whole covered prefix in one batch. Whether a
+    windowed record was late depends on the stream's watermark at its micro-batch, so late
+    records are the ones the dead-letter topic holds as late.
     """
     from pyspark.sql import functions as F
 
-    from duality.stream import classify, partials_of, pre_aggregate
+    from duality.stream import aggregate, classify, late_records, partials_of, source_rows
 
     topic = spec.source.topic
     types = snapshot.column_types(spec)
@@ -213,28 +214,26 @@ def recompute(
         .option("kafka.isolation.level", "read_committed")
         .load()
     )
-    classified = classify(spec, raw, {})
-    partials = pre_aggregate(spec, classified.where(F.col("_error").isNull()))
-    columns: list[Column] = []
-    for column in spec.key_columns:
-        value = F.col(column)
-        if column == "window_start":
-            value = F.timestamp_millis(value)
-        columns.append(value.alias(column))
+    if spec.window is not None:
+        late = spark.createDataFrame(late_records(settings, spec), "partition int, offset bigint")
+        raw = raw.join(late, ["partition", "offset"], "left_anti")
+    table = aggregate(spec, source_rows(spec, classify(spec, raw)))
+    columns: list[Column] = [F.col(f).alias(f) for f in spec.source.key]
+    if spec.window is not None:
+        columns.append(F.col("_window.start").alias("window_start"))
     part_names = {p.name for p in partials_of(spec)}
-    for column, aggregate in spec.aggregates.items():
-        if aggregate.function == "count":
-            value = F.col("count")
-        elif aggregate.function == "avg":
-            value = F.col(f"`sum.{aggregate.field}`") / F.col("count")
+    for column, agg in spec.aggregates.items():
+        if agg.function == "count":
+            value = F.col("_count")
+        elif agg.function == "avg":
+            value = F.col(f"_sum_{agg.field}") / F.col("_count")
         else:
-            name = f"{aggregate.function}.{aggregate.field}"
-            assert name in part_names
-            value = F.col(f"`{name}`")
+            assert f"{agg.function}.{agg.field}" in part_names
+            value = F.col(f"_{agg.function}_{agg.field}")
             if types[column] == "timestamp":
                 value = F.timestamp_millis(value)
         columns.append(value.cast(types[column]).alias(column))
-    return partials.select(*columns)
+    return table.select(*columns)
 
 
 def reconciliation(spec: PipelineSpec, table: DataFrame, truth: DataFrame) -> DataFrame:
