@@ -2,15 +2,20 @@
 
 Independent of duality's stream code: it reads the records back from the source topic and
 applies the contract of DESIGN §7 (which records are bad, how late is defined, what each
-aggregate means) record by record.
+aggregate means) record by record. Lateness follows Spark's watermark, which moves between
+micro-batches, so for windowed pipelines the batches' source offsets are read from the query's
+checkpoint (`batches`); the watermark itself is computed here, from the records, and checked
+against the one Spark recorded.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import defaultdict
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from duality.spec import PipelineSpec
@@ -34,7 +39,9 @@ def _typed(kind: str, value: Any) -> bool:
     if kind in ("long", "int"):
         return isinstance(value, int) and not isinstance(value, bool)
     if kind == "double":
-        return isinstance(value, int | float) and not isinstance(value, bool)
+        return (
+            isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        )
     if kind == "boolean":
         return isinstance(value, bool)
     if kind == "timestamp":
@@ -50,55 +57,106 @@ def required(spec: PipelineSpec) -> list[str]:
     return fields
 
 
-def expected(spec: PipelineSpec, records: list[Record]) -> tuple[dict[tuple, dict], dict]:
-    """(table, bad): the expected aggregates per key, and the reason kind per bad (p, offset)."""
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One micro-batch as the checkpoint's offset log records it."""
+
+    end_offsets: dict[int, int]
+    watermark_ms: int
+
+
+def batches_from_checkpoint(checkpoint: Path, topic: str) -> list[Batch]:
+    """Each micro-batch's end offsets of `topic` and recorded watermark, in batch order."""
+    batches = []
+    files = sorted(
+        (f for f in (checkpoint / "offsets").iterdir() if f.name.isdigit()),
+        key=lambda f: int(f.name),
+    )
+    assert [int(f.name) for f in files] == list(range(len(files))), "offset log was purged"
+    for path in files:
+        lines = path.read_text().splitlines()
+        watermark = json.loads(lines[1])["batchWatermarkMs"]
+        ends = next(json.loads(line)[topic] for line in lines[2:] if topic in line)
+        batches.append(Batch({int(p): o for p, o in ends.items()}, watermark))
+    return batches
+
+
+def _reason(spec: PipelineSpec, value: bytes | None) -> tuple[str | None, Any]:
+    """(the kind of bad record or None, the parsed document)."""
+    if value is None:
+        return "null value", None
+    if len(value) > spec.source.max_record_bytes:
+        return "oversized", None
+    try:
+        # NaN and Infinity are not JSON, though Python accepts them by default.
+        document = json.loads(value, parse_constant=_reject)
+    except ValueError:
+        return "malformed JSON", None
+    if not isinstance(document, dict):
+        return "not a JSON object", None
+    for field in required(spec):
+        if document.get(field) is None:
+            return "missing field", None
+        if not _typed(spec.source.fields[field], document[field]):
+            return "wrong type", None
+    return None, document
+
+
+def _reject(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
+
+
+def expected(
+    spec: PipelineSpec, records: list[Record], batches: list[Batch] | None = None
+) -> tuple[dict[tuple, dict], dict]:
+    """(table, bad): the expected aggregates per key, and the reason kind per bad (p, offset).
+
+    A windowed pipeline needs `batches`: a record is late when its window ends at or before
+    the watermark of its micro-batch, the largest event time of the good records of earlier
+    batches minus the spec's watermark delay.
+    """
     bad: dict[tuple[int, int], str] = {}
     groups: dict[tuple, list[dict]] = defaultdict(list)
-    stream_time: dict[int, int] = {}
-    for partition, offset, _, value in sorted(records, key=lambda r: (r[0], r[1])):
-        reason = None
-        document: Any = None
-        if value is None:
-            reason = "null value"
-        elif len(value) > spec.source.max_record_bytes:
-            reason = "oversized"
-        else:
-            try:
-                document = json.loads(value)
-            except ValueError:
-                reason = "malformed JSON"
-            if reason is None and not isinstance(document, dict):
-                reason = "not a JSON object"
-        if reason is None:
-            for field in required(spec):
-                if document.get(field) is None:
-                    reason = "missing field"
-                    break
-                if not _typed(spec.source.fields[field], document[field]):
-                    reason = "wrong type"
-                    break
-        if reason is None and spec.window is not None:
-            ts = _ts_ms(document[spec.source.event_time])
-            assert ts is not None
-            current = stream_time.get(partition)
-            if current is not None and ts < current - spec.window.watermark_seconds * 1000:
-                reason = "late event"
-            else:
-                stream_time[partition] = ts if current is None else max(current, ts)
-        if reason is not None:
-            bad[(partition, offset)] = reason
-            continue
-        key = tuple(document[f] for f in spec.source.key)
+    ordered = sorted(records, key=lambda r: (r[0], r[1]))
+    if spec.window is None:
+        phases = [ordered]
+    else:
+        assert batches is not None, "a windowed pipeline's truth needs the micro-batches"
+        phases = [[] for _ in batches]
+        for record in ordered:
+            index = next(i for i, b in enumerate(batches) if record[1] < b.end_offsets[record[0]])
+            phases[index].append(record)
+    watermark = 0
+    for index, phase in enumerate(phases):
         if spec.window is not None:
-            size = spec.window.size_seconds * 1000
-            ts = _ts_ms(document[spec.source.event_time])
-            assert ts is not None
-            start = ts - ts % size
-            key = (
-                *key,
-                datetime.fromtimestamp(start / 1000, tz=UTC).strftime("%Y-%m-%dT%H:%M:%S.000Z"),
-            )
-        groups[key].append(document)
+            assert batches is not None
+            assert batches[index].watermark_ms == watermark, (index, batches[index], watermark)
+        latest = None
+        for partition, offset, _, value in phase:
+            reason, document = _reason(spec, value)
+            if reason is None and spec.window is not None:
+                ts = _ts_ms(document[spec.source.event_time])
+                assert ts is not None
+                latest = ts if latest is None else max(latest, ts)
+                size = spec.window.size_seconds * 1000
+                if ts - ts % size + size <= watermark:
+                    reason = "late event"
+            if reason is not None:
+                bad[(partition, offset)] = reason
+                continue
+            key = tuple(document[f] for f in spec.source.key)
+            if spec.window is not None:
+                size = spec.window.size_seconds * 1000
+                ts = _ts_ms(document[spec.source.event_time])
+                assert ts is not None
+                start = ts - ts % size
+                key = (
+                    *key,
+                    datetime.fromtimestamp(start / 1000, tz=UTC).strftime("%Y-%m-%dT%H:%M:%S.000Z"),
+                )
+            groups[key].append(document)
+        if spec.window is not None and latest is not None:
+            watermark = max(watermark, latest - spec.window.watermark_seconds * 1000)
 
     table = {}
     for key, documents in groups.items():

@@ -306,6 +306,17 @@ class PipelineSpec(BaseModel):
     def key_columns(self) -> list[str]:
         return [*self.source.key, *(["window_start"] if self.window else [])]
 
+    @cached_property
+    def required_fields(self) -> list[str]:
+        """The source fields a good record must have: key, aggregated fields, event time."""
+        fields = list(self.source.key)
+        for aggregate in self.aggregates.values():
+            if aggregate.field and aggregate.field not in fields:
+                fields.append(aggregate.field)
+        if self.source.event_time and self.source.event_time not in fields:
+            fields.append(self.source.event_time)
+        return fields
+
     @property
     def snapshot_columns(self) -> list[str]:
         """The Delta snapshot's columns: key columns, aggregate columns, `_updated_at`."""

@@ -92,16 +92,6 @@ def _partial_type(spec: PipelineSpec, part: Partial) -> str:
 # -- classification (stateless, in the JVM) -------------------------------------------------
 
 
-def required_fields(spec: PipelineSpec) -> list[str]:
-    fields = list(spec.source.key)
-    for aggregate in spec.aggregates.values():
-        if aggregate.field and aggregate.field not in fields:
-            fields.append(aggregate.field)
-    if spec.source.event_time and spec.source.event_time not in fields:
-        fields.append(spec.source.event_time)
-    return fields
-
-
 def classify(spec: PipelineSpec, raw: DataFrame) -> DataFrame:
     """Parse the raw Kafka rows and name each bad record's reason in `_error` (null when good).
 
@@ -114,7 +104,7 @@ def classify(spec: PipelineSpec, raw: DataFrame) -> DataFrame:
 
     ddl = ", ".join(f"`{f}` {SQL_TYPES[k]}" for f, k in spec.source.fields.items())
     text = F.col("value").cast("string")
-    required = required_fields(spec)
+    required = spec.required_fields
     # Every JSON value reads as a string, so this struct tells present fields from missing ones
     # with one more parse of the record (not one per field).
     as_text = ", ".join(f"`{f}` string" for f in required)

@@ -19,7 +19,20 @@ from duality.config import Settings
 from duality.errors import UsageError
 from duality.spec import PipelineSpec
 
-BAD_KINDS = ("malformed", "missing_key", "wrong_type", "null_value", "oversized", "late")
+BAD_KINDS = (
+    "malformed",
+    "trailing",
+    "missing_key",
+    "wrong_type",
+    "non_finite",
+    "null_value",
+    "oversized",
+    "late",
+)
+# A JSON object followed by more text, each a way a producer can get it wrong.
+_TRAILING = (" {}", "x", ',{"second":1}', "\n]")
+# Doubles that JSON cannot hold: literals JSON does not have, strings, and an overflow.
+_NON_FINITE = ("NaN", "Infinity", "-Infinity", '"NaN"', '"Infinity"', "1e999")
 
 
 @dataclasses.dataclass
@@ -78,8 +91,13 @@ class Workload:
         self.rng = np.random.default_rng(seed)
         weights = 1.0 / np.arange(1, keys + 1) ** zipf
         self.key_probabilities = weights / weights.sum()
-        self.kinds = [k for k in BAD_KINDS if k != "late" or spec.window is not None]
         fields = spec.source.fields
+        self.doubles = [f for f, t in fields.items() if t == "double" and f in spec.required_fields]
+        self.kinds = [
+            k
+            for k in BAD_KINDS
+            if (k != "late" or spec.window is not None) and (k != "non_finite" or self.doubles)
+        ]
         self.typed_fields = [
             f
             for f, t in fields.items()
@@ -108,6 +126,14 @@ class Workload:
         spec = self.spec
         if kind == "malformed":
             return json.dumps(record)[:-7].encode()  # cut off mid-object
+        if kind == "trailing":
+            tail = _TRAILING[int(self.rng.integers(0, len(_TRAILING)))]
+            return (json.dumps(record) + tail).encode()
+        if kind == "non_finite":
+            field = self.doubles[0]
+            literal = _NON_FINITE[int(self.rng.integers(0, len(_NON_FINITE)))]
+            record[field] = "__non_finite__"
+            return json.dumps(record).replace('"__non_finite__"', literal).encode()
         if kind == "missing_key":
             record.pop(spec.source.key[0])
         elif kind == "wrong_type":
