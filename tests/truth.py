@@ -44,6 +44,8 @@ def _typed(kind: str, value: Any) -> bool:
         )
     if kind == "boolean":
         return isinstance(value, bool)
+    if kind == "string":
+        return isinstance(value, str)
     if kind == "timestamp":
         return _ts_ms(value) is not None
     return True

@@ -6,8 +6,12 @@ session starts, so sessions start quickly and work offline.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
+import tempfile
+import time
+import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -24,6 +28,9 @@ REQUIRED_JARS = ("spark-sql-kafka-0-10_2.13-", "delta-spark_4.1_2.13-", "kafka-c
 T = TypeVar("T")
 
 _ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
+_LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
+# Zips of sources older than this, not used by a session since, are deleted when a new one is made.
+_PACKAGE_ZIP_KEEP_S = 7 * 24 * 3600.0
 
 
 def spark_jars(settings: Settings) -> list[Path]:
@@ -38,6 +45,52 @@ def spark_jars(settings: Settings) -> list[Path]:
             "run `make setup` (or set DUALITY_JAR_CACHE to the folder that holds them)"
         )
     return jars
+
+
+def package_zip(settings: Settings) -> Path:
+    """The `duality` package as a zip that executors put on their Python path.
+
+    Built from the imported package's folder into `<local_dir>/pyfiles/duality-<digest>.zip`,
+    the digest taken over the sources, so a zip is made again only when a source changed and a
+    running application keeps serving the zip it started with.
+    """
+    import duality
+
+    package = Path(duality.__file__).resolve().parent
+    sources = sorted(
+        path
+        for path in package.rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc"
+    )
+    digest = hashlib.sha256()
+    for path in sources:
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    folder = settings.local_dir / "pyfiles"
+    target = folder / f"{package.name}-{digest.hexdigest()[:16]}.zip"
+    if target.is_file():
+        target.touch()
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    # Written aside and renamed: a concurrent session never reads half a zip.
+    handle, partial = tempfile.mkstemp(dir=folder, prefix=".partial-", suffix=".zip")
+    try:
+        with os.fdopen(handle, "wb") as raw, zipfile.ZipFile(raw, "w", zipfile.ZIP_DEFLATED) as zf:
+            for path in sources:
+                zf.write(path, f"{package.name}/{path.relative_to(package).as_posix()}")
+        os.replace(partial, target)
+    finally:
+        Path(partial).unlink(missing_ok=True)
+    for old in folder.glob(f"{package.name}-*.zip"):
+        if old != target and time.time() - old.stat().st_mtime > _PACKAGE_ZIP_KEEP_S:
+            old.unlink(missing_ok=True)
+    return target
+
+
+def _master_hosts(master: str) -> list[str]:
+    """The hosts of a `spark://h1:p1[,h2:p2]` master URL."""
+    addresses = master.removeprefix("spark://").split(",")
+    return [address.rpartition(":")[0].strip("[]") for address in addresses]
 
 
 def session_config(settings: Settings, app_name: str) -> dict[str, str]:
@@ -56,12 +109,14 @@ def session_config(settings: Settings, app_name: str) -> dict[str, str]:
         "spark.driver.memory": settings.spark_driver_memory,
         "spark.ui.showConsoleProgress": "false",
         "spark.sql.debug.maxToStringFields": "200",
+        # A stateful query keeps one state store per shuffle partition, and its first checkpoint
+        # fixes their number for good: Spark's 200 would be 200 RocksDB instances per stream.
+        "spark.sql.shuffle.partitions": "4",
     }
     if local:
-        # Modest defaults for a laptop-sized local mode: few shuffle partitions, no UI port.
+        # Modest defaults for a laptop-sized local mode: few partitions, no UI port.
         config.update(
             {
-                "spark.sql.shuffle.partitions": "4",
                 "spark.default.parallelism": "4",
                 "spark.ui.enabled": "false",
                 "spark.sql.adaptive.enabled": "true",
@@ -71,6 +126,24 @@ def session_config(settings: Settings, app_name: str) -> dict[str, str]:
                 "spark.driver.bindAddress": "127.0.0.1",
             }
         )
+    else:
+        config.update(
+            {
+                # Executors import duality from this zip: a worker needs only Python and the
+                # packages duality depends on, not duality itself.
+                "spark.submit.pyFiles": str(package_zip(settings)),
+                # One executor per core, small enough that a 1 GiB, 1-core worker takes one.
+                "spark.executor.cores": "1",
+                "spark.executor.memory": "512m",
+            }
+        )
+        if settings.spark_master.startswith("spark://") and all(
+            host in _LOCAL_HOSTS for host in _master_hosts(settings.spark_master)
+        ):
+            # A master on this machine (`LocalSparkCluster`): its workers reach the driver on
+            # the loopback address, whatever the host name resolves to.
+            config["spark.driver.host"] = "127.0.0.1"
+            config["spark.driver.bindAddress"] = "127.0.0.1"
     return config
 
 

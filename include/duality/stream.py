@@ -98,24 +98,34 @@ def classify(spec: PipelineSpec, raw: DataFrame) -> DataFrame:
     Adds `_p`, the parsed struct. Stateless, so it runs inside the streaming query. A record is
     good when it is one JSON object and nothing else, every field the pipeline uses is present
     with its type, and every double is finite. Lateness is decided later, against the query's
-    watermark (`late_events`).
+    watermark (`ChangelogWriter.write`).
     """
     from pyspark.sql import functions as F
 
-    ddl = ", ".join(f"`{f}` {SQL_TYPES[k]}" for f, k in spec.source.fields.items())
-    text = F.col("value").cast("string")
-    required = spec.required_fields
-    # Every JSON value reads as a string, so this struct tells present fields from missing ones
-    # with one more parse of the record (not one per field).
-    as_text = ", ".join(f"`{f}` string" for f in required)
-    frame = raw.withColumn("_p", F.from_json(text, ddl, {"mode": "PERMISSIVE"})).withColumn(
-        "_present", F.from_json(text, as_text, {"mode": "PERMISSIVE"})
+    fields = spec.source.fields
+    # String fields are read as variants, which keep the JSON type: `5` or `{...}` is no string.
+    ddl = ", ".join(
+        f"`{f}` {'variant' if k == 'string' else SQL_TYPES[k]}" for f, k in fields.items()
     )
-    # Spark's JSON readers stop after the first value, so `{..} tail` and `{..}{..}` would pass
-    # as one object. Wrapped once as an array's only element and once as an object's only
-    # value, text with anything after its first value fails one of the two.
-    alone = (F.json_array_length(F.concat(F.lit("["), text, F.lit("]"))) == 1) & (
-        F.size(F.json_object_keys(F.concat(F.lit('{"v":'), text, F.lit("}")))) == 1
+    text = F.col("value").cast("string")
+    # Spark's JSON readers stop after the first value, so `{..} tail` or `{..}{..}` would read
+    # as one object. Text with anything after its first value cannot be both the only value of
+    # `{"v": ...}` and the only element of `[...]`; the second parse is also the typed one.
+    one_value = F.size(F.json_object_keys(F.concat(F.lit('{"v":'), text, F.lit("}")))) == 1
+    parsed = F.from_json(F.concat(F.lit("["), text, F.lit("]")), f"array<struct<{ddl}>>")
+    frame = raw.withColumn("_v", F.when(F.size(parsed) == 1, parsed[0]))
+    frame = frame.withColumn(
+        "_p",
+        F.struct(
+            *[
+                (
+                    F.variant_get(F.col(f"_v.{f}"), "$", "string")
+                    if kind == "string"
+                    else F.col(f"_v.{f}")
+                ).alias(f)
+                for f, kind in fields.items()
+            ]
+        ),
     )
     limit = spec.source.max_record_bytes
     checks: list[tuple[Column, Column]] = [
@@ -128,15 +138,31 @@ def classify(spec: PipelineSpec, raw: DataFrame) -> DataFrame:
                 F.lit(f" bytes, the limit is {limit}"),
             ),
         ),
-        (~F.coalesce(alone, F.lit(False)), F.lit("malformed JSON: not exactly one JSON value")),
+        (~F.coalesce(one_value, F.lit(False)), F.lit("malformed JSON: not one JSON value")),
         (~F.ltrim(text).startswith("{"), F.lit("not a JSON object")),
+        (F.col("_v").isNull(), F.lit("malformed JSON: text after the object")),
     ]
-    for field in required:
-        kind = spec.source.fields[field]
+    # Every JSON value reads as a string, so this parse tells a missing field from one of the
+    # wrong type; only records with a null typed field get that far.
+    as_text = ", ".join(f"`{f}` string" for f in spec.required_fields)
+    for field in spec.required_fields:
+        kind = fields[field]
         value = F.col(f"_p.{field}")
-        present = F.col(f"_present.{field}").isNotNull()
-        checks.append((~present, F.lit(f"missing field {field}")))
-        checks.append((value.isNull(), F.lit(f"wrong type for {field}: expected {kind}")))
+        wrong = F.lit(f"wrong type for {field}: expected {kind}")
+        if kind == "string":
+            json_type = F.schema_of_variant(F.col(f"_v.{field}"))
+            missing = json_type.isNull() | (json_type == "VOID")
+            checks.append(
+                (
+                    json_type.isNull() | (json_type != "STRING"),
+                    F.when(missing, F.lit(f"missing field {field}")).otherwise(wrong),
+                )
+            )
+            continue
+        present = F.from_json(text, as_text)[field].isNotNull()
+        checks.append(
+            (value.isNull(), F.when(present, wrong).otherwise(F.lit(f"missing field {field}")))
+        )
         if kind == "double":
             checks.append(
                 (

@@ -289,15 +289,20 @@ class StreamDriver:
             .start()
         )
         try:
+            # Stalled means one micro-batch running too long, not many busy ones in a row.
             busy_since: float | None = None
+            last_batch = None
             while query.isActive and not self.stopping.is_set():
                 query.awaitTermination(1)
-                if query.status.get("isTriggerActive"):
+                progress = query.lastProgress
+                batch = progress["batchId"] if progress else None
+                if query.status.get("isTriggerActive") and batch == last_batch:
                     busy_since = busy_since or time.monotonic()
                     if time.monotonic() - busy_since > self.stall_timeout_s:
                         self._give_up_stalled(heartbeat)
                 else:
                     busy_since = None
+                last_batch = batch
             if self.stopping.is_set():
                 # Graceful: let the running batch commit its transaction before stopping.
                 deadline = time.monotonic() + 60

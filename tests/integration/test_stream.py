@@ -224,7 +224,7 @@ def test_broker_outage_under_load(base_settings: Settings, pipelines: Path, tmp_
             pipelines,
             tmp_path / "stream.log",
             max_offsets_per_trigger=2_000,
-            stall_timeout=45,
+            stall_timeout=60,
         )
         stream.start()
         load = threading.Thread(
@@ -250,3 +250,49 @@ def test_broker_outage_under_load(base_settings: Settings, pipelines: Path, tmp_
         log = stream.log.read_text()
         assert any(word in log for word in ("restarting", "stalled", "exited with")), log[-2000:]
         _verify(settings, spec, 20_000)
+
+
+TRICKY = [
+    *DEFECTS,
+    b'{"order_id":"a","product":"p","customer":"c","quantity":1,"amount":2}',
+    b' {"order_id":"a","product":"p","customer":"c","quantity":1,"amount":2.5}\n',
+    b'{"order_id":"a","product":"p","customer":"c","quantity":1,"amount":2.5} {"x":1}',
+    b'{"order_id":"a","product":"p","customer":"c","quantity":1,"amount":2.5}}',
+    b'{"order_id":"a","product":"p","customer":"c","quantity":1,"amount":2.5},0] x}',
+    b'{"order_id":"a","product":"p","customer":"c","quantity":"1","amount":2.5}',
+    b'{"order_id":"a","product":"p","customer":"c","quantity":1.5,"amount":2.5}',
+    b'{"order_id":"a","product":null,"customer":"c","quantity":1,"amount":2.5}',
+    b'{"order_id":"a","customer":"c","quantity":1,"amount":2.5}',
+    b'{"order_id":"a","product":{"n":1},"quantity":1,"amount":2.5}',
+    b'[{"order_id":"a","product":"p","quantity":1,"amount":2.5}]',
+    b'"text"',
+    b"5",
+    b"null",
+    b"",
+    b"{",
+    b'{"product":"p","quantity":1,"amount":2.5,"product":"q"}',
+    None,
+]
+
+
+def test_classification_agrees_with_the_ground_truth(settings: Settings, spark, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """Spark's verdict on each tricky record is the ground truth's, reason kind included."""
+    from duality.stream import classify
+
+    spec = make_pipeline(settings, tmp_path, "product_sales")
+    raw = spark.createDataFrame(
+        [(0, i, b"k", value) for i, value in enumerate(TRICKY)],
+        "partition int, offset bigint, key binary, value binary",
+    )
+    got = {row["offset"]: row["_error"] for row in classify(spec, raw).collect()}
+    _, bad = truth.expected(spec, [(0, i, b"k", value) for i, value in enumerate(TRICKY)])
+    for offset, value in enumerate(TRICKY):
+        wanted = bad.get((0, offset))
+        if wanted is None:
+            assert got[offset] is None, (value, got[offset])
+        else:
+            assert got[offset] is not None and got[offset].startswith(wanted), (
+                value,
+                got[offset],
+                wanted,
+            )
