@@ -70,6 +70,30 @@ def test_session_config_uses_local_jars_delta_and_rocksdb():
     assert config["spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled"] == "true"
 
 
+def test_a_cluster_session_ships_duality_as_a_zip(tmp_path: Path):
+    import zipfile
+
+    import duality
+
+    settings = Settings.from_env().replace(
+        spark_master="spark://127.0.0.1:7077", local_dir=tmp_path
+    )
+    config = session_config(settings, "app")
+    shipped = Path(config["spark.submit.pyFiles"])
+    assert shipped.parent == tmp_path / "pyfiles" and shipped.suffix == ".zip"
+    package = Path(duality.__file__).parent
+    sources = {f"duality/{p.relative_to(package).as_posix()}" for p in package.rglob("*.py")}
+    assert sources <= set(zipfile.ZipFile(shipped).namelist())
+    # Unchanged sources reuse the zip; a master on this machine reaches the driver on loopback.
+    assert session_config(settings, "app")["spark.submit.pyFiles"] == str(shipped)
+    assert config["spark.driver.host"] == config["spark.driver.bindAddress"] == "127.0.0.1"
+
+    remote = session_config(settings.replace(spark_master="spark://spark-master:7077"), "app")
+    assert "spark.driver.host" not in remote and remote["spark.submit.pyFiles"] == str(shipped)
+    local = session_config(settings.replace(spark_master="local[2]"), "app")
+    assert "spark.submit.pyFiles" not in local
+
+
 def test_missing_jar_cache_names_the_fix(tmp_path: Path):
     settings = Settings.from_env().replace(jar_cache=tmp_path)
     with pytest.raises(UsageError, match="make setup"):

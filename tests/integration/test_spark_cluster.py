@@ -1,0 +1,166 @@
+"""The stream on a real Spark standalone cluster: a master and two workers from pyspark's own
+`bin/spark-class`, one worker SIGKILLed mid-stream, and the changelog still equals the truth.
+
+The stream runs unchanged (`jobs/stream_aggregate.py` with `DUALITY_SPARK_MASTER=spark://…`);
+its executors get duality as a zip (`spark.submit.pyFiles`) and keep the state store in their
+workers' own folders.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from duality import kafka, workload
+from duality.config import Settings
+from duality.local import LocalSparkCluster
+from duality.spark import package_zip
+from tests.harness import StreamProcess, assert_eventually, make_pipeline
+from tests.integration.test_stream import _verify
+
+EVENTS, MORE_EVENTS, KEYS = 12_000, 4_000, 500
+KILLED, SURVIVOR = 0, 1
+
+_IMPORT_CHECK = """
+import json, sys
+from duality.config import Settings
+from duality.spark import session
+
+def where(_):
+    import os
+    import duality
+    yield duality.__file__, os.getcwd()
+
+spark = session(Settings.from_env(), "duality-import-check")
+try:
+    print(json.dumps(spark.sparkContext.parallelize(range(8), 8).mapPartitions(where).collect()))
+finally:
+    spark.stop()
+"""
+
+
+def _daemons(root: Path) -> list[psutil.Process]:
+    """Spark Master and Worker processes whose command line names a folder under `root`."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        daemon = any(part.startswith("org.apache.spark.deploy.") for part in cmdline)
+        if daemon and any(str(root) in part for part in cmdline):
+            found.append(process)
+    return found
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory, settings: Settings
+) -> Iterator[LocalSparkCluster]:
+    root = tmp_path_factory.mktemp("spark-cluster")
+    cluster = LocalSparkCluster(settings, workers=2, root=root)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+        assert cluster.processes() == [], "processes of the cluster survived stop()"
+        assert _daemons(root) == [], "a Spark master or worker survived stop()"
+
+
+def _state_store_dirs(cluster: LocalSparkCluster, worker: int) -> dict[str, list[Path]]:
+    """RocksDB working files under a worker's local dirs, by state store partition."""
+    stores: dict[str, list[Path]] = {}
+    for store in cluster.local_dir(worker).rglob("StateStoreId(*"):
+        files = [f for f in store.glob("workingDir-*/*") if f.is_file()]
+        if files:
+            partition = store.name.split("partId=")[1].split(",")[0]
+            stores.setdefault(partition, []).extend(files)
+    return stores
+
+
+def _shipped(settings: Settings) -> dict[str, bytes]:
+    """The zips of duality that sessions on the cluster made, by name (sources may change while
+    the suite runs, so a test does not assume the current one is the one the stream used)."""
+    folder = package_zip(settings).parent
+    return {path.name: path.read_bytes() for path in folder.glob("duality-*.zip")}
+
+
+def test_executors_import_duality_from_the_shipped_zip(
+    cluster: LocalSparkCluster, settings: Settings
+):
+    scoped = settings.replace(spark_master=cluster.master_url)
+    result = subprocess.run(
+        [sys.executable, "-c", _IMPORT_CHECK],
+        env={**os.environ, **scoped.as_env()},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    shipped = _shipped(scoped)
+    work_dirs = [cluster.work_dir(i) for i in range(cluster.workers)]
+    for module, cwd in json.loads(result.stdout.strip().splitlines()[-1]):
+        # Python workers import duality from the zip fetched into the executor's work dir.
+        zip_name, *inside = Path(module).parts[-3:]
+        assert inside == ["duality", "__init__.py"] and zip_name in shipped, module
+        assert any(Path(cwd).is_relative_to(work) for work in work_dirs), cwd
+        assert (Path(cwd) / zip_name).read_bytes() == shipped[zip_name]
+
+
+def test_stream_survives_a_worker_sigkill(
+    cluster: LocalSparkCluster, settings: Settings, tmp_path: Path
+):
+    pipelines = tmp_path / "pipelines"
+    spec = make_pipeline(settings, pipelines, "product_sales")
+    kafka.create_topic(settings, spec.source.topic, 4)
+    workload.produce(settings, spec, events=EVENTS, keys=KEYS, bad_fraction=0.06, seed=51)
+    stream = StreamProcess(
+        settings, spec, pipelines, tmp_path / "stream.log", max_offsets_per_trigger=3_000
+    )
+    stream.env["DUALITY_SPARK_MASTER"] = cluster.master_url
+    stream.start()
+    try:
+        assert_eventually(
+            lambda: stream.covered() >= EVENTS // 3,
+            timeout=180,
+            interval=0.5,
+            message=f"the stream on {cluster.master_url} never covered a third; {stream.log}",
+        )
+        cluster.kill_worker(KILLED)
+        assert_eventually(cluster.alive_workers, [SURVIVOR], timeout=60)
+        workload.produce(settings, spec, events=MORE_EVENTS, keys=KEYS, bad_fraction=0.06, seed=52)
+        stream.wait_caught_up(timeout=240)
+        # Read while the stream runs: a worker deletes an application's local dirs at its end.
+        apps = [app["id"] for app in (cluster.master_state() or {}).get("activeapps", [])]
+        survivor_stores = _state_store_dirs(cluster, SURVIVOR)
+        killed_stores = _state_store_dirs(cluster, KILLED)
+    finally:
+        code = stream.stop()
+    assert code == 0, stream.tail()
+
+    _verify(settings, spec, EVENTS + MORE_EVENTS)
+
+    # Both workers ran executors of the stream, each with duality's zip fetched from the driver.
+    assert len(apps) == 1, f"the master lists {apps} as running, expected the stream alone"
+    shipped = _shipped(settings)
+    for worker in (KILLED, SURVIVOR):
+        executors = list((cluster.work_dir(worker) / apps[0]).glob("*"))
+        assert executors, f"worker {worker} ran no executor of the stream ({apps[0]})"
+        for executor in executors:
+            fetched = list(executor.glob("duality-*.zip"))
+            assert len(fetched) == 1, f"{executor} holds {fetched}, expected one zip of duality"
+            assert fetched[0].read_bytes() == shipped[fetched[0].name], fetched[0]
+
+    # The table lives in the executors' RocksDB state stores, in the workers' own folders: after
+    # the kill the survivor holds every partition (restored from the checkpoint).
+    everywhere = set(survivor_stores) | set(killed_stores)
+    assert everywhere, (
+        f"no RocksDB state store files under {cluster.local_dir(SURVIVOR)} or "
+        f"{cluster.local_dir(KILLED)}: the stream keeps no state on the executors"
+    )
+    assert set(survivor_stores) == everywhere, (survivor_stores.keys(), killed_stores.keys())
