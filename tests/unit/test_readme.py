@@ -23,3 +23,15 @@ def test_every_command_is_in_the_readme():
     commands = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
     for name in commands:
         assert f"`duality {name}" in README, f"duality {name} missing from README"
+
+
+def test_links_stay_inside_the_repository():
+    import re
+
+    root = Path(__file__).resolve().parents[2]
+    for target in re.findall(r"\]\(([^)#\s]+)[^)]*\)", README):
+        if target.startswith(("http://", "https://")):
+            continue
+        path = (root / target).resolve()
+        assert path.is_relative_to(root), f"README links outside the repository: {target}"
+        assert path.exists(), f"README links to {target}, which does not exist"
