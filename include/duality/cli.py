@@ -17,7 +17,7 @@ from rich.table import Table
 
 from duality import kafka, spec
 from duality.config import Settings
-from duality.errors import DualityError, UsageError
+from duality.errors import CheckFailed, DualityError, UsageError
 from duality.local import LocalAirflow, LocalBroker
 
 Handler = Callable[[Settings, argparse.Namespace, Console], Any]
@@ -84,14 +84,15 @@ def _cmd_down(settings: Settings, args: argparse.Namespace, console: Console) ->
 
 def _cmd_status(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
     state = LocalBroker(settings).status()
-    if state["state"] == "stopped":
-        # Not ours: maybe a remote cluster that DUALITY_BOOTSTRAP_SERVERS names.
-        try:
-            state["brokers"] = kafka.ensure_reachable(settings, timeout=5)
-            state["reachable"] = True
-            state["state"] = "external"
-        except DualityError:
-            state["reachable"] = False
+    # The cluster the settings name is the one that matters, whatever runs locally.
+    state["bootstrap_servers"] = settings.bootstrap_servers
+    try:
+        state["brokers"] = kafka.ensure_reachable(settings, timeout=5)
+        state["reachable"] = True
+        if state["state"] == "stopped":
+            state["state"] = "external"  # not ours: a cluster that DUALITY_BOOTSTRAP_SERVERS names
+    except DualityError:
+        state["reachable"] = False
     airflow = LocalAirflow(settings).status()
     if not args.json:
         table = Table(title="duality local stack", show_header=True)
@@ -114,7 +115,15 @@ def _cmd_status(settings: Settings, args: argparse.Namespace, console: Console) 
             airflow["log"],
         )
         console.print(table)
-    return {"broker": state, "airflow": airflow}
+    result = {"broker": state, "airflow": airflow}
+    if not state["reachable"]:
+        raise CheckFailed(
+            f"Kafka at {settings.bootstrap_servers} (DUALITY_BOOTSTRAP_SERVERS) does not answer: "
+            "start the local stack with `duality up`, or point DUALITY_BOOTSTRAP_SERVERS at a "
+            "running cluster",
+            result,
+        )
+    return result
 
 
 def _cmd_lag(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:

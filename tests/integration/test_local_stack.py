@@ -66,6 +66,8 @@ def test_up_twice_status_down(tmp_path: Path):
     assert json.loads(down.stdout)["broker"]["was_running"] is True
     assert _kafka_processes(str(tmp_path)) == []
 
-    after = json.loads(_duality(env, "status", "--json").stdout)["broker"]
+    stopped = _duality(env, "status", "--json")
+    assert stopped.returncode == 1  # the broker the settings name does not answer
+    after = json.loads(stopped.stdout)["broker"]
     assert after["state"] == "stopped"
     assert after["reachable"] is False

@@ -42,3 +42,20 @@ def test_closed_port_json_error():
     error = json.loads(result.stdout)
     assert error["exit_code"] == 2
     assert address in error["error"]
+
+
+def test_status_reports_the_cluster_the_settings_name():
+    """Whatever runs locally, `status` checks DUALITY_BOOTSTRAP_SERVERS and exits 1 when it is
+    closed, naming the address, within 15 s."""
+    address = "127.0.0.1:1"
+    env = {**os.environ, "DUALITY_BOOTSTRAP_SERVERS": address}
+    result = subprocess.run(
+        [sys.executable, "-m", "duality.cli", "status", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=15,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["broker"]["reachable"] is False and address in report["error"]
