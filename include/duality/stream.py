@@ -113,7 +113,8 @@ def classify(spec: PipelineSpec, raw: DataFrame) -> DataFrame:
     # `{"v": ...}` and the only element of `[...]`; the second parse is also the typed one.
     one_value = F.size(F.json_object_keys(F.concat(F.lit('{"v":'), text, F.lit("}")))) == 1
     parsed = F.from_json(F.concat(F.lit("["), text, F.lit("]")), f"array<struct<{ddl}>>")
-    frame = raw.withColumn("_v", F.when(F.size(parsed) == 1, parsed[0]))
+    frame = raw.withColumn("_parsed", _once(parsed))
+    frame = frame.withColumn("_v", F.when(F.size("_parsed") == 1, F.col("_parsed")[0]))
     frame = frame.withColumn(
         "_p",
         F.struct(
@@ -176,7 +177,19 @@ def classify(spec: PipelineSpec, raw: DataFrame) -> DataFrame:
     error = F.lit(None).cast("string")
     for condition, reason in reversed(checks):
         error = F.when(condition, reason).otherwise(error)
-    return frame.withColumn("_error", error)
+    return frame.drop("_parsed").withColumn("_error", _once(error))
+
+
+def _once(expression: Column) -> Column:
+    """`expression`, computed once per row however often later filters and columns use it.
+
+    Spark's optimizer pushes filters below projections by pasting the projected expressions
+    into them, which would parse each record once per check. A non-deterministic guard (the
+    partition id, always at least 0) keeps the projection where it is.
+    """
+    from pyspark.sql import functions as F
+
+    return F.when(F.spark_partition_id() >= 0, expression)
 
 
 def late_records(settings: Settings, spec: PipelineSpec) -> list[tuple[int, int]]:
