@@ -115,7 +115,7 @@ def _cmd_status(settings: Settings, args: argparse.Namespace, console: Console) 
             airflow["log"],
         )
         console.print(table)
-    result = {"broker": state, "airflow": airflow}
+    result: dict[str, Any] = {"broker": state, "airflow": airflow}
     if not state["reachable"]:
         raise CheckFailed(
             f"Kafka at {settings.bootstrap_servers} (DUALITY_BOOTSTRAP_SERVERS) does not answer: "
