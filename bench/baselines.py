@@ -11,6 +11,7 @@ import random
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterable, Iterator, Sized
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,23 +65,47 @@ def order_events(count: int, keys: int, seed: int = 7) -> list[tuple[bytes, byte
     return events
 
 
+def unique_events(count: int, prefix: str = "u", seed: int = 11) -> Iterator[tuple[bytes, bytes]]:
+    """`count` order events of about 100 bytes, each with its own product (key), generated
+    lazily: millions of them are produced without holding them in memory."""
+    rng = random.Random(seed)
+    for i in range(count):
+        product = f"{prefix}{i:08d}"
+        value = (
+            f'{{"order_id":"o{i:09d}","product":"{product}",'
+            f'"customer":"c{rng.randrange(100_000):05d}","quantity":{rng.randint(1, 9)},'
+            f'"amount":{rng.randrange(100, 50_000) / 100}}}'
+        )
+        yield product.encode(), value.encode()
+
+
 def preload(
-    settings: Settings, topic: str, events: list[tuple[bytes, bytes]], progress: Progress
+    settings: Settings,
+    topic: str,
+    events: Iterable[tuple[bytes, bytes]],
+    progress: Progress,
+    total: int | None = None,
 ) -> float:
-    """Produce the events into `topic`; returns their size in MB (keys plus values)."""
+    """Produce the events into `topic`; returns their size in MB (keys plus values).
+
+    `total` is the number of events when `events` is a generator (for the progress bar).
+    """
     producer = kafka.producer(
         settings, queue_buffering_max_messages=500_000, batch_num_messages=10_000, linger_ms=50
     )
-    task = progress.add_task(f"preloading {topic}", total=len(events))
-    size = 0
+    if total is None:
+        total = len(events) if isinstance(events, Sized) else None
+    task = progress.add_task(f"preloading {topic}", total=total)
+    size = n = 0
     for n, (key, value) in enumerate(events, 1):
         size += len(key) + len(value)
         kafka.send(producer, topic, key=key, value=value)
         if n % 20_000 == 0:
             producer.poll(0)
             progress.update(task, completed=n)
-    assert producer.flush(120) == 0, "preload: records left undelivered"
-    progress.update(task, completed=len(events))
+    if producer.flush(120) != 0:
+        raise RuntimeError(f"preload of {topic}: records left undelivered after 120 s")
+    progress.update(task, completed=n, total=n)
     return size / 1e6
 
 

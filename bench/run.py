@@ -2,6 +2,8 @@
 
 Every figure is compared to the baselines measured in the same run on the same topic. Set
 DUALITY_BENCH_RECORDS for a smaller workload (the default is 1,000,000 records of ~100 bytes).
+The stream scenarios (bench/streaming.py) run `jobs/stream_aggregate.py` as a process, as users
+do; where the issue sets a target, the JSON carries the value and whether it was met.
 """
 
 from __future__ import annotations
@@ -31,10 +33,14 @@ from duality.config import Settings
 from duality.local import ephemeral_broker
 from repartition import repartition_scenarios
 from snapshots import snapshot_scenarios, validation_scenario
-from streaming import bench_spec, restore_versus_recompute, run_to_end
+from streaming import Bench, StreamFigure, bench_spec, set_throughput_target, stream_scenarios
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PARTITIONS = 6
+FULL_RECORDS = 1_000_000
+LATENCY_RATE = 5_000.0
+LATENCY_SECONDS = 60.0
+TRIGGER_SECONDS = 0.5
 
 
 @contextlib.contextmanager
@@ -61,24 +67,38 @@ def render(figures: list[Figure], console: Console) -> None:
         "MB/s",
         "vs consumer-perf",
         "vs python-copy",
+        "notes",
     ):
-        table.add_column(column, justify="left" if column == "scenario" else "right")
+        if column == "scenario":
+            table.add_column(column, no_wrap=True)
+        elif column == "notes":
+            table.add_column(column, ratio=1, overflow="fold")
+        else:
+            table.add_column(column, justify="right", no_wrap=True)
     for figure in figures:
-        ratios = [
-            f"{figure.records_per_s / baseline[name].records_per_s:.2f}x"
-            if name in baseline
-            else "-"
-            for name in ("kafka-consumer-perf", "python-copy")
-        ]
-        table.add_row(
-            figure.scenario,
-            f"{figure.records:,}",
-            f"{figure.seconds:.2f}",
-            f"{figure.records_per_s:,.0f}",
-            f"{figure.mb_per_s:.1f}",
-            *ratios,
-        )
+        rows = figure.table_rows() if isinstance(figure, StreamFigure) else [(figure, "")]
+        for row, notes in rows:
+            ratios = [
+                f"{row.records_per_s / baseline[name].records_per_s:.2f}x"
+                if name in baseline
+                else "-"
+                for name in ("kafka-consumer-perf", "python-copy")
+            ]
+            table.add_row(
+                row.scenario,
+                f"{row.records:,}",
+                f"{row.seconds:.2f}",
+                f"{row.records_per_s:,.0f}",
+                f"{row.mb_per_s:.1f}",
+                *ratios,
+                notes,
+            )
     console.print(table)
+    for figure in figures:
+        for goal in figure.as_dict().get("targets") or []:
+            verdict = "[green]met[/green]" if goal["met"] else "[red]not met[/red]"
+            value = "no value" if goal["value"] is None else f"{goal['value']:g}"
+            console.print(f"{figure.scenario}: {goal['target']}: {value}, {verdict}")
     for figure in figures:
         details = figure.as_dict()
         if "changelog_records_read" in details:
@@ -99,11 +119,38 @@ def main(argv: list[str] | None = None) -> int:
         "--records", type=int, default=int(os.environ.get("DUALITY_BENCH_RECORDS", 1_000_000))
     )
     parser.add_argument("--keys", type=int, default=100_000)
+    parser.add_argument(
+        "--latency-rate",
+        type=float,
+        default=LATENCY_RATE,
+        help="events/s of the latency scenario (default %(default)g)",
+    )
+    parser.add_argument(
+        "--latency-seconds",
+        type=float,
+        default=None,
+        help=f"seconds the latency scenario produces (default {LATENCY_SECONDS:g}, scaled "
+        f"down with --records below {FULL_RECORDS:,}, at least 10)",
+    )
+    parser.add_argument(
+        "--trigger-seconds",
+        type=float,
+        default=TRIGGER_SECONDS,
+        help="trigger interval of the latency scenario's stream (default %(default)g)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.records < 1 or args.keys < 1:
         parser.error("--records and --keys must be at least 1")
-    console = Console(width=max(120, Console().width))
+    if args.latency_rate <= 0 or args.trigger_seconds <= 0:
+        parser.error("--latency-rate and --trigger-seconds must be positive")
+    if args.latency_seconds is None:
+        args.latency_seconds = max(
+            10.0, min(LATENCY_SECONDS, LATENCY_SECONDS * args.records / FULL_RECORDS)
+        )
+    elif args.latency_seconds <= 0:
+        parser.error("--latency-seconds must be positive")
+    console = Console(width=max(140, Console().width))
     # Checkpoints, tables and locks of the benchmark's pipelines stay out of the user's folders.
     scratch = Path(tempfile.mkdtemp(prefix="duality-bench-"))
     settings = Settings.from_env().replace(
@@ -128,32 +175,36 @@ def main(argv: list[str] | None = None) -> int:
         kafka.create_topic(scoped, copy, PARTITIONS)
         events = order_events(args.records, args.keys)
         megabytes = preload(scoped, source, events, progress)
+        distinct_keys = len({key for key, _ in events})
         del events
         progress.console.print("running Kafka's ConsumerPerformance")
         figures.append(consumer_perf(scoped, source, args.records))
         figures.append(python_copy(scoped, source, copy, args.records, progress))
 
-        progress.console.print("running the stream over the backlog")
-        figures.append(
-            run_to_end(scoped, bench_spec(f"bench_sales_{stamp}", source), args.records, megabytes)
-        )
-
-        # A changelog of few keys (10k by default) built from as many events as the backlog.
-        few_keys = max(1, args.keys // 10)
-        compact = f"bench-orders-few-keys-{run_id}"
-        kafka.create_topic(scoped, compact, PARTITIONS)
-        events = order_events(args.records, few_keys, seed=8)
-        preload(scoped, compact, events, progress)
-        del events
-        spec = bench_spec(f"bench_few_keys_{stamp}", compact)
-        progress.console.print(f"building a changelog of {few_keys:,} keys")
-        run_to_end(scoped, spec, args.records, megabytes)
-        figures.extend(restore_versus_recompute(scoped, spec, args.records, megabytes))
-
+        # Repartitioning reads the backlog as preloaded; the stream scenarios append to it.
         progress.console.print("repartitioning the backlog, and a topic with a 30% key")
-        figures.extend(
-            repartition_scenarios(scoped, source, args.records, args.keys, megabytes, progress)
+        repartitioned = repartition_scenarios(
+            scoped, source, args.records, args.keys, megabytes, progress
         )
+
+        bench = Bench(scoped, scratch / "pipelines", scratch / "logs", progress, stamp)
+        streams = stream_scenarios(
+            bench,
+            source,
+            args.records,
+            args.keys,
+            megabytes,
+            distinct_keys=distinct_keys,
+            latency_rate=args.latency_rate,
+            latency_seconds=args.latency_seconds,
+            trigger_seconds=args.trigger_seconds,
+        )
+        copy_figure = next(f for f in figures if f.scenario == "python-copy")
+        for figure in streams:
+            if figure.scenario == "stream-throughput" and isinstance(figure, StreamFigure):
+                set_throughput_target(figure, copy_figure)
+        figures.extend(streams)
+        figures.extend(repartitioned)
 
         progress.console.print(f"snapshots of {args.keys:,} keys: full, then 1% changed")
         snapshots = bench_spec(f"bench_snapshot_{stamp}", source)
@@ -173,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
             "keys": args.keys,
             "partitions": PARTITIONS,
             "megabytes": round(megabytes, 3),
+            "latency_rate": args.latency_rate,
+            "latency_seconds": args.latency_seconds,
+            "trigger_seconds": args.trigger_seconds,
         },
         "baselines": ["kafka-consumer-perf", "python-copy"],
         "scenarios": [figure.as_dict() for figure in figures],

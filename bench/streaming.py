@@ -1,102 +1,1037 @@
 """Stream scenarios of `make bench`, measured on topics preloaded in the same run.
 
-- `stream-throughput`: the changelog-backed stream consuming a backlog (1M events over 100k keys
-  by default), from the query's start until the committed offsets cover the whole backlog.
-- `restore-from-changelog` versus `recompute-from-source`: rebuilding the state of a pipeline
-  whose changelog holds 10k keys built from the same number of events, from the changelog
-  (what a restart does) and by aggregating the whole source again with Spark.
+The stream is a black box here: it runs as users run it (`jobs/stream_aggregate.py PIPELINE` in
+a process group of its own, stopped with SIGTERM) and is observed only from outside, through the
+committed offsets of its consumer group `duality-<pipeline>` on the source, its heartbeats on
+`_duality-status`, its changelog topic, and the memory of its process tree.
+
+- `stream-throughput`: the stream consuming the baselines' backlog (1M events over 100k keys by
+  default), from the query's start (its first `running` heartbeat) until the committed offsets
+  cover the whole backlog; compared with `python-copy` (target: at least 0.8x).
+- `state-scale`: the same backlog run (100k keys) and a backlog of one event per key over 20
+  times as many keys (2M); for each, the peak RSS of the stream's whole process tree (the
+  supervisor, the driver, its JVM and Python workers, sampled every 0.25 s) and the RSS once the
+  backlog is covered; then a restart with the checkpoint intact: stopped gracefully, 1,000 new
+  events produced, started again, timed from the process start until the committed offsets cover
+  them. Targets: peak RSS grows by at most 500 MB, and the restart at the larger state takes at
+  most 1.5x as long.
+- `restore-from-changelog`: a backlog of one event per key (1M keys, the `--records` figure)
+  streamed into the changelog; then the stream is stopped, its checkpoint folder deleted and
+  started again, timed from the process start until its heartbeat's `state_rows` holds every key
+  and the committed offsets cover the source. `recompute-from-source`: the same table computed
+  again by a Spark batch aggregation of the whole source.
+- `latency`: events produced at 5,000/s for 60 s to a running stream with a stated trigger
+  interval; for each event, the moment its changelog update is first visible to a
+  read_committed consumer minus the event's Kafka timestamp (CreateTime, set by the producer).
+  Event n of key k is visible when a changelog record of k carries a count of at least n.
+  Target: p99 at most 2 s.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import psutil
 import yaml
+from confluent_kafka import OFFSET_BEGINNING, TopicPartition
+from rich.progress import Progress, TaskID
 
-from baselines import Figure
+from baselines import Figure, order_events, preload, unique_events
 from duality import kafka, status
 from duality.config import Settings
-from duality.spec import PipelineSpec, parse_spec
-from duality.stream import Aggregator, classify, pre_aggregate
-from duality.stream_job import StreamDriver
+from duality.spec import SQL_TYPES, PipelineSpec, parse_spec
 
-SPEC = Path(__file__).resolve().parents[1] / "include" / "pipelines" / "product_sales.yaml"
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = ROOT / "include" / "pipelines" / "product_sales.yaml"
+JOB = ROOT / "jobs" / "stream_aggregate.py"
+PARTITIONS = 6
+
+MAX_OFFSETS_PER_TRIGGER = 500_000
+# The larger state of `state-scale` has this many times the baselines' keys (2M by default).
+STATE_SCALE_FACTOR = 20
+RESTART_EVENTS = 1_000
+LATENCY_WARMUP_S = 5.0
+SAMPLE_INTERVAL_S = 0.25
+POLL_S = 0.2
+
+THROUGHPUT_TARGET = 0.8  # stream-throughput records/s over python-copy's
+RSS_GROWTH_TARGET_MB = 500.0
+RESTART_RATIO_TARGET = 1.5
+LATENCY_P99_TARGET_S = 2.0
 
 
-def bench_spec(name: str, topic: str) -> PipelineSpec:
+def bench_spec(name: str, topic: str, folder: Path | None = None) -> PipelineSpec:
+    """A copy of the product_sales spec reading `topic`; written to `folder` when given, so that
+    a stream process finds it there through DUALITY_PIPELINES."""
     data = yaml.safe_load(SPEC.read_text())
     data["name"] = name
     data["source"]["topic"] = topic
-    data["changelog"] = {"partitions": 6}
+    data["changelog"] = {"partitions": PARTITIONS}
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{name}.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
     return parse_spec(data, f"bench spec {name}")
 
 
-def run_to_end(settings: Settings, spec: PipelineSpec, records: int, megabytes: float) -> Figure:
-    """Run the stream driver until it covers the topic; time from query start to the end."""
-    driver = StreamDriver(settings, spec, max_offsets_per_trigger=500_000)
-    failure: list[BaseException] = []
+# -- figures ---------------------------------------------------------------------------------
 
-    def target() -> None:
-        try:
-            driver.run()
-        except BaseException as error:
-            failure.append(error)
 
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    ends = kafka.end_offsets(settings, spec.source.topic)
-    started = None
-    try:
+def target(description: str, value: float | None, met: bool) -> dict[str, Any]:
+    """An issue's target: the measured value and whether it was met (a benchmark reports)."""
+    return {
+        "target": description,
+        "value": None if value is None else round(value, 3),
+        "met": bool(met),
+    }
+
+
+@dataclass
+class StreamFigure(Figure):
+    """A figure with scenario-specific details, a note for the table and issue targets."""
+
+    details: dict[str, Any] = field(default_factory=dict)
+    targets: list[dict[str, Any]] = field(default_factory=list)
+    note: str = ""
+
+    def as_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        document: dict[str, Any] = {**super().as_dict(), **self.details}
+        if self.targets:
+            document["targets"] = self.targets
+            document["met"] = all(t["met"] for t in self.targets)
+        return document
+
+    def notes(self) -> str:
+        return self.note
+
+    def table_rows(self) -> list[tuple[Figure, str]]:
+        return [(self, self.note)]
+
+
+@dataclass
+class Point:
+    """One backlog run of `state-scale`, and the restart after it."""
+
+    keys: int
+    distinct_keys: int  # of the key space, the keys that occur in the backlog
+    events: int
+    megabytes: float
+    startup_seconds: float  # process start -> the query's first `running` heartbeat
+    seconds: float  # the query's start -> committed offsets cover the backlog
+    peak_rss_mb: float
+    covered_rss_mb: float
+    state_rows: int | None
+    # At the peak: MB per part of the tree (supervisor, driver, jvm, python workers), processes.
+    peak_rss_parts: dict[str, float] = field(default_factory=dict)
+    peak_processes: int = 0
+    restart_seconds: float = 0.0
+    restart_events: int = 0
+    restart_peak_rss_mb: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "keys": self.keys,
+            "distinct_keys": self.distinct_keys,
+            "events": self.events,
+            "seconds": round(self.seconds, 3),
+            "records_per_s": round(self.events / self.seconds, 1) if self.seconds else 0.0,
+            "startup_seconds": round(self.startup_seconds, 3),
+            "wall_seconds": round(self.startup_seconds + self.seconds, 3),
+            "peak_rss_mb": round(self.peak_rss_mb, 1),
+            "covered_rss_mb": round(self.covered_rss_mb, 1),
+            "peak_rss_parts_mb": self.peak_rss_parts,
+            "peak_processes": self.peak_processes,
+            "state_rows": self.state_rows,
+            "restart_seconds": round(self.restart_seconds, 3),
+            "restart_events": self.restart_events,
+            "restart_peak_rss_mb": round(self.restart_peak_rss_mb, 1),
+        }
+
+
+@dataclass
+class StateScaleFigure(StreamFigure):
+    points: list[Point] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        return {**super().as_dict(), "points": [p.as_dict() for p in self.points]}
+
+    def table_rows(self) -> list[tuple[Figure, str]]:
+        rows = [
+            (
+                Figure(f"state-scale ({p.keys:,} keys)", p.events, p.seconds, p.megabytes),
+                f"peak RSS {p.peak_rss_mb:,.0f} MB, {p.covered_rss_mb:,.0f} MB when covered; "
+                f"restart {p.restart_seconds:.1f} s, peak {p.restart_peak_rss_mb:,.0f} MB",
+            )
+            for p in self.points
+        ]
+        if rows:
+            first, notes = rows[0]
+            rows[0] = (first, notes + " (the stream-throughput run)")
+        return rows
+
+
+def set_throughput_target(figure: StreamFigure, python_copy: Figure) -> None:
+    """`stream-throughput` against `python-copy` on the same topic in the same run."""
+    ratio = figure.records_per_s / python_copy.records_per_s if python_copy.records_per_s else 0.0
+    figure.details["vs_python_copy"] = round(ratio, 3)
+    figure.targets = [
+        target(f"records/s >= {THROUGHPUT_TARGET}x python-copy", ratio, ratio >= THROUGHPUT_TARGET)
+    ]
+    figure.note = f"{ratio:.2f}x python-copy (target {THROUGHPUT_TARGET}x)"
+
+
+# -- driving the stream as a black box --------------------------------------------------------
+
+
+@dataclass
+class Bench:
+    """What every stream scenario shares."""
+
+    settings: Settings
+    pipelines: Path  # DUALITY_PIPELINES of the stream processes
+    logs: Path
+    progress: Progress
+    stamp: int
+
+
+class StreamProcess:
+    """`jobs/stream_aggregate.py PIPELINE` in a process group of its own (supervisor, driver,
+    JVM and Python workers), its output in a log file."""
+
+    def __init__(self, bench: Bench, spec: PipelineSpec, trigger_seconds: float | None = None):
+        self.bench, self.spec = bench, spec
+        self.trigger_seconds = trigger_seconds
+        self.log = bench.logs / f"{spec.name}.log"
+        self.process: subprocess.Popen[bytes] | None = None
+        self.started = 0.0
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None, "the stream was not started"
+        return self.process.pid
+
+    def start(self) -> None:
+        command = [
+            sys.executable,
+            str(JOB),
+            self.spec.name,
+            "--max-offsets-per-trigger",
+            str(MAX_OFFSETS_PER_TRIGGER),
+        ]
+        if self.trigger_seconds is not None:
+            command += ["--trigger-seconds", f"{self.trigger_seconds:g}"]
+        env = {
+            **os.environ,
+            **self.bench.settings.as_env(),
+            "DUALITY_PIPELINES": str(self.bench.pipelines),
+        }
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as out:
+            out.write(f"\n=== {time.strftime('%H:%M:%S')} {' '.join(command)}\n".encode())
+            out.flush()
+            self.started = time.perf_counter()
+            self.process = subprocess.Popen(
+                command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def check(self) -> None:
+        """Raise when the stream exited on its own."""
+        if self.process is not None and self.process.poll() is not None:
+            raise RuntimeError(
+                f"the stream of {self.spec.name} exited with code {self.process.returncode}; "
+                f"last lines of {self.log}:\n{self.tail()}"
+            )
+
+    def stop(self, timeout: float = 180.0) -> None:
+        """SIGTERM (the running micro-batch commits first); the group is killed if it does not
+        stop within `timeout`, and that is an error."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise RuntimeError(
+                    f"the stream of {self.spec.name} did not stop within {timeout:g}s of "
+                    f"SIGTERM and was killed; see {self.log}"
+                ) from None
+        code = self.process.returncode
+        self._reap_group()
+        if code != 0:
+            raise RuntimeError(
+                f"the stream of {self.spec.name} exited with code {code} on SIGTERM; last "
+                f"lines of {self.log}:\n{self.tail()}"
+            )
+
+    def kill(self) -> None:
+        """SIGKILL whatever is left of the process group (also after a graceful stop)."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(30)
+        self._reap_group(grace=0.0)
+
+    def _reap_group(self, grace: float = 10.0) -> None:
+        """The supervisor has exited; wait for the rest of its group, then kill what remains."""
+        assert self.process is not None
+        deadline = time.monotonic() + grace
         while True:
-            if failure:
-                raise RuntimeError(f"stream of {spec.name} failed: {failure[0]}")
-            if started is None and kafka.topic_exists(settings, status.STATUS_TOPIC):
-                beat = status.latest(settings).get(spec.name, {})
-                if beat.get("state") == "running":
-                    started = time.perf_counter()
-            if started is not None:
-                committed = kafka.committed_offsets(
-                    settings, spec.consumer_group, spec.source.topic
-                )
-                if all(committed.get(p, (0, None))[0] >= end for p, end in ends.items()):
-                    break
+            try:
+                os.killpg(self.process.pid, 0)
+            except ProcessLookupError:
+                return
+            if time.monotonic() >= deadline:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                return
             time.sleep(0.2)
-        seconds = time.perf_counter() - started
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def __enter__(self) -> StreamProcess:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.kill()
+
+
+class Heartbeats:
+    """One pipeline's heartbeats on `_duality-status` from now on, followed in a thread."""
+
+    def __init__(self, settings: Settings, pipeline: str):
+        self.pipeline = pipeline.encode()
+        self.latest: dict[str, Any] = {}
+        self.running_at: float | None = None  # perf_counter of the first `running` heartbeat
+        self.error: BaseException | None = None
+        status.ensure_topic(settings)
+        ends = kafka.end_offsets(settings, status.STATUS_TOPIC, "read_uncommitted")
+        self.consumer = kafka.consumer(
+            settings,
+            f"bench-status-{uuid.uuid4().hex}",
+            isolation_level="read_uncommitted",
+            enable_partition_eof=False,
+        )
+        self.consumer.assign(
+            [TopicPartition(status.STATUS_TOPIC, p, offset) for p, offset in ends.items()]
+        )
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._follow, daemon=True)
+        self.thread.start()
+
+    def _follow(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                for message in self.consumer.consume(num_messages=500, timeout=0.1):
+                    if message.error() is not None or message.key() != self.pipeline:
+                        continue
+                    value = message.value()
+                    if not value:
+                        continue
+                    beat = json.loads(value)
+                    self.latest = beat
+                    if beat.get("state") == "running" and self.running_at is None:
+                        self.running_at = time.perf_counter()
+        except BaseException as error:
+            self.error = error
+
+    def state_rows(self) -> int | None:
+        """Rows in the stream's state store (`state_rows`; `keys` in engines before it)."""
+        beat = self.latest
+        value = beat.get("state_rows")
+        return int(value) if isinstance(value, int | float) else None
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"following {status.STATUS_TOPIC} failed: {self.error}")
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.thread.join(10)
+        self.consumer.close()
+
+
+class TreeMemory:
+    """The RSS of a process and all its descendants, sampled in a thread; keeps the peak and
+    what made it up (supervisor, driver, JVM, Python workers)."""
+
+    def __init__(self, pid: int, interval: float = SAMPLE_INTERVAL_S):
+        self.root = psutil.Process(pid)
+        self.peak = 0
+        self.peak_parts: dict[str, float] = {}
+        self.peak_processes = 0
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(interval,), daemon=True)
+        self.thread.start()
+
+    def _part(self, process: psutil.Process) -> str:
+        if process.pid == self.root.pid:
+            return "supervisor"
+        name = process.name()
+        if name.startswith("java"):
+            return "jvm"
+        if name.startswith("python"):
+            return "driver" if process.ppid() == self.root.pid else "python workers"
+        return "other"
+
+    def sample(self) -> int:
+        """Bytes resident now, summed over the tree (pages shared by forks count in each)."""
+        try:
+            processes = [self.root, *self.root.children(recursive=True)]
+        except psutil.Error:
+            return 0
+        parts: dict[str, float] = {}
+        total = 0
+        for process in processes:
+            try:
+                rss = process.memory_info().rss
+                part = self._part(process)
+            except psutil.Error:
+                continue
+            total += rss
+            parts[part] = parts.get(part, 0.0) + rss / 1e6
+        with self.lock:
+            if total > self.peak:
+                self.peak = total
+                self.peak_parts = {k: round(v, 1) for k, v in sorted(parts.items())}
+                self.peak_processes = len(processes)
+        return total
+
+    def _run(self, interval: float) -> None:
+        while not self.stopping.wait(interval):
+            self.sample()
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.thread.join(10)
+
+
+def covered(settings: Settings, spec: PipelineSpec, ends: dict[int, int]) -> int:
+    """How many of the records below `ends` the pipeline's committed offsets cover."""
+    committed = kafka.committed_offsets(settings, spec.consumer_group, spec.source.topic)
+    return sum(min(committed.get(p, (0, None))[0], end) for p, end in ends.items())
+
+
+def wait_for(
+    stream: StreamProcess,
+    heartbeats: Heartbeats | None,
+    condition: Callable[[], bool],
+    timeout: float,
+    what: str,
+) -> None:
+    """Poll `condition` until it holds; the stream exiting or the timeout is an error."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stream.check()
+        if heartbeats is not None:
+            heartbeats.check()
+        if condition():
+            return
+        if time.monotonic() >= deadline:
+            last = heartbeats.latest if heartbeats is not None else {}
+            raise TimeoutError(
+                f"{what}: not within {timeout:.0f}s; last heartbeat {json.dumps(last)[:400]}; "
+                f"last lines of {stream.log}:\n{stream.tail()}"
+            )
+        time.sleep(POLL_S)
+
+
+def backlog_timeout(records: int) -> float:
+    """Generous: two minutes plus 2,000 records a second."""
+    return 120.0 + records / 2_000
+
+
+def consume_backlog(
+    bench: Bench,
+    spec: PipelineSpec,
+    keys: int,
+    megabytes: float,
+    label: str,
+    distinct_keys: int | None = None,
+) -> Point:
+    """Start the stream on a preloaded source and run it until the committed offsets cover
+    the whole backlog, sampling its process tree's memory; then stop it gracefully.
+
+    `keys` is the workload's key space; `distinct_keys` how many of them occur (all, when
+    None): the state holds that many rows once the backlog is covered."""
+    distinct = keys if distinct_keys is None else distinct_keys
+    settings = bench.settings
+    ends = kafka.end_offsets(settings, spec.source.topic)
+    total = sum(ends.values())
+    task = bench.progress.add_task(f"{label}: {total:,} records", total=total)
+    heartbeats = Heartbeats(settings, spec.name)
+    memory: TreeMemory | None = None
+    try:
+        with StreamProcess(bench, spec) as stream:
+            stream.start()
+            memory = TreeMemory(stream.pid)
+            done = 0
+
+            def caught_up() -> bool:
+                nonlocal done
+                done = covered(settings, spec, ends)
+                bench.progress.update(task, completed=done)
+                return done >= total
+
+            wait_for(
+                stream, heartbeats, caught_up, backlog_timeout(total), f"{label}: backlog covered"
+            )
+            covered_at = time.perf_counter()
+            covered_rss = memory.sample()
+            memory.close()
+            # The heartbeat of the batch that covered the backlog follows its commit closely.
+            deadline = time.monotonic() + 15
+            while (heartbeats.state_rows() or 0) < distinct and time.monotonic() < deadline:
+                stream.check()
+                time.sleep(POLL_S)
+            state_rows = heartbeats.state_rows()
+            stream.stop()
     finally:
-        driver.request_stop()
-        thread.join(timeout=180)
-    return Figure("stream-throughput", records, seconds, megabytes)
+        if memory is not None:
+            memory.close()
+        heartbeats.close()
+    query_start = heartbeats.running_at or stream.started
+    return Point(
+        keys=keys,
+        distinct_keys=distinct,
+        events=total,
+        megabytes=megabytes,
+        startup_seconds=query_start - stream.started,
+        seconds=covered_at - query_start,
+        peak_rss_mb=memory.peak / 1e6,
+        covered_rss_mb=covered_rss / 1e6,
+        state_rows=state_rows,
+        peak_rss_parts=memory.peak_parts,
+        peak_processes=memory.peak_processes,
+    )
 
 
-def restore_versus_recompute(
-    settings: Settings, spec: PipelineSpec, records: int, megabytes: float
-) -> list[Figure]:
-    aggregator = Aggregator(settings, spec)
-    start = time.perf_counter()
-    aggregator.restore()
-    restore = time.perf_counter() - start
-    keys = len(aggregator.state)
-    aggregator.close()
+def produce(settings: Settings, topic: str, events: Iterable[tuple[bytes, bytes]]) -> int:
+    producer = kafka.producer(settings, linger_ms=5)
+    count = 0
+    for key, value in events:
+        kafka.send(producer, topic, key=key, value=value)
+        count += 1
+    if producer.flush(60) != 0:
+        raise RuntimeError(f"producing to {topic}: records left undelivered after 60 s")
+    return count
+
+
+def restart(
+    bench: Bench,
+    point: Point,
+    spec: PipelineSpec,
+    events: Iterable[tuple[bytes, bytes]],
+    label: str,
+) -> None:
+    """With the stream stopped and its checkpoint intact: produce `events`, start the stream and
+    time from the process start until its committed offsets cover them. Its memory is sampled
+    too: with the state loaded and small batches, it tells the state's share from the batches'."""
+    settings = bench.settings
+    count = produce(settings, spec.source.topic, events)
+    ends = kafka.end_offsets(settings, spec.source.topic)
+    total = sum(ends.values())
+    bench.progress.console.print(f"{label}: restarting with the checkpoint after {count:,} events")
+    memory: TreeMemory | None = None
+    try:
+        with StreamProcess(bench, spec) as stream:
+            stream.start()
+            memory = TreeMemory(stream.pid)
+            wait_for(
+                stream,
+                None,
+                lambda: covered(settings, spec, ends) >= total,
+                backlog_timeout(point.keys),
+                f"{label}: restart covering {count:,} new events",
+            )
+            point.restart_seconds = time.perf_counter() - stream.started
+            memory.sample()
+            stream.stop()
+    finally:
+        if memory is not None:
+            memory.close()
+    point.restart_events = count
+    point.restart_peak_rss_mb = memory.peak / 1e6
+
+
+# -- scenarios -------------------------------------------------------------------------------
+
+
+def state_scale_point(
+    bench: Bench,
+    spec: PipelineSpec,
+    keys: int,
+    megabytes: float,
+    new_events: Iterable[tuple[bytes, bytes]],
+    distinct_keys: int | None = None,
+) -> Point:
+    label = f"stream over {keys:,} keys"
+    point = consume_backlog(bench, spec, keys, megabytes, label, distinct_keys)
+    restart(bench, point, spec, new_events, label)
+    parts = ", ".join(f"{name} {mb:,.0f}" for name, mb in point.peak_rss_parts.items())
+    bench.progress.console.print(
+        f"{label}: {point.events:,} records in {point.seconds:.1f}s, peak RSS "
+        f"{point.peak_rss_mb:,.0f} MB ({parts}; {point.peak_processes} processes), "
+        f"{point.covered_rss_mb:,.0f} MB when covered; restart {point.restart_seconds:.1f}s, "
+        f"peak RSS {point.restart_peak_rss_mb:,.0f} MB"
+    )
+    return point
+
+
+def state_scale_figure(small: Point, large: Point) -> StateScaleFigure:
+    growth = large.peak_rss_mb - small.peak_rss_mb
+    covered_growth = large.covered_rss_mb - small.covered_rss_mb
+    ratio = large.restart_seconds / small.restart_seconds if small.restart_seconds else 0.0
+    return StateScaleFigure(
+        "state-scale",
+        large.events,
+        large.seconds,
+        large.megabytes,
+        details={
+            "keys": [small.keys, large.keys],
+            "rss_growth_mb": round(growth, 1),
+            "covered_rss_growth_mb": round(covered_growth, 1),
+            # The restarts carry the same small batch: their growth is the state's own.
+            "restart_rss_growth_mb": round(
+                large.restart_peak_rss_mb - small.restart_peak_rss_mb, 1
+            ),
+            "restart_ratio": round(ratio, 3),
+            "max_offsets_per_trigger": MAX_OFFSETS_PER_TRIGGER,
+        },
+        targets=[
+            target(
+                f"peak rss growth <= {RSS_GROWTH_TARGET_MB:g} MB",
+                growth,
+                growth <= RSS_GROWTH_TARGET_MB,
+            ),
+            target(
+                f"restart at {large.keys:,} keys <= {RESTART_RATIO_TARGET}x restart at "
+                f"{small.keys:,} keys",
+                ratio,
+                ratio <= RESTART_RATIO_TARGET,
+            ),
+        ],
+        points=[small, large],
+    )
+
+
+def restore_versus_recompute(bench: Bench, keys: int) -> list[Figure]:
+    """A changelog of `keys` keys (one event each) built by the stream; then the stream
+    restarted without its checkpoint, and the table recomputed from the source with Spark."""
+    settings = bench.settings
+    topic = f"bench-restore-{bench.stamp}"
+    kafka.create_topic(settings, topic, PARTITIONS)
+    megabytes = preload(
+        settings, topic, unique_events(keys, "r", seed=21), bench.progress, total=keys
+    )
+    spec = bench_spec(f"bench_restore_{bench.stamp}", topic, bench.pipelines)
+    label = f"changelog of {keys:,} keys"
+    consume_backlog(bench, spec, keys, megabytes, label)
+    checkpoint = settings.checkpoint_root / spec.name
+    if not checkpoint.is_dir():
+        raise RuntimeError(f"{label}: the stream left no checkpoint folder {checkpoint}")
+    shutil.rmtree(checkpoint)
+
+    ends = kafka.end_offsets(settings, topic)
+    total = sum(ends.values())
+    task = bench.progress.add_task(f"restoring {keys:,} keys from the changelog", total=keys)
+    heartbeats = Heartbeats(settings, spec.name)
+    try:
+        with StreamProcess(bench, spec) as stream:
+            stream.start()
+
+            def restored() -> bool:
+                rows = heartbeats.state_rows() or 0
+                bench.progress.update(task, completed=min(rows, keys))
+                return rows >= keys and covered(settings, spec, ends) >= total
+
+            wait_for(
+                stream,
+                heartbeats,
+                restored,
+                backlog_timeout(keys),
+                f"restore of {keys:,} keys (heartbeat state_rows >= {keys:,})",
+            )
+            seconds = time.perf_counter() - stream.started
+            state_rows = heartbeats.state_rows()
+            stream.stop()
+    finally:
+        heartbeats.close()
+
+    bench.progress.console.print(f"recomputing the table of {keys:,} keys from the source")
+    rows, recompute_seconds = recompute_from_source(settings, spec)
+    if rows != keys:
+        raise RuntimeError(f"recompute-from-source: {rows:,} keys, the source holds {keys:,}")
+    restore = StreamFigure(
+        "restore-from-changelog",
+        keys,
+        seconds,
+        0.0,
+        details={
+            "keys": keys,
+            "state_rows": state_rows,
+            "vs_recompute": round(seconds / recompute_seconds, 3) if recompute_seconds else 0.0,
+        },
+        note=f"checkpoint deleted; recompute-from-source {recompute_seconds:.1f} s",
+    )
+    recompute = StreamFigure(
+        "recompute-from-source",
+        total,
+        recompute_seconds,
+        megabytes,
+        details={"keys": rows},
+        note=f"Spark batch over the source, {rows:,} keys",
+    )
+    return [restore, recompute]
+
+
+def recompute_from_source(settings: Settings, spec: PipelineSpec) -> tuple[int, float]:
+    """The spec's table computed from the whole source by a Spark batch; (rows, seconds)."""
+    from pyspark.sql import Observation
+    from pyspark.sql import functions as F
 
     from duality.spark import session
 
     spark = session(settings, "duality-bench")
-    start = time.perf_counter()
-    raw = (
+    started = time.perf_counter()
+    ddl = ", ".join(f"`{name}` {SQL_TYPES[kind]}" for name, kind in spec.source.fields.items())
+    events = (
         spark.read.format("kafka")
         .options(**settings.spark_kafka_options())
         .option("subscribe", spec.source.topic)
         .option("startingOffsets", "earliest")
         .option("endingOffsets", "latest")
+        .option("kafka.isolation.level", "read_committed")
         .load()
+        .select(F.from_json(F.col("value").cast("string"), ddl).alias("e"))
+        .select("e.*")
     )
-    frame = classify(spec, raw, {})
-    rebuilt = pre_aggregate(spec, frame.where(frame["_error"].isNull())).count()
-    recompute = time.perf_counter() - start
-    assert rebuilt == keys, f"recomputed {rebuilt} keys, restored {keys}"
-    return [
-        Figure("restore-from-changelog", keys, restore, 0.0),
-        Figure("recompute-from-source", records, recompute, megabytes),
+    valid = events
+    for name in [*spec.source.key, *(a.field for a in spec.aggregates.values() if a.field)]:
+        valid = valid.where(F.col(name).isNotNull())
+    functions = {"sum": F.sum, "min": F.min, "max": F.max, "avg": F.avg}
+    columns = [
+        (F.count(F.lit(1)) if a.function == "count" else functions[a.function](a.field)).alias(c)
+        for c, a in spec.aggregates.items()
     ]
+    table = valid.groupBy(*spec.source.key).agg(*columns)
+    # Writing to `noop` computes every column (a count() alone would prune the aggregates).
+    observation = Observation("recompute")
+    table.observe(observation, F.count(F.lit(1)).alias("rows")).write.format("noop").mode(
+        "overwrite"
+    ).save()
+    rows = int(observation.get["rows"])
+    return rows, time.perf_counter() - started
+
+
+class ChangelogFollower:
+    """Reads a changelog read_committed as records arrive and ties them to produced events:
+    event n of key k is visible when a record of k first carries a count of at least n."""
+
+    def __init__(self, settings: Settings, spec: PipelineSpec, stamps: dict[bytes, list[float]]):
+        self.count_column = next(
+            (c for c, a in spec.aggregates.items() if a.function == "count"), None
+        )
+        if self.count_column is None:
+            raise RuntimeError(f"{spec.name}: the latency scenario needs a count() aggregate")
+        self.stamps = stamps  # per key, the Kafka timestamps (s) of its events, in order
+        # Per key, the events produced before the measurement (warm-up); None: not measuring.
+        self.warmup: dict[bytes, int] | None = None
+        self.seen: dict[bytes, int] = {}
+        self.visible = 0
+        self.latencies: list[float] = []
+        self.overcounted = 0
+        self.error: BaseException | None = None
+        partitions = kafka.partition_count(settings, spec.changelog_topic)
+        self.consumer = kafka.consumer(
+            settings,
+            f"bench-latency-{uuid.uuid4().hex}",
+            isolation_level="read_committed",
+            enable_partition_eof=False,
+            fetch_wait_max_ms=10,
+        )
+        self.consumer.assign(
+            [TopicPartition(spec.changelog_topic, p, OFFSET_BEGINNING) for p in range(partitions)]
+        )
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._follow, daemon=True)
+        self.thread.start()
+
+    def start_measuring(self) -> None:
+        """Every event produced from now on is measured."""
+        self.warmup = {key: len(events) for key, events in self.stamps.items()}
+
+    def _follow(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                messages = self.consumer.consume(num_messages=10_000, timeout=0.05)
+                received = time.time()
+                for message in messages:
+                    key, value = message.key(), message.value()
+                    if message.error() is not None or key is None or value is None:
+                        continue
+                    self._record(key, json.loads(value), received)
+        except BaseException as error:
+            self.error = error
+
+    def _record(self, key: bytes, value: dict[str, Any], received: float) -> None:
+        count = int(value.get(self.count_column) or 0)
+        before = self.seen.get(key, 0)
+        if count <= before:
+            return
+        stamps = self.stamps.get(key, [])
+        if count > len(stamps):  # the stream counted more events than were produced
+            self.overcounted += 1
+            count = len(stamps)
+        if self.warmup is not None:
+            first = self.warmup.get(key, 0)
+            self.latencies.extend(received - stamps[n] for n in range(max(before, first), count))
+        self.seen[key] = count
+        self.visible += count - before
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"following the changelog failed: {self.error}")
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.thread.join(10)
+        self.consumer.close()
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile of sorted, non-empty `values` (q in 0..100)."""
+    rank = max(1, math.ceil(q / 100 * len(values)))
+    return values[rank - 1]
+
+
+class PacedProducer:
+    """Valid order events over `keys` keys at a fixed rate, each with its Kafka timestamp
+    (CreateTime) set by the producer and recorded per key in production order."""
+
+    def __init__(self, settings: Settings, topic: str, keys: int, rate: float):
+        self.topic, self.keys, self.rate = topic, keys, rate
+        self.producer = kafka.producer(settings, linger_ms=1)
+        self.rng = random.Random(31)
+        self.stamps: dict[bytes, list[float]] = {}
+        self.produced = 0
+
+    def run(self, count: int, progress: Progress, task: TaskID) -> tuple[float, int]:
+        """Produce `count` events at the rate; returns (seconds, bytes)."""
+        started = time.monotonic()
+        sent = size = 0
+        while sent < count:
+            due = min(count, int((time.monotonic() - started) * self.rate) + 1)
+            while sent < due:
+                size += self._send_one()
+                sent += 1
+            self.producer.poll(0)
+            progress.update(task, completed=self.produced)
+            time.sleep(0.002)
+        seconds = time.monotonic() - started
+        if self.producer.flush(30) != 0:
+            raise RuntimeError(f"producing to {self.topic}: records left undelivered after 30 s")
+        return seconds, size
+
+    def _send_one(self) -> int:
+        rng, n = self.rng, self.produced
+        product = f"p{rng.randrange(self.keys):06d}"
+        key = product.encode()
+        value = (
+            f'{{"order_id":"l{n:09d}","product":"{product}",'
+            f'"customer":"c{rng.randrange(100_000):05d}","quantity":{rng.randint(1, 9)},'
+            f'"amount":{rng.randrange(100, 50_000) / 100}}}'
+        ).encode()
+        now_ms = int(time.time() * 1000)
+        # Recorded before the record exists, so the follower always finds its stamp.
+        self.stamps.setdefault(key, []).append(now_ms / 1000)
+        while True:
+            try:
+                self.producer.produce(self.topic, key=key, value=value, timestamp=now_ms)
+                break
+            except BufferError:
+                self.producer.poll(0.01)
+        self.produced += 1
+        return len(key) + len(value)
+
+
+def latency_scenario(
+    bench: Bench, keys: int, rate: float, seconds: float, trigger_seconds: float
+) -> StreamFigure:
+    settings, progress = bench.settings, bench.progress
+    topic = f"bench-latency-{bench.stamp}"
+    kafka.create_topic(settings, topic, PARTITIONS)
+    spec = bench_spec(f"bench_latency_{bench.stamp}", topic, bench.pipelines)
+    source = PacedProducer(settings, topic, keys, rate)
+    warmup = max(1, int(rate * LATENCY_WARMUP_S))
+    measured = max(1, int(rate * seconds))
+    heartbeats = Heartbeats(settings, spec.name)
+    follower: ChangelogFollower | None = None
+    try:
+        with StreamProcess(bench, spec, trigger_seconds=trigger_seconds) as stream:
+            stream.start()
+            wait_for(
+                stream,
+                heartbeats,
+                lambda: (
+                    heartbeats.running_at is not None
+                    and kafka.topic_exists(settings, spec.changelog_topic)
+                ),
+                300,
+                f"latency: stream {spec.name} running",
+            )
+            follower = ChangelogFollower(settings, spec, source.stamps)
+            reader = follower
+            task = progress.add_task(
+                f"latency: {rate:,.0f} events/s, {LATENCY_WARMUP_S:g}s warm-up, {seconds:g}s",
+                total=warmup + measured,
+            )
+            source.run(warmup, progress, task)
+
+            def warm() -> bool:
+                reader.check()
+                return reader.visible >= warmup
+
+            wait_for(stream, None, warm, 120, f"latency: {warmup:,} warm-up events visible")
+            reader.start_measuring()
+            duration, size = source.run(measured, progress, task)
+            deadline = time.monotonic() + max(60.0, 20 * trigger_seconds)
+            while reader.visible < source.produced and time.monotonic() < deadline:
+                stream.check()
+                reader.check()
+                time.sleep(POLL_S)
+            stream.stop()
+    finally:
+        if follower is not None:
+            follower.close()
+        heartbeats.close()
+    latencies = sorted(reader.latencies)
+    unseen = measured - len(latencies)
+    p50 = percentile(latencies, 50) if latencies else None
+    p99 = percentile(latencies, 99) if latencies else None
+    trigger = trigger_seconds
+
+    def rounded(value: float | None) -> float | None:
+        return None if value is None else round(value, 3)
+
+    figure = StreamFigure(
+        "latency",
+        measured,
+        duration,
+        size / 1e6,
+        details={
+            "rate_target": rate,
+            "rate_achieved": round(measured / duration, 1) if duration else 0.0,
+            "trigger_seconds": trigger,
+            "warmup_events": warmup,
+            "keys": keys,
+            "p50_s": rounded(p50),
+            "p99_s": rounded(p99),
+            "max_s": rounded(latencies[-1] if latencies else None),
+            "mean_s": rounded(sum(latencies) / len(latencies) if latencies else None),
+            "measured_events": len(latencies),
+            "unseen_events": unseen,
+            "overcounted_records": reader.overcounted,
+        },
+        targets=[
+            target(
+                f"p99 <= {LATENCY_P99_TARGET_S:g} s",
+                p99,
+                p99 is not None and unseen == 0 and p99 <= LATENCY_P99_TARGET_S,
+            )
+        ],
+        note=(
+            (f"p50 {p50:.2f} s, p99 {p99:.2f} s, " if p50 is not None and p99 is not None else "")
+            + f"trigger {trigger:g} s"
+            + (f"; {unseen:,} events never visible" if unseen else "")
+        ),
+    )
+    return figure
+
+
+def stream_scenarios(
+    bench: Bench,
+    source: str,
+    records: int,
+    keys: int,
+    megabytes: float,
+    *,
+    distinct_keys: int,
+    latency_rate: float,
+    latency_seconds: float,
+    trigger_seconds: float,
+) -> list[Figure]:
+    """Every stream scenario, in order: throughput (which is also state-scale's smaller state),
+    the larger state, restore versus recompute, latency. `distinct_keys`: of the backlog's
+    `keys`, how many occur (random draws may miss a few)."""
+    settings, progress = bench.settings, bench.progress
+
+    spec = bench_spec(f"bench_sales_{bench.stamp}", source, bench.pipelines)
+    progress.console.print(f"stream over the backlog: {records:,} records, {keys:,} keys")
+    small = state_scale_point(
+        bench, spec, keys, megabytes, order_events(RESTART_EVENTS, keys, seed=13), distinct_keys
+    )
+    throughput = StreamFigure(
+        "stream-throughput",
+        small.events,
+        small.seconds,
+        megabytes,
+        details={
+            "keys": keys,
+            "startup_seconds": round(small.startup_seconds, 3),
+            "wall_seconds": round(small.startup_seconds + small.seconds, 3),
+            "peak_rss_mb": round(small.peak_rss_mb, 1),
+            "max_offsets_per_trigger": MAX_OFFSETS_PER_TRIGGER,
+        },
+    )
+
+    large_keys = keys * STATE_SCALE_FACTOR
+    large_topic = f"bench-state-{bench.stamp}"
+    kafka.create_topic(settings, large_topic, PARTITIONS)
+    large_megabytes = preload(
+        settings, large_topic, unique_events(large_keys, "u"), progress, total=large_keys
+    )
+    large_spec = bench_spec(f"bench_state_{bench.stamp}", large_topic, bench.pipelines)
+    progress.console.print(f"stream over {large_keys:,} keys, one event each")
+    large = state_scale_point(
+        bench,
+        large_spec,
+        large_keys,
+        large_megabytes,
+        unique_events(RESTART_EVENTS, "u", seed=14),
+    )
+    figures: list[Figure] = [throughput, state_scale_figure(small, large)]
+
+    progress.console.print(f"restore from the changelog versus recompute: {records:,} keys")
+    figures.extend(restore_versus_recompute(bench, records))
+
+    progress.console.print(
+        f"latency: {latency_rate:,.0f} events/s for {latency_seconds:g}s, "
+        f"trigger {trigger_seconds:g}s"
+    )
+    figures.append(latency_scenario(bench, keys, latency_rate, latency_seconds, trigger_seconds))
+    return figures
