@@ -273,6 +273,21 @@ def aggregate(spec: PipelineSpec, rows: DataFrame) -> DataFrame:
     return rows.groupBy(*groups).agg(*columns, F.max("_fresh").alias("_fresh"))
 
 
+def aggregate_columns(spec: PipelineSpec) -> dict[str, Column]:
+    """Each aggregate column of the spec from the partials of `aggregate`'s output."""
+    from pyspark.sql import functions as F
+
+    columns = {}
+    for column, agg in spec.aggregates.items():
+        if agg.function == "count":
+            columns[column] = F.col("_count")
+        elif agg.function == "avg":
+            columns[column] = F.col(f"_sum_{agg.field}") / F.col("_count")
+        else:
+            columns[column] = F.col(f"_{agg.function}_{agg.field}")
+    return columns
+
+
 def changelog_records(spec: PipelineSpec, table: DataFrame) -> DataFrame:
     """The changed rows as changelog records (DESIGN §6), encoded in the JVM."""
     from pyspark.sql import functions as F
@@ -286,15 +301,7 @@ def changelog_records(spec: PipelineSpec, table: DataFrame) -> DataFrame:
         key = keys[0].cast("string")
     else:
         key = F.to_json(F.array(*[k.cast("variant") for k in keys]))
-    aggregates = []
-    for column, agg in spec.aggregates.items():
-        if agg.function == "count":
-            value = F.col("_count")
-        elif agg.function == "avg":
-            value = F.col(f"_sum_{agg.field}") / F.col("_count")
-        else:
-            value = F.col(f"_{agg.function}_{agg.field}")
-        aggregates.append(value.alias(column))
+    aggregates = [value.alias(column) for column, value in aggregate_columns(spec).items()]
     state = F.struct(*[F.col(p.column).alias(p.name) for p in partials_of(spec)])
     document = F.struct(
         *[k.alias(name) for k, name in zip(keys, spec.key_columns, strict=True)],

@@ -189,7 +189,13 @@ def recompute(
     """
     from pyspark.sql import functions as F
 
-    from duality.stream import aggregate, classify, late_records, partials_of, source_rows
+    from duality.stream import (
+        aggregate,
+        aggregate_columns,
+        classify,
+        late_records,
+        source_rows,
+    )
 
     topic = spec.source.topic
     types = snapshot.column_types(spec)
@@ -221,17 +227,9 @@ def recompute(
     columns: list[Column] = [F.col(f).alias(f) for f in spec.source.key]
     if spec.window is not None:
         columns.append(F.col("_window.start").alias("window_start"))
-    part_names = {p.name for p in partials_of(spec)}
-    for column, agg in spec.aggregates.items():
-        if agg.function == "count":
-            value = F.col("_count")
-        elif agg.function == "avg":
-            value = F.col(f"_sum_{agg.field}") / F.col("_count")
-        else:
-            assert f"{agg.function}.{agg.field}" in part_names
-            value = F.col(f"_{agg.function}_{agg.field}")
-            if types[column] == "timestamp":
-                value = F.timestamp_millis(value)
+    for column, value in aggregate_columns(spec).items():
+        if types[column] == "timestamp":
+            value = F.timestamp_millis(value)  # min and max of a timestamp are kept in ms
         columns.append(value.cast(types[column]).alias(column))
     return table.select(*columns)
 
