@@ -138,9 +138,11 @@ def test_sigkill_at_three_moments(settings: Settings, pipelines: Path, tmp_path:
     finally:
         stream.stop()
     log = stream.log.read_text()
-    # Each restart resumed from Spark's state store; only the first start seeded it.
-    assert log.count("restored 0 keys") == 1 and len(re.findall(r"restored \d+ keys", log)) == 1
-    assert log.count("resuming from the checkpoint") >= 3
+    # A start seeds the state only while no micro-batch was planned yet (the first kill may
+    # come before that), so from the changelog of no keys; the starts after the second and
+    # third kills resumed from Spark's state store.
+    assert set(re.findall(r"restored (\d+) keys", log)) == {"0"}, log[-3000:]
+    assert log.count("resuming from the checkpoint") >= 2
     _verify(settings, spec, EVENTS + 5_000)
 
 
