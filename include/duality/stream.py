@@ -502,7 +502,7 @@ class BatchResult:
     dead_lettered: int
     late: int
     updated_keys: int
-    replayed: bool = False
+    replayed: bool = False  # its offsets were committed already: a replay, or no new records
     seconds: float = 0.0  # the whole batch in the driver
     spark_s: float = 0.0  # Spark: read, classify, aggregate, state store, fetch the output
 
@@ -514,6 +514,7 @@ class ChangelogWriter:
         self.settings = settings
         self.spec = spec
         self.checkpoint = checkpoint
+        self.dead_letter_limit = kafka.max_message_bytes(settings, spec.dlq_topic)
         # The transactional id is the pipeline's: a new driver fences any older one still alive,
         # and its open transaction is aborted before anything is read.
         self.producer = kafka.producer(
@@ -522,11 +523,9 @@ class ChangelogWriter:
             transaction_timeout_ms=300_000,
             queue_buffering_max_messages=1_000_000,
             linger_ms=20,
-            message_max_bytes=kafka.max_message_bytes(settings, spec.dlq_topic)
-            + _DEAD_LETTER_MARGIN,
+            message_max_bytes=self.dead_letter_limit + _DEAD_LETTER_MARGIN,
         )
         self.producer.init_transactions(settings.connect_timeout_s * 6)
-        self.dead_letter_limit = kafka.max_message_bytes(settings, spec.dlq_topic)
         self.committed = {
             p: offset
             for p, (offset, _) in kafka.committed_offsets(
@@ -557,7 +556,7 @@ class ChangelogWriter:
             # Spark replays a batch whose transaction had committed (the driver died between
             # the commit and Spark's own commit log). Run it for its state, write nothing.
             batch.write.format("noop").mode("overwrite").save()
-            return BatchResult(batch_id, 0, 0, 0, 0, replayed=records == 0)
+            return BatchResult(batch_id, 0, 0, 0, 0, replayed=True)
         wanted = F.col("_kind") != "candidate"
         if self.spec.window is not None:
             # Spark drops a windowed row whose window ended at or before the batch's watermark.
