@@ -26,12 +26,17 @@ setup: $(PY_STAMP) $(JAR_STAMP)
 
 $(PY_STAMP): requirements.lock pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.lock
+	@echo "installing the pinned packages (requirements.lock) and duality into $(VENV)"
+	@$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.lock
 	@# The Spark provider's pyspark-client installs into pyspark's own package and overwrites
 	@# part of it; reinstalling pyspark (same version) puts the complete package back.
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall pyspark==$(PYSPARK_VERSION)
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
-	$(PY) -c "import pyspark.sql, delta, confluent_kafka, airflow, great_expectations"
+	@$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall pyspark==$(PYSPARK_VERSION)
+	@$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
+	@# Importing Airflow logs at INFO to stdout, which shows about 200 import-time messages of
+	@# Great Expectations; at WARNING, warnings and errors still show.
+	@echo "checking that pyspark, delta, confluent_kafka, airflow and great_expectations import"
+	@AIRFLOW__LOGGING__LOGGING_LEVEL=WARNING \
+	  $(PY) -c "import pyspark.sql, delta, confluent_kafka, airflow, great_expectations"
 	@touch $@
 
 $(JAR_STAMP): jars/broker/pom.xml jars/spark/pom.xml

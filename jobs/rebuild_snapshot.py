@@ -1,6 +1,6 @@
 """spark-submit entry point: rebuild one pipeline's Delta snapshot from its changelog.
 
-    python jobs/rebuild_snapshot.py PIPELINE [--full | --incremental | --maintain]
+    python jobs/rebuild_snapshot.py PIPELINE [OPTIONS]      (the arguments of `duality snapshot`)
 
 Writes one Delta commit (or none when the changelog has not moved) and prints the result as
 JSON on stdout; exits 2 on bad input, 1 when the run failed.
@@ -14,6 +14,7 @@ import logging
 import sys
 
 from duality import snapshot
+from duality.cli import snapshot_arguments
 from duality.config import Settings
 from duality.errors import DualityError
 from duality.spec import find_spec
@@ -23,12 +24,7 @@ log = logging.getLogger("duality.snapshot")
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("pipeline", help="pipeline name or spec file")
-    how = parser.add_mutually_exclusive_group()
-    how.add_argument("--full", action="store_true", help="rebuild from the whole changelog")
-    how.add_argument("--incremental", action="store_true", help="merge new changes (default)")
-    how.add_argument("--maintain", action="store_true", help="OPTIMIZE and VACUUM")
-    parser.add_argument("--retain-hours", type=float, default=168.0, help="VACUUM retention")
+    snapshot_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

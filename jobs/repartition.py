@@ -1,10 +1,11 @@
 """spark-submit entry point: copy a topic into one with N partitions, exactly once.
 
-    python jobs/repartition.py SOURCE --to TARGET --partitions N --strategy key-hash|salted
-        [--hot-keys auto|k1,k2] [--salts S] [--continuous]
+    python jobs/repartition.py SOURCE --to TARGET --partitions N [OPTIONS]
+        (the arguments of `duality repartition`)
 
-Prints the report as JSON on stdout; exits 2 on bad arguments (before creating anything),
-1 when the copy failed (run it again: it resumes where the committed progress is).
+Prints the report (with --dry-run, what it would copy) as JSON on stdout; exits 2 on bad
+arguments (before creating anything), 1 when the copy failed (run it again: it resumes where
+the committed progress is).
 """
 
 from __future__ import annotations
@@ -17,35 +18,19 @@ import sys
 import threading
 
 from duality import repartition
+from duality.cli import repartition_arguments
 from duality.config import Settings
 from duality.errors import DualityError
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("source", help="the topic to copy")
-    parser.add_argument("--to", required=True, dest="target", help="the topic to copy into")
-    parser.add_argument("--partitions", type=int, required=True, help="partitions of TARGET")
-    parser.add_argument("--strategy", default="key-hash", help="key-hash (default) or salted")
-    parser.add_argument("--hot-keys", help="salted: auto, or the keys to salt (k1,k2)")
-    parser.add_argument("--salts", type=int, help="salted: partitions a hot key spreads over")
-    parser.add_argument("--continuous", action="store_true", help="keep mirroring until SIGTERM")
-    parser.add_argument(
-        "--transaction-records",
-        type=int,
-        default=repartition.TRANSACTION_RECORDS,
-        help="records per Kafka transaction (default %(default)s)",
-    )
-    parser.add_argument(
-        "--throttle", type=float, help="at most this many records per second per source partition"
-    )
+    repartition_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     log = logging.getLogger("duality.repartition")
-    if args.transaction_records < 1:
-        parser.error("--transaction-records must be at least 1")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
@@ -60,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
             args.salts,
         )
         log.info("plan: %s", plan.metadata())
+        if args.dry_run:
+            print(json.dumps(repartition.dry_run(settings, plan), indent=2))
+            return 0
         report = repartition.run(
             settings,
             plan,

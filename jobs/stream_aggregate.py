@@ -11,6 +11,7 @@ import argparse
 import logging
 import sys
 
+from duality.cli import stream_arguments
 from duality.config import Settings
 from duality.errors import DualityError
 from duality.spec import find_spec
@@ -19,8 +20,7 @@ from duality.stream_job import StreamOptions, supervise
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("pipeline", help="pipeline name or spec file")
-    StreamOptions.add_arguments(parser)
+    stream_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -19,6 +19,7 @@ from duality import kafka, spec
 from duality.config import Settings
 from duality.errors import CheckFailed, DualityError, UsageError
 from duality.local import LocalAirflow, LocalBroker
+from duality.stream_job import StreamOptions
 
 Handler = Callable[[Settings, argparse.Namespace, Console], Any]
 
@@ -91,8 +92,9 @@ def _cmd_status(settings: Settings, args: argparse.Namespace, console: Console) 
         state["reachable"] = True
         if state["state"] == "stopped":
             state["state"] = "external"  # not ours: a cluster that DUALITY_BOOTSTRAP_SERVERS names
-    except DualityError:
+    except DualityError as error:
         state["reachable"] = False
+        state["error"] = str(error)
     airflow = LocalAirflow(settings).status()
     if not args.json:
         table = Table(title="duality local stack", show_header=True)
@@ -117,8 +119,10 @@ def _cmd_status(settings: Settings, args: argparse.Namespace, console: Console) 
         console.print(table)
     result: dict[str, Any] = {"broker": state, "airflow": airflow}
     if not state["reachable"]:
+        # A refused login or a missing ACL says so; a cluster that does not answer says how to
+        # start one.
         raise CheckFailed(
-            f"Kafka at {settings.bootstrap_servers} (DUALITY_BOOTSTRAP_SERVERS) does not answer: "
+            f"Kafka at {settings.bootstrap_servers} (DUALITY_BOOTSTRAP_SERVERS): {state['error']}; "
             "start the local stack with `duality up`, or point DUALITY_BOOTSTRAP_SERVERS at a "
             "running cluster",
             result,
@@ -261,13 +265,14 @@ def _cmd_stream(settings: Settings, args: argparse.Namespace, console: Console) 
     pipeline = spec.find_spec(settings, args.pipeline)
     action = args.stream_command
     if action == "start" and args.foreground:
-        from duality.stream_job import StreamOptions, supervise
+        from duality.stream_job import supervise
 
-        code = supervise(settings, pipeline, args.pipeline, StreamOptions())
+        code = supervise(settings, pipeline, args.pipeline, StreamOptions.from_args(args))
         return {"pipeline": pipeline.name, "state": "stopped", "exit_code": code}
     if action == "start":
+        options = StreamOptions.from_args(args)
         with console.status(f"starting the stream of {pipeline.name}"):
-            result = stream_control.start(settings, pipeline)
+            result = stream_control.start(settings, pipeline, job_args=options.to_args())
         if not args.json:
             verb = "already running" if result["already_running"] else "started"
             console.print(
@@ -538,6 +543,8 @@ def _cmd_repartition(
             plan,
             continuous=args.continuous,
             stop=stop,
+            transaction_records=args.transaction_records,
+            throttle=args.throttle,
             progress=lambda done, total: progress.update(task, completed=done, total=total),
         )
     result = report.as_dict()
@@ -559,6 +566,74 @@ def _cmd_repartition(
             f"skew (max/mean) before {report.skew_before:.2f}, after {report.skew_after:.2f}"
         )
     return result
+
+
+# -- arguments that a job shares with its command -------------------------------------------
+
+
+def _at_least_one(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
+
+
+def stream_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of `duality stream start` and `jobs/stream_aggregate.py`."""
+    parser.add_argument("pipeline", help="pipeline name or spec file")
+    StreamOptions.add_arguments(parser)
+
+
+def snapshot_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of `duality snapshot` and `jobs/rebuild_snapshot.py`."""
+    parser.add_argument("pipeline", help="pipeline name or spec file")
+    how = parser.add_mutually_exclusive_group()
+    how.add_argument("--full", action="store_true", help="rebuild from the whole changelog")
+    how.add_argument(
+        "--incremental",
+        action="store_true",
+        help="merge only what the changelog got since the last version (the default; falls "
+        "back to a full rebuild when it cannot, and says why)",
+    )
+    how.add_argument(
+        "--maintain", action="store_true", help="OPTIMIZE and VACUUM the snapshot table"
+    )
+    parser.add_argument(
+        "--retain-hours",
+        type=float,
+        default=168.0,
+        help="with --maintain: VACUUM retention; never less than the published version needs",
+    )
+
+
+def repartition_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of `duality repartition` and `jobs/repartition.py`."""
+    from duality.repartition import TRANSACTION_RECORDS
+
+    parser.add_argument("source", help="the topic to copy")
+    parser.add_argument("--to", required=True, dest="target", help="target topic")
+    parser.add_argument("--partitions", type=int, required=True, help="partitions of the target")
+    parser.add_argument(
+        "--strategy", choices=("key-hash", "salted"), default="key-hash", help="where keys go"
+    )
+    parser.add_argument("--hot-keys", help="salted: auto, or the keys to salt (k1,k2)")
+    parser.add_argument(
+        "--salts", type=int, help="salted: partitions a hot key spreads over (default N)"
+    )
+    parser.add_argument(
+        "--continuous", action="store_true", help="keep mirroring new records until stopped"
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="check the plan and say what it would copy"
+    )
+    parser.add_argument(
+        "--transaction-records",
+        type=_at_least_one,
+        default=TRANSACTION_RECORDS,
+        help="records per Kafka transaction (default %(default)s)",
+    )
+    parser.add_argument(
+        "--throttle", type=float, help="at most this many records per second per source partition"
+    )
 
 
 # -- parser --------------------------------------------------------------------------------
@@ -627,11 +702,13 @@ def build_parser() -> argparse.ArgumentParser:
         ("status", "process, last heartbeat and lag of the stream"),
     ):
         sub = stream_commands.add_parser(name, help=help_text, description=help_text)
-        sub.add_argument("pipeline", help="pipeline name or spec file")
         sub.add_argument("--json", action="store_true", help="print the result as JSON")
         sub.set_defaults(handler=_cmd_stream)
         if name == "start":
+            stream_arguments(sub)
             sub.add_argument("--foreground", action="store_true", help="run in this process")
+        else:
+            sub.add_argument("pipeline", help="pipeline name or spec file")
 
     reset_parser = add("reset", _cmd_reset, "reset a pipeline to reprocess its source")
     reset_parser.add_argument("pipeline", help="pipeline name or spec file")
@@ -639,24 +716,8 @@ def build_parser() -> argparse.ArgumentParser:
     reset_parser.add_argument("--to-offsets", help="reprocess from these offsets (0:100,1:250)")
     reset_parser.add_argument("--dry-run", action="store_true", help="print the plan only")
 
-    snap = add("snapshot", _cmd_snapshot, "rebuild a pipeline's Delta snapshot from its changelog")
-    snap.add_argument("pipeline", help="pipeline name or spec file")
-    how = snap.add_mutually_exclusive_group()
-    how.add_argument("--full", action="store_true", help="rebuild from the whole changelog")
-    how.add_argument(
-        "--incremental",
-        action="store_true",
-        help="merge only what the changelog got since the last version (the default; falls "
-        "back to a full rebuild when it cannot, and says why)",
-    )
-    how.add_argument(
-        "--maintain", action="store_true", help="OPTIMIZE and VACUUM the snapshot table"
-    )
-    snap.add_argument(
-        "--retain-hours",
-        type=float,
-        default=168.0,
-        help="with --maintain: VACUUM retention; never less than the published version needs",
+    snapshot_arguments(
+        add("snapshot", _cmd_snapshot, "rebuild a pipeline's Delta snapshot from its changelog")
     )
     check = add("validate", _cmd_validate, "validate a snapshot version and publish it")
     check.add_argument("pipeline", help="pipeline name or spec file")
@@ -683,26 +744,10 @@ def build_parser() -> argparse.ArgumentParser:
     skew_parser.add_argument("--window", default="60s", help="rate window (60s, 5m, 1h)")
     skew_parser.add_argument("--plot", type=Path, help="draw the load per partition to FILE.png")
 
-    repartition_parser = add(
-        "repartition", _cmd_repartition, "copy a topic into one with N partitions, exactly once"
-    )
-    repartition_parser.add_argument("source", help="the topic to copy")
-    repartition_parser.add_argument("--to", required=True, dest="target", help="target topic")
-    repartition_parser.add_argument(
-        "--partitions", type=int, required=True, help="partitions of the target"
-    )
-    repartition_parser.add_argument(
-        "--strategy", choices=("key-hash", "salted"), default="key-hash", help="where keys go"
-    )
-    repartition_parser.add_argument("--hot-keys", help="salted: auto, or the keys to salt (k1,k2)")
-    repartition_parser.add_argument(
-        "--salts", type=int, help="salted: partitions a hot key spreads over (default N)"
-    )
-    repartition_parser.add_argument(
-        "--continuous", action="store_true", help="keep mirroring new records until stopped"
-    )
-    repartition_parser.add_argument(
-        "--dry-run", action="store_true", help="check the plan and say what it would copy"
+    repartition_arguments(
+        add(
+            "repartition", _cmd_repartition, "copy a topic into one with N partitions, exactly once"
+        )
     )
 
     demo = add("demo", _cmd_demo, "the whole story through Airflow on the local stack")

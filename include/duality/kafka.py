@@ -1,22 +1,31 @@
-"""The one Kafka helper module: admin operations, producers and consumers built from Settings.
+"""The one Kafka module, and the only one that imports confluent_kafka: admin operations,
+producers and consumers built from Settings, and what their failures mean for the user.
 
 Every Python producer uses `partitioner=murmur2_random` so that a key lands in the partition
 Java's default partitioner (and so Spark's Kafka sink) would choose, and every consumer states
 its isolation level, because librdkafka and the Java client default to different ones.
+
+One admin client serves each connection (bootstrap servers, security protocol, SASL login) for
+the life of the process. A call that Kafka answers with "not yet" (a group coordinator that
+moves or loads, offsets a transaction is still committing) is asked again by `retrying`. A
+failed call becomes an error that says what happened: Kafka did not answer in time (naming the
+call and the bootstrap servers), refused the SASL login, or denied the operation
+(docs/decisions/0011-one-kafka-module.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal, TypeVar
 
+import tenacity
 from confluent_kafka import (
     Consumer,
-    ConsumerGroupTopicPartitions,
     IsolationLevel,
     KafkaError,
     KafkaException,
@@ -34,7 +43,7 @@ from confluent_kafka.admin import (
 )
 
 from duality.config import Settings
-from duality.errors import BrokerUnavailable, UsageError
+from duality.errors import BrokerUnavailable, DualityError, UsageError
 
 T = TypeVar("T")
 
@@ -54,12 +63,34 @@ FAST_COMPACTION = {
     "delete.retention.ms": "60000",
 }
 
-
-_COORDINATOR_BUSY = (
+# Answers that mean "ask again in a moment".
+_NOT_YET = (
     KafkaError.NOT_COORDINATOR,
     KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
     KafkaError.COORDINATOR_NOT_AVAILABLE,
+    KafkaError.UNSTABLE_OFFSET_COMMIT,
 )
+# No answer: librdkafka's own timeouts, the broker's, and connections that never came up.
+_NO_ANSWER = (
+    KafkaError._TIMED_OUT,
+    KafkaError._TIMED_OUT_QUEUE,
+    KafkaError.REQUEST_TIMED_OUT,
+    KafkaError._TRANSPORT,
+    KafkaError._ALL_BROKERS_DOWN,
+)
+_LOGIN_REFUSED = (KafkaError._AUTHENTICATION, KafkaError.SASL_AUTHENTICATION_FAILED)
+_DENIED = (
+    KafkaError.TOPIC_AUTHORIZATION_FAILED,
+    KafkaError.GROUP_AUTHORIZATION_FAILED,
+    KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+    KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+)
+
+# What identifies a connection: the client properties of Settings.kafka_client_config().
+_Connection = tuple[tuple[str, str], ...]
+_admins: dict[_Connection, AdminClient] = {}
+# The last refused login librdkafka reported per connection (through an admin client's poll).
+_refused_logins: dict[_Connection, str] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,14 +103,33 @@ class TopicInfo:
     topic_id: str = ""
 
 
+def _connection(settings: Settings) -> _Connection:
+    return tuple(sorted(settings.kafka_client_config().items()))
+
+
 def _base_config(settings: Settings) -> dict[str, Any]:
-    config: dict[str, Any] = dict(settings.kafka_client_config())
-    config["logger"] = _client_log
-    return config
+    return {**dict(_connection(settings)), "logger": _client_log}
+
+
+# -- clients ---------------------------------------------------------------------------------
 
 
 def admin(settings: Settings) -> AdminClient:
-    return AdminClient(_base_config(settings))
+    """The process's admin client for the connection `settings` name, built on first use."""
+    connection = _connection(settings)
+    client = _admins.get(connection)
+    if client is None:
+        config = _base_config(settings)
+        # A long-lived client must notice a broker that came (back) up within a second.
+        config["reconnect.backoff.max.ms"] = 1000
+        config["error_cb"] = functools.partial(_note_error, connection)
+        client = _admins.setdefault(connection, AdminClient(config))
+    return client
+
+
+def _note_error(connection: _Connection, error: KafkaError) -> None:
+    if error.code() in _LOGIN_REFUSED:
+        _refused_logins[connection] = error.str()
 
 
 def producer(settings: Settings, **overrides: Any) -> Producer:
@@ -96,6 +146,19 @@ def producer(settings: Settings, **overrides: Any) -> Producer:
     )
     config.update({k.replace("_", "."): v for k, v in overrides.items()})
     return Producer(config)
+
+
+def transactional_producer(settings: Settings, transactional_id: str, **overrides: Any) -> Producer:
+    """A producer with `transactional_id`, initialised: that fences a producer of an earlier
+    run with the same id and aborts the transaction it left open."""
+    made = producer(settings, transactional_id=transactional_id, **overrides)
+    timeout = settings.connect_timeout_s * 6
+    try:
+        made.init_transactions(timeout)
+    except KafkaException as exc:
+        doing = f"initialise the transactions of {transactional_id!r}"
+        raise failure(settings, doing, exc, timeout) from None
+    return made
 
 
 def send(
@@ -136,43 +199,130 @@ def consumer(
     return Consumer(config)
 
 
-def ensure_reachable(settings: Settings, timeout: float | None = None) -> int:
-    """Wait up to `timeout` seconds for the cluster to answer; returns the number of brokers."""
-    timeout = settings.connect_timeout_s if timeout is None else timeout
-    client = admin(settings)
-    try:
-        metadata = client.list_topics(timeout=timeout)
-    except KafkaException as exc:
-        raise unreachable(settings, timeout, exc) from None
-    return len(metadata.brokers)
+def end_of_partition(message: Message) -> bool:
+    """Whether `message` is a consumer's end-of-partition event; one that carries any other
+    error raises it."""
+    error = message.error()
+    if error is None:
+        return False
+    if error.code() == KafkaError._PARTITION_EOF:
+        return True
+    raise KafkaException(error)
 
 
-def unreachable(settings: Settings, timeout: float, cause: object) -> BrokerUnavailable:
+# -- failures and retries -----------------------------------------------------------------------
+
+
+def _error(exc: BaseException) -> KafkaError | None:
+    error = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
+    return error if isinstance(error, KafkaError) else None
+
+
+def _code(exc: BaseException) -> int | None:
+    error = _error(exc)
+    return None if error is None else error.code()
+
+
+def _reason(exc: KafkaException) -> str:
+    error = _error(exc)
+    return str(exc) if error is None else str(error.str())
+
+
+def failure(
+    settings: Settings, doing: str, cause: KafkaException, timeout: float | None = None
+) -> Exception:
+    """What the failure of a call that was to `doing` means for the user: a refused login or a
+    denied operation (UsageError), no answer in time (BrokerUnavailable); any other error is
+    returned as it is."""
+    code = _code(cause)
+    reason = _reason(cause)
+    if code in _NO_ANSWER:
+        # A refused login looks like no answer to the call; librdkafka reports it apart.
+        connection = _connection(settings)
+        if connection in _admins:
+            _admins[connection].poll(0)
+        refused = _refused_logins.pop(connection, None)
+        if refused is None:
+            waited = settings.connect_timeout_s if timeout is None else timeout
+            return _timed_out(settings, doing, waited, reason)
+        code, reason = KafkaError._AUTHENTICATION, refused
+    user = repr(settings.sasl_username) if settings.sasl_username else None
+    if code in _LOGIN_REFUSED:
+        mechanism = settings.sasl_mechanism or "GSSAPI (librdkafka's default)"
+        return UsageError(
+            f"Kafka at {settings.bootstrap_servers} refused the SASL {mechanism} login of user "
+            f"{user or '(none)'} ({reason}): check DUALITY_SASL_USERNAME and "
+            "DUALITY_SASL_PASSWORD, and that DUALITY_SASL_MECHANISM is one the cluster accepts"
+        )
+    if code in _DENIED:
+        who = f"user {user}" if user else "this client (no DUALITY_SASL_USERNAME)"
+        return UsageError(
+            f"Kafka at {settings.bootstrap_servers} does not allow {who} to {doing} ({reason}): "
+            "grant it the ACL, or set DUALITY_SASL_USERNAME to a user that has it"
+        )
+    return cause
+
+
+def _timed_out(settings: Settings, doing: str, timeout: float, reason: str) -> DualityError:
+    """The error for a Kafka call that was to `doing` and got no answer within `timeout`."""
     return BrokerUnavailable(
-        f"cannot reach Kafka at {settings.bootstrap_servers} (DUALITY_BOOTSTRAP_SERVERS) "
-        f"within {timeout:g}s: {_reason(cause)}. Start the local broker with `duality up`, "
-        "or point DUALITY_BOOTSTRAP_SERVERS at a running cluster."
+        f"timed out after {timeout:g}s waiting for Kafka at {settings.bootstrap_servers} "
+        f"(DUALITY_BOOTSTRAP_SERVERS) to {doing} ({reason}). Start the local broker with "
+        "`duality up`, or point DUALITY_BOOTSTRAP_SERVERS at a running cluster."
     )
 
 
-def _reason(cause: object) -> str:
-    if isinstance(cause, KafkaException) and cause.args and isinstance(cause.args[0], KafkaError):
-        return str(cause.args[0].str())
-    return str(cause)
+def _not_yet(exc: BaseException) -> bool:
+    error = _error(exc)
+    return error is not None and (error.retriable() or error.code() in _NOT_YET)
 
 
-def _result(future: Any, settings: Settings) -> Any:
+def retrying(
+    settings: Settings, doing: str, call: Callable[[], T], *, seconds: float | None = None
+) -> T:
+    """`call()`, which is to `doing`, asked again every 0.2 s while Kafka answers "not yet", for
+    at most `seconds` (default three connect timeouts); its failure goes through `failure`."""
+    seconds = settings.connect_timeout_s * 3 if seconds is None else seconds
+    retry = tenacity.Retrying(
+        retry=tenacity.retry_if_exception(_not_yet),
+        stop=tenacity.stop_after_delay(seconds),
+        wait=tenacity.wait_fixed(0.2),
+        reraise=True,
+    )
+    try:
+        return retry(call)
+    except KafkaException as exc:
+        if _not_yet(exc):  # still "not yet" when the time was up
+            raise _timed_out(settings, doing, seconds, _reason(exc)) from None
+        raise failure(settings, doing, exc) from None
+
+
+def _result(future: Any, settings: Settings, doing: str) -> Any:
+    """The result of an admin call's future; an error `failure` does not explain is raised as
+    the KafkaException it is."""
     try:
         return future.result()
     except KafkaException as exc:
-        error = exc.args[0] if exc.args else None
-        if isinstance(error, KafkaError) and error.code() in (
-            KafkaError._TRANSPORT,
-            KafkaError._TIMED_OUT,
-            KafkaError._ALL_BROKERS_DOWN,
-        ):
-            raise unreachable(settings, settings.connect_timeout_s, exc) from None
-        raise
+        raise failure(settings, doing, exc) from None
+
+
+# -- topics ------------------------------------------------------------------------------------
+
+
+def ensure_reachable(settings: Settings, timeout: float | None = None) -> int:
+    """Wait up to `timeout` seconds for the cluster to answer; returns the number of brokers."""
+    return len(_metadata(settings, "list its brokers", timeout=timeout).brokers)
+
+
+def _metadata(
+    settings: Settings, doing: str, topic: str | None = None, timeout: float | None = None
+) -> Any:
+    """The cluster's metadata: brokers, and `topic` or every topic."""
+    timeout = settings.connect_timeout_s if timeout is None else timeout
+    try:
+        return admin(settings).list_topics(topic, timeout=timeout)
+    except KafkaException as exc:
+        raise failure(settings, doing, exc, timeout) from None
 
 
 def create_topic(
@@ -187,83 +337,83 @@ def create_topic(
     """Create a topic; returns False when it already existed and `exist_ok` allowed that."""
     if partitions < 1:
         raise UsageError(f"topic {name!r}: partitions must be at least 1, got {partitions}")
-    ensure_reachable(settings)
     new = NewTopic(
         name,
         num_partitions=partitions,
         replication_factor=replication_factor,
         config=dict(config or {}),
     )
-    client = admin(settings)  # kept alive until the futures resolve
-    futures = client.create_topics([new], request_timeout=settings.connect_timeout_s)
+    futures = admin(settings).create_topics([new], request_timeout=settings.connect_timeout_s)
     try:
-        futures[name].result()
+        _result(futures[name], settings, f"create topic {name!r}")
     except KafkaException as exc:
-        error = exc.args[0]
-        if error.code() == KafkaError.TOPIC_ALREADY_EXISTS:
-            if exist_ok:
-                return False
-            raise UsageError(
-                f"topic {name!r} already exists: delete it or choose another name"
-            ) from None
-        raise
+        if _code(exc) != KafkaError.TOPIC_ALREADY_EXISTS:
+            raise
+        if exist_ok:
+            return False
+        raise UsageError(
+            f"topic {name!r} already exists: delete it or choose another name"
+        ) from None
     return True
 
 
 def delete_topic(settings: Settings, name: str) -> None:
-    client = admin(settings)
-    futures = client.delete_topics([name], request_timeout=settings.connect_timeout_s)
-    _result(futures[name], settings)
+    futures = admin(settings).delete_topics([name], request_timeout=settings.connect_timeout_s)
+    _result(futures[name], settings, f"delete topic {name!r}")
+
+
+def _missing(settings: Settings, name: str) -> UsageError:
+    return UsageError(
+        f"topic {name!r} does not exist on {settings.bootstrap_servers}: "
+        "check the name, or create it first"
+    )
 
 
 def describe_topic(settings: Settings, name: str) -> TopicInfo:
     """Partitions, replication factor and non-default configs of one topic."""
-    client = admin(settings)
-    ensure_reachable(settings)
-    futures = client.describe_topics(TopicCollection([name]))
+    futures = admin(settings).describe_topics(
+        TopicCollection([name]), request_timeout=settings.connect_timeout_s
+    )
     try:
-        description = futures[name].result()
+        description = _result(futures[name], settings, f"describe topic {name!r}")
     except KafkaException as exc:
-        if exc.args[0].code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
-            raise UsageError(
-                f"topic {name!r} does not exist on {settings.bootstrap_servers}: "
-                "check the name, or create it first"
-            ) from None
+        if _code(exc) == KafkaError.UNKNOWN_TOPIC_OR_PART:
+            raise _missing(settings, name) from None
         raise
-    resource = ConfigResource(ConfigResource.Type.TOPIC, name)
-    entries = _result(client.describe_configs([resource])[resource], settings)
-    config = {
-        key: entry.value
-        for key, entry in entries.items()
-        if not entry.is_default and entry.value is not None
-    }
     return TopicInfo(
         name=name,
         partitions=len(description.partitions),
         replication_factor=len(description.partitions[0].replicas) if description.partitions else 0,
-        config=config,
+        config={
+            key: entry.value
+            for key, entry in _configs(settings, name).items()
+            if not entry.is_default and entry.value is not None
+        },
         topic_id=str(description.topic_id),
     )
 
 
+def _configs(settings: Settings, topic: str) -> dict[str, Any]:
+    """The config entries of `topic`, broker defaults included."""
+    resource = ConfigResource(ConfigResource.Type.TOPIC, topic)
+    futures = admin(settings).describe_configs(
+        [resource], request_timeout=settings.connect_timeout_s
+    )
+    return _result(futures[resource], settings, f"describe the configs of topic {topic!r}")
+
+
 def topic_overrides(settings: Settings, name: str) -> dict[str, str]:
     """The configs set on the topic itself (not broker defaults): what a copy of it should get."""
-    client = admin(settings)
-    resource = ConfigResource(ConfigResource.Type.TOPIC, name)
-    entries = _result(client.describe_configs([resource])[resource], settings)
     return {
         key: entry.value
-        for key, entry in entries.items()
+        for key, entry in _configs(settings, name).items()
         if _source(entry) == ConfigSource.DYNAMIC_TOPIC_CONFIG.value and entry.value is not None
     }
 
 
 def max_message_bytes(settings: Settings, topic: str) -> int:
     """The largest record batch `topic` accepts: its max.message.bytes, broker default included."""
-    client = admin(settings)
-    resource = ConfigResource(ConfigResource.Type.TOPIC, topic)
-    entries = _result(client.describe_configs([resource])[resource], settings)
-    return int(entries["max.message.bytes"].value)
+    return int(_configs(settings, topic)["max.message.bytes"].value)
 
 
 def _source(entry: Any) -> int:
@@ -271,22 +421,20 @@ def _source(entry: Any) -> int:
 
 
 def topic_exists(settings: Settings, name: str) -> bool:
-    try:
-        metadata = admin(settings).list_topics(timeout=settings.connect_timeout_s)
-    except KafkaException as exc:
-        raise unreachable(settings, settings.connect_timeout_s, exc) from None
-    return name in metadata.topics
+    return name in _metadata(settings, "list its topics").topics
 
 
 def partition_count(settings: Settings, topic: str) -> int:
-    metadata = admin(settings).list_topics(topic, timeout=settings.connect_timeout_s)
-    entry = metadata.topics.get(topic)
+    doing = f"describe topic {topic!r}"
+    entry = _metadata(settings, doing, topic).topics.get(topic)
+    if entry is not None and entry.error is not None and entry.error.code() in _DENIED:
+        raise failure(settings, doing, KafkaException(entry.error))
     if entry is None or entry.error is not None:
-        raise UsageError(
-            f"topic {topic!r} does not exist on {settings.bootstrap_servers}: "
-            "check the name, or create it first"
-        )
+        raise _missing(settings, topic)
     return len(entry.partitions)
+
+
+# -- offsets -----------------------------------------------------------------------------------
 
 
 def _list_offsets(
@@ -298,11 +446,11 @@ def _list_offsets(
         if isolation == "read_committed"
         else IsolationLevel.READ_UNCOMMITTED
     )
-    client = admin(settings)
-    futures = client.list_offsets(
+    futures = admin(settings).list_offsets(
         request, isolation_level=level, request_timeout=settings.connect_timeout_s
     )
-    return {tp.partition: _result(future, settings).offset for tp, future in futures.items()}
+    doing = f"list the offsets of topic {topic!r}"
+    return {tp.partition: _result(future, settings, doing).offset for tp, future in futures.items()}
 
 
 def end_offsets(
@@ -314,10 +462,12 @@ def end_offsets(
 
 def offsets_for_time(settings: Settings, topic: str, timestamp_ms: int) -> dict[int, int]:
     """Per partition, the first offset whose record timestamp is at or after `timestamp_ms`;
-    -1 where no record is that recent."""
-    return _list_offsets(
+    the end offset where no record is that recent."""
+    found = _list_offsets(
         settings, topic, OffsetSpec.for_timestamp(timestamp_ms), "read_uncommitted"
     )
+    ends = end_offsets(settings, topic, "read_uncommitted")
+    return {p: offset if offset >= 0 else ends[p] for p, offset in found.items()}
 
 
 def beginning_offsets(settings: Settings, topic: str) -> dict[int, int]:
@@ -328,42 +478,67 @@ def beginning_offsets(settings: Settings, topic: str) -> dict[int, int]:
 def delete_records(settings: Settings, topic: str, before: Mapping[int, int]) -> dict[int, int]:
     """Delete records below the given offset of each partition; returns the new low watermarks."""
     request = [TopicPartition(topic, partition, offset) for partition, offset in before.items()]
-    client = admin(settings)
-    futures = client.delete_records(
+    futures = admin(settings).delete_records(
         request, request_timeout=settings.connect_timeout_s, operation_timeout=30
     )
-    return {tp.partition: _result(future, settings).low_watermark for tp, future in futures.items()}
+    doing = f"delete records of topic {topic!r}"
+    return {
+        tp.partition: _result(future, settings, doing).low_watermark
+        for tp, future in futures.items()
+    }
+
+
+# -- consumer groups ---------------------------------------------------------------------------
 
 
 def consumer_groups(settings: Settings) -> list[str]:
-    ensure_reachable(settings)
-    client = admin(settings)
-    result = _result(client.list_consumer_groups(), settings)
+    doing = "list the consumer groups"
+    future = admin(settings).list_consumer_groups(request_timeout=settings.connect_timeout_s)
+    result = _result(future, settings, doing)
+    if result.errors:  # the brokers that did not answer, or refused
+        raise failure(settings, doing, KafkaException(result.errors[0]))
     return sorted(listing.group_id for listing in result.valid)
 
 
-def _retrying(settings: Settings, call: Callable[[], T]) -> T:
-    """`call()`, asked again while the group coordinator moves, loads or holds unstable offsets."""
-    deadline = time.monotonic() + settings.connect_timeout_s * 3
-    while True:
+def _committed(
+    settings: Settings, group: str, partitions: list[TopicPartition], isolation: Isolation
+) -> list[TopicPartition]:
+    """A group's committed offsets of `partitions`, asked through a consumer of the group that
+    never subscribes. (The admin client's ListConsumerGroupOffsets is not used: librdkafka 2.16
+    crashes the process when the group coordinator answers NOT_COORDINATOR to it.)"""
+    reader = consumer(settings, group, isolation_level=isolation)
+
+    def ask() -> list[TopicPartition]:
         try:
-            return call()
-        except KafkaException as exc:
-            error = exc.args[0] if exc.args else None
-            busy = isinstance(error, KafkaError) and (
-                error.retriable() or error.code() in _COORDINATOR_BUSY
+            found: list[TopicPartition] = reader.committed(
+                partitions, timeout=settings.connect_timeout_s
             )
-            if not busy or time.monotonic() >= deadline:
-                raise unreachable(settings, settings.connect_timeout_s, exc) from None
-        time.sleep(0.2)
+        except KafkaException:
+            # A group the user may not read only times the call out; the consumer has the why.
+            event = reader.poll(0)
+            if event is not None and event.error() is not None:
+                raise KafkaException(event.error()) from None
+            raise
+        return found
+
+    try:
+        return retrying(settings, f"read the committed offsets of group {group!r}", ask)
+    finally:
+        reader.close()
 
 
 def group_offsets(settings: Settings, group: str) -> dict[tuple[str, int], int]:
     """The committed offsets of a consumer group: (topic, partition) -> offset."""
-    client = admin(settings)
-    futures = client.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group)])
-    result = _result(futures[group], settings)
-    return {(tp.topic, tp.partition): tp.offset for tp in result.topic_partitions if tp.offset >= 0}
+    partitions = [
+        TopicPartition(topic, partition)
+        for topic, entry in _metadata(settings, "list its topics").topics.items()
+        for partition in entry.partitions
+    ]
+    return {
+        (tp.topic, tp.partition): tp.offset
+        for tp in _committed(settings, group, partitions, "read_uncommitted")
+        if tp.offset >= 0
+    }
 
 
 def committed_offsets(
@@ -374,19 +549,22 @@ def committed_offsets(
     read_committed asks for stable offsets (KIP-447): offsets an open transaction is committing
     are waited out, never half seen; read_uncommitted answers at once with the last stable ones.
     """
-    partitions = partition_count(settings, topic)
-    reader = consumer(settings, group, isolation_level=isolation)
+    partitions = [TopicPartition(topic, p) for p in range(partition_count(settings, topic))]
+    found = _committed(settings, group, partitions, isolation)
+    return {tp.partition: (tp.offset, tp.metadata) for tp in found if tp.offset >= 0}
+
+
+def commit_offsets(settings: Settings, group: str, topic: str, offsets: Mapping[int, int]) -> None:
+    """Set the committed offsets of `group` on `topic` (a group with no member running)."""
+    committer = consumer(settings, group)
     try:
-        committed = _retrying(
-            settings,
-            lambda: reader.committed(
-                [TopicPartition(topic, p) for p in range(partitions)],
-                timeout=settings.connect_timeout_s,
-            ),
+        committer.commit(
+            offsets=[TopicPartition(topic, p, o) for p, o in offsets.items()], asynchronous=False
         )
+    except KafkaException as exc:
+        raise failure(settings, f"commit offsets of group {group!r}", exc) from None
     finally:
-        reader.close()
-    return {tp.partition: (tp.offset, tp.metadata) for tp in committed if tp.offset >= 0}
+        committer.close()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,19 +593,26 @@ def lag(settings: Settings, groups: Iterable[str] | None = None) -> list[Partiti
     return rows
 
 
+# -- reading -----------------------------------------------------------------------------------
+
+
 def read_to_end(
     settings: Settings,
     topic: str,
     *,
     isolation: Isolation = "read_committed",
+    last: int | None = None,
     timeout: float = 300.0,
 ) -> Iterator[Message]:
-    """Every record of `topic` from its beginning up to the end offsets of the moment of the call.
+    """Every record of `topic` from its beginning (or only the `last` ones of each partition) up
+    to the end offsets of the moment of the call.
 
     Under read_committed, records of aborted transactions are skipped by the client.
     """
     ends = end_offsets(settings, topic, isolation)
     starts = beginning_offsets(settings, topic)
+    if last is not None:
+        starts = {p: max(start, ends[p] - last) for p, start in starts.items()}
     pending = {p for p, end in ends.items() if end > starts[p]}
     if not pending:
         return
@@ -437,15 +622,14 @@ def read_to_end(
         deadline = time.monotonic() + timeout
         while pending:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"reading {topic} did not reach offsets {ends} in {timeout:g}s")
+                doing = f"deliver topic {topic!r} up to its end offsets {ends}"
+                raise _timed_out(settings, doing, timeout, f"partitions {sorted(pending)} behind")
             for message in reader.consume(num_messages=10_000, timeout=1.0):
-                error = message.error()
+                eof = end_of_partition(message)
                 partition = message.partition()
                 offset = message.offset()
                 assert partition is not None and offset is not None
-                if error is not None:
-                    if error.code() != KafkaError._PARTITION_EOF:
-                        raise KafkaException(error)
+                if eof:
                     # At EOF the position may sit past the end after transaction markers.
                     if offset >= ends[partition]:
                         pending.discard(partition)
@@ -454,5 +638,7 @@ def read_to_end(
                     yield message
                 if offset + 1 >= ends[partition]:
                     pending.discard(partition)
+    except KafkaException as exc:
+        raise failure(settings, f"read topic {topic!r}", exc) from None
     finally:
         reader.close()

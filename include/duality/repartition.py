@@ -9,12 +9,8 @@ of a new run calls `init_transactions` with the same id, which fences a task of 
 and aborts its open transaction; only then does it read where to resume
 (docs/decisions/0005-exactly-once-repartition.md).
 
-Where a record goes is computed here, not by a producer's partitioner:
-- key-hash: `toPositive(murmur2(key)) % N`, what Java's default partitioner (and so Spark's
-  Kafka sink and `partitioner=murmur2_random`) chooses, so per-key order is kept and producers
-  that switch to TARGET agree with it. Null keys keep their source partition modulo N.
-- salted: a hot key's records go to `(key-hash + toPositive(murmur2(value)) % S) % N`, S
-  distinct partitions; other keys as key-hash. Per-key order holds per (key, value hash) only.
+Where a record goes is computed by `duality.partitioning` (key-hash or salted), not by a
+producer's partitioner.
 """
 
 from __future__ import annotations
@@ -27,11 +23,10 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException, TopicPartition
-
 from duality import kafka, skew
 from duality.config import Settings
 from duality.errors import UsageError
+from duality.partitioning import Partitioner
 
 log = logging.getLogger("duality.repartition")
 
@@ -40,47 +35,6 @@ STRATEGIES = ("key-hash", "salted")
 TRANSACTION_RECORDS = 50_000
 # Offset commit metadata is limited to 4096 bytes by default (offset.metadata.max.bytes).
 _PLAN_METADATA_LIMIT = 4000
-
-_COORDINATOR_BUSY = (
-    KafkaError.NOT_COORDINATOR,
-    KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
-    KafkaError.COORDINATOR_NOT_AVAILABLE,
-)
-
-_M = 0x5BD1E995
-_MASK = 0xFFFFFFFF
-
-
-def murmur2(data: bytes) -> int:
-    """Kafka's murmur2 (org.apache.kafka.common.utils.Utils.murmur2): a signed 32-bit int."""
-    length = len(data)
-    h = (0x9747B28C ^ length) & _MASK
-    blocks = length // 4
-    for i in range(blocks):
-        k = int.from_bytes(data[4 * i : 4 * i + 4], "little")
-        k = (k * _M) & _MASK
-        k ^= k >> 24
-        k = (k * _M) & _MASK
-        h = (h * _M) & _MASK
-        h ^= k
-    tail = length & 3
-    rest = blocks * 4
-    if tail == 3:
-        h ^= data[rest + 2] << 16
-    if tail >= 2:
-        h ^= data[rest + 1] << 8
-    if tail >= 1:
-        h ^= data[rest]
-        h = (h * _M) & _MASK
-    h ^= h >> 13
-    h = (h * _M) & _MASK
-    h ^= h >> 15
-    return h - (1 << 32) if h & 0x80000000 else h
-
-
-def key_partition(key: bytes, partitions: int) -> int:
-    """The partition Java's default partitioner picks for a non-null key."""
-    return (murmur2(key) & 0x7FFFFFFF) % partitions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,28 +78,10 @@ class Plan:
             "group": self.group,
         }
 
-
-class Partitioner:
-    """The target partition of a record under a plan (cached per key: keys repeat)."""
-
-    def __init__(self, plan: Plan):
-        self.partitions = plan.partitions
-        self.salts = plan.salts
-        self.hot = {k.encode() for k in plan.hot_keys} if plan.strategy == "salted" else set()
-        self._cache: dict[bytes, int] = {}
-
-    def __call__(self, key: bytes | None, value: bytes | None, source_partition: int) -> int:
-        if key is None:
-            return source_partition % self.partitions
-        base = self._cache.get(key)
-        if base is None:
-            base = key_partition(key, self.partitions)
-            if len(self._cache) < 1_000_000:
-                self._cache[key] = base
-        if key in self.hot:
-            salt = (murmur2(value or b"") & 0x7FFFFFFF) % self.salts
-            return (base + salt) % self.partitions
-        return base
+    def partitioner(self) -> Partitioner:
+        """Where this plan puts each record."""
+        hot = self.hot_keys if self.strategy == "salted" else ()
+        return Partitioner(self.partitions, hot, self.salts)
 
 
 # -- arguments -----------------------------------------------------------------------------
@@ -324,24 +260,6 @@ class SliceResult:
     seconds: float
 
 
-def _retrying(call: Callable[[], Any], timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return call()
-        except KafkaException as exc:
-            error = exc.args[0] if exc.args else None
-            # The group coordinator moves or loads (a new or restarted broker): ask again.
-            if (
-                isinstance(error, KafkaError)
-                and (error.retriable() or error.code() in _COORDINATOR_BUSY)
-                and time.monotonic() < deadline
-            ):
-                time.sleep(0.2)
-                continue
-            raise
-
-
 def copy_slice(
     settings: Settings,
     plan: Plan,
@@ -354,26 +272,24 @@ def copy_slice(
     """Copy source_partition from its committed offset up to `end`, exactly once."""
     started = time.monotonic()
     timeout = settings.connect_timeout_s
-    producer = kafka.producer(
+    # Fences (and aborts the open transaction of) a task of an earlier, killed run.
+    producer = kafka.transactional_producer(
         settings,
-        transactional_id=plan.transactional_id(source_partition),
+        plan.transactional_id(source_partition),
         transaction_timeout_ms=120_000,
         queue_buffering_max_messages=500_000,
         batch_num_messages=10_000,
         linger_ms=50,
     )
-    # Fences (and aborts the open transaction of) a task of an earlier, killed run.
-    producer.init_transactions(timeout * 6)
     reader = kafka.consumer(
         settings, plan.group, isolation_level="read_committed", fetch_max_bytes=52_428_800
     )
     group_metadata = reader.consumer_group_metadata()
-    partition = TopicPartition(plan.source, source_partition)
-    committed = _retrying(lambda: reader.committed([partition], timeout=timeout), timeout * 3)[0]
-    start = committed.offset if committed.offset >= 0 else 0
+    committed = kafka.committed_offsets(settings, plan.group, plan.source)
+    start = committed[source_partition][0] if source_partition in committed else 0
     result = SliceResult(source_partition, start, end, 0, 0, {}, 0.0)
     metadata = plan.metadata()
-    partitioner = Partitioner(plan)
+    partitioner = plan.partitioner()
     source_header = str(source_partition).encode()
     in_transaction = 0
     next_offset = start
@@ -383,7 +299,7 @@ def copy_slice(
 
     def commit() -> None:
         nonlocal in_transaction
-        offsets = [TopicPartition(plan.source, source_partition, next_offset, metadata)]
+        offsets = [kafka.TopicPartition(plan.source, source_partition, next_offset, metadata)]
         producer.send_offsets_to_transaction(offsets, group_metadata, timeout * 3)
         producer.commit_transaction(timeout * 6)
         result.transactions += 1
@@ -392,16 +308,14 @@ def copy_slice(
     try:
         if start >= end:
             return result
-        reader.assign([TopicPartition(plan.source, source_partition, start)])
+        reader.assign([kafka.TopicPartition(plan.source, source_partition, start)])
         done = False
         while not done:
             for message in reader.consume(num_messages=200 if throttle else 10_000, timeout=1.0):
-                error = message.error()
+                eof = kafka.end_of_partition(message)
                 offset = message.offset()
                 assert offset is not None
-                if error is not None:
-                    if error.code() != KafkaError._PARTITION_EOF:
-                        raise KafkaException(error)
+                if eof:
                     # Past the last record there may be only transaction markers.
                     done = done or offset >= end
                     continue
@@ -460,7 +374,7 @@ def copy_slice(
         if in_transaction:
             try:
                 producer.abort_transaction(timeout)
-            except KafkaException:
+            except Exception:
                 log.warning("aborting the transaction of partition %d failed", source_partition)
         raise
     finally:
@@ -531,8 +445,7 @@ def fence(settings: Settings, plan: Plan) -> None:
     (UNSTABLE_OFFSET_COMMIT), so the driver fences before it reads the progress.
     """
     for partition in range(kafka.partition_count(settings, plan.source)):
-        producer = kafka.producer(settings, transactional_id=plan.transactional_id(partition))
-        producer.init_transactions(settings.connect_timeout_s * 6)
+        kafka.transactional_producer(settings, plan.transactional_id(partition))
 
 
 def remaining(settings: Settings, plan: Plan, ends: dict[int, int]) -> dict[int, int]:

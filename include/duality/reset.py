@@ -9,12 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-import time
 from datetime import UTC, datetime
 from typing import Any
-
-from confluent_kafka import KafkaException, TopicPartition
-from confluent_kafka.admin import OffsetSpec
 
 from duality import kafka, stream_control
 from duality.config import Settings
@@ -85,7 +81,7 @@ def plan(
         offsets = {**earliest, **parse_offsets(to_offsets, partitions)}
     elif to_datetime is not None:
         moment = to_datetime if to_datetime.tzinfo else to_datetime.replace(tzinfo=UTC)
-        offsets = _offsets_at(settings, source, partitions, int(moment.timestamp() * 1000))
+        offsets = kafka.offsets_for_time(settings, source, int(moment.timestamp() * 1000))
     else:
         offsets = earliest
     exists = kafka.topic_exists(settings, spec.changelog_topic)
@@ -110,20 +106,6 @@ def plan(
     )
 
 
-def _offsets_at(settings: Settings, topic: str, partitions: int, ms: int) -> dict[int, int]:
-    client = kafka.admin(settings)
-    futures = client.list_offsets(
-        {TopicPartition(topic, p): OffsetSpec.for_timestamp(ms) for p in range(partitions)},
-        request_timeout=settings.connect_timeout_s,
-    )
-    ends = kafka.end_offsets(settings, topic, "read_uncommitted")
-    result = {}
-    for tp, future in futures.items():
-        offset = future.result().offset
-        result[tp.partition] = offset if offset >= 0 else ends[tp.partition]
-    return result
-
-
 def execute(settings: Settings, spec: PipelineSpec, reset: ResetPlan) -> None:
     # The supervisor must not start the stream halfway through; afterwards it may again.
     with stream_control.held(settings, spec):
@@ -133,32 +115,14 @@ def execute(settings: Settings, spec: PipelineSpec, reset: ResetPlan) -> None:
 def _execute(settings: Settings, spec: PipelineSpec, reset: ResetPlan) -> None:
     if reset.stop_pid is not None or stream_control.running_pid(settings, spec) is not None:
         stream_control.stop(settings, spec, hold=False)
-    group = kafka.consumer(settings, spec.consumer_group)
-    try:
-        group.commit(
-            offsets=[
-                TopicPartition(spec.source.topic, p, o, "{}") for p, o in reset.offsets.items()
-            ],
-            asynchronous=False,
-        )
-    finally:
-        group.close()
+    kafka.commit_offsets(settings, spec.consumer_group, spec.source.topic, reset.offsets)
     shutil.rmtree(reset.checkpoint, ignore_errors=True)
     if reset.changelog_partitions is not None:
+        # KRaft has removed a topic when it answers the deletion: the name is free again.
         kafka.delete_topic(settings, spec.changelog_topic)
-        _recreate(settings, spec, reset.changelog_partitions)
-
-
-def _recreate(settings: Settings, spec: PipelineSpec, partitions: int) -> None:
-    # A deleted topic lingers for a moment; creating it again succeeds once it is gone.
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            kafka.create_topic(
-                settings, spec.changelog_topic, partitions, config=changelog_config(spec)
-            )
-            return
-        except (UsageError, KafkaException):
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
+        kafka.create_topic(
+            settings,
+            spec.changelog_topic,
+            reset.changelog_partitions,
+            config=changelog_config(spec),
+        )

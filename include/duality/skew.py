@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException, TopicPartition
-
 from duality import kafka
 from duality.config import Settings
 from duality.errors import UsageError
+from duality.partitioning import key_partition
 
 # A partition is hot when its load is this much above the mean; a recommendation aims below it.
 HOT_FACTOR = 1.3
@@ -140,42 +138,21 @@ def sample(
     settings: Settings, topic: str, per_partition: int = SAMPLE_PER_PARTITION
 ) -> dict[int, tuple[Counter[bytes | None], int, int]]:
     """Per partition: key counts, record count and bytes of (at most) its last records."""
-    ends = kafka.end_offsets(settings, topic, "read_uncommitted")
-    starts = kafka.beginning_offsets(settings, topic)
-    found: dict[int, tuple[Counter[bytes | None], int, int]] = {p: (Counter(), 0, 0) for p in ends}
-    pending = {p for p in ends if ends[p] > starts[p]}
-    if not pending:
-        return found
-    reader = kafka.consumer(
-        settings, f"duality-skew-{uuid.uuid4().hex}", isolation_level="read_uncommitted"
-    )
-    try:
-        reader.assign(
-            [TopicPartition(topic, p, max(starts[p], ends[p] - per_partition)) for p in pending]
-        )
-        deadline = time.monotonic() + 60
-        while pending and time.monotonic() < deadline:
-            for message in reader.consume(num_messages=5_000, timeout=0.5):
-                partition, offset = message.partition(), message.offset()
-                assert partition is not None and offset is not None
-                error = message.error()
-                if error is not None:
-                    if error.code() != KafkaError._PARTITION_EOF:
-                        raise KafkaException(error)
-                    pending.discard(partition)
-                    continue
-                keys, count, size = found[partition]
-                keys[message.key()] += 1
-                found[partition] = (
-                    keys,
-                    count + 1,
-                    size + len(message.key() or b"") + len(message.value() or b""),
-                )
-                if offset + 1 >= ends[partition]:
-                    pending.discard(partition)
-    finally:
-        reader.close()
-    return found
+    keys: dict[int, Counter[bytes | None]] = {}
+    counts: Counter[int] = Counter()
+    sizes: Counter[int] = Counter()
+    for message in kafka.read_to_end(
+        settings, topic, isolation="read_uncommitted", last=per_partition, timeout=60
+    ):
+        partition, key = message.partition(), message.key()
+        assert partition is not None
+        keys.setdefault(partition, Counter())[key] += 1
+        counts[partition] += 1
+        sizes[partition] += len(key or b"") + len(message.value() or b"")
+    return {
+        p: (keys.get(p, Counter()), counts[p], sizes[p])
+        for p in range(kafka.partition_count(settings, topic))
+    }
 
 
 def key_estimates(
@@ -202,8 +179,6 @@ def hot_keys(
     while the predicted skew is above SALTED_GOAL, the heaviest key of the most loaded
     partition, as long as salting it lowers the predicted skew by MIN_GAIN or more (so light
     keys are not salted to chase the sample's noise); at most `limit` keys."""
-    from duality.repartition import key_partition
-
     total = sum(estimates.values())
     if not total:
         return []
@@ -248,8 +223,6 @@ def predicted_loads(
     salts: int = 1,
 ) -> list[float]:
     """The load per partition a copy into `partitions` would give, from the key estimates."""
-    from duality.repartition import key_partition
-
     loads = [0.0] * partitions
     salted = {k.encode() for k in hot or []}
     for key, count in estimates.items():
@@ -314,7 +287,7 @@ def analyse(
     loads = []
     for p in range(count):
         keys, n, size = sampled[p]
-        recent = ends[p] - (since[p] if since[p] >= 0 else ends[p])
+        recent = max(0, ends[p] - since[p])
         scale = records[p] / n if n else 0.0
         loads.append(
             PartitionLoad(

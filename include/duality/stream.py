@@ -174,9 +174,8 @@ def classify(spec: PipelineSpec, raw: DataFrame) -> DataFrame:
                     ),
                 )
             )
-    error = F.lit(None).cast("string")
-    for condition, reason in reversed(checks):
-        error = F.when(condition, reason).otherwise(error)
+    # The first check that holds names the reason; later ones are not evaluated.
+    error = F.coalesce(*[F.when(condition, reason) for condition, reason in checks])
     return frame.drop("_parsed").withColumn("_error", _once(error))
 
 
@@ -237,8 +236,8 @@ def _rows_schema(spec: PipelineSpec) -> str:
     return ", ".join(columns)
 
 
-def source_rows(spec: PipelineSpec, classified: DataFrame) -> DataFrame:
-    """Each good record as one row of partials: count 1, and its own value for the rest."""
+def partial_columns(spec: PipelineSpec) -> list[Column]:
+    """A good record's row of partials: group fields, event time, count 1, its own values."""
     from pyspark.sql import functions as F
 
     columns = [F.col(f"_p.{f}").alias(f) for f in spec.source.key]
@@ -253,7 +252,14 @@ def source_rows(spec: PipelineSpec, classified: DataFrame) -> DataFrame:
                 value = F.unix_millis(value)
         columns.append(value.cast(_partial_type(spec, part)).alias(part.column))
     columns.append(F.lit(1).alias("_fresh"))
-    return classified.where(F.col("_error").isNull()).select(*columns)
+    return columns
+
+
+def source_rows(spec: PipelineSpec, classified: DataFrame) -> DataFrame:
+    """Each good record as one row of partials (`partial_columns`)."""
+    from pyspark.sql import functions as F
+
+    return classified.where(F.col("_error").isNull()).select(*partial_columns(spec))
 
 
 def aggregate(spec: PipelineSpec, rows: DataFrame) -> DataFrame:
@@ -328,38 +334,60 @@ def _no_lineage() -> list[Column]:
     ]
 
 
-def dead_letter_records(spec: PipelineSpec, classified: DataFrame) -> DataFrame:
-    """Bad records with their lineage; for windowed pipelines also every good record with its
-    window's end, so the driver can dead-letter those the watermark drops (`late_events`)."""
+def build_query_frame(spec: PipelineSpec, source: DataFrame, seeds: DataFrame) -> DataFrame:
+    """The streaming DataFrame whose micro-batches the driver writes: changed rows and bad
+    records (plus late-event candidates), all as `_kind, _key, _value` and lineage.
+
+    The source is read and classified once: each record becomes its row of partials when good
+    and its lineage when bad (windowed pipelines: always, with its window's end, as a late-event
+    candidate), and one shuffle of those narrow rows feeds both the aggregation and the dead
+    letters, Spark reusing the exchange for the second reader.
+    """
     from pyspark.sql import functions as F
 
-    kind = F.when(F.col("_error").isNotNull(), F.lit("dead")).otherwise(F.lit("candidate"))
-    window_end = F.lit(None).cast("bigint")
-    frame = classified
-    if spec.window is None:
-        frame = frame.where(F.col("_error").isNotNull())
-    else:
-        window_end = F.when(
-            F.col("_error").isNull(), _window_end_ms(spec, _event_time_ms(spec))
-        ).cast("bigint")
-    return frame.select(
-        kind.alias("_kind"),
+    classified = classify(spec, source)
+    good = F.col("_error").isNull()
+    lineage = F.struct(
         F.col("key").alias("_key"),
         F.col("value").alias("_value"),
         F.col("partition").alias("_partition"),
         F.col("offset").alias("_offset"),
+    )
+    window_end = F.lit(None).cast("bigint")
+    if spec.window is not None:
+        window_end = F.when(good, _window_end_ms(spec, _event_time_ms(spec))).cast("bigint")
+    else:
+        lineage = F.when(~good, lineage)
+    narrow = classified.select(
         F.col("_error"),
+        F.when(good, F.struct(*partial_columns(spec))).alias("_row"),
+        lineage.alias("_lineage"),
         window_end.alias("_window_end"),
     )
-
-
-def build_query_frame(spec: PipelineSpec, source: DataFrame, seeds: DataFrame) -> DataFrame:
-    """The streaming DataFrame whose micro-batches the driver writes: changed rows and bad
-    records (plus late-event candidates), all as `_kind, _key, _value` and lineage."""
-    classified = classify(spec, source)
-    rows = source_rows(spec, classified).unionByName(seeds)
+    shared = _shared(narrow, source.sparkSession.sparkContext.defaultParallelism)
+    rows = shared.where(good).select("_row.*").unionByName(seeds)
     table = aggregate(spec, rows)
-    return changelog_records(spec, table).unionByName(dead_letter_records(spec, classified))
+    records = shared if spec.window is not None else shared.where(~good)
+    dead = records.select(
+        F.when(good, F.lit("candidate")).otherwise(F.lit("dead")).alias("_kind"),
+        "_lineage.*",
+        "_error",
+        "_window_end",
+    )
+    return changelog_records(spec, table).unionByName(dead)
+
+
+def _shared(frame: DataFrame, partitions: int) -> DataFrame:
+    """`frame` behind one shuffle that every reader of the result shares.
+
+    Spark reuses an exchange only for readers whose plans below it are the same, but column
+    pruning pushes each reader's own projection below it. Packing the columns into one struct,
+    read back whole through a non-deterministic guard, leaves nothing to prune.
+    """
+    from pyspark.sql import functions as F
+
+    packed = frame.select(F.struct(*frame.columns).alias("_shared")).repartition(partitions)
+    return packed.select(_once(F.col("_shared")).alias("_shared")).select("_shared.*")
 
 
 # -- seeding the state from the changelog ----------------------------------------------------
@@ -517,15 +545,14 @@ class ChangelogWriter:
         self.dead_letter_limit = kafka.max_message_bytes(settings, spec.dlq_topic)
         # The transactional id is the pipeline's: a new driver fences any older one still alive,
         # and its open transaction is aborted before anything is read.
-        self.producer = kafka.producer(
+        self.producer = kafka.transactional_producer(
             settings,
-            transactional_id=f"duality-{spec.name}",
+            f"duality-{spec.name}",
             transaction_timeout_ms=300_000,
             queue_buffering_max_messages=1_000_000,
             linger_ms=20,
             message_max_bytes=self.dead_letter_limit + _DEAD_LETTER_MARGIN,
         )
-        self.producer.init_transactions(settings.connect_timeout_s * 6)
         self.committed = {
             p: offset
             for p, (offset, _) in kafka.committed_offsets(

@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -87,8 +87,11 @@ def job_path(settings: Settings) -> Path:
     return path
 
 
-def start(settings: Settings, spec: PipelineSpec, *, wait: bool = True) -> dict[str, Any]:
-    """Start the stream detached unless it runs; wait until it reports `running`."""
+def start(
+    settings: Settings, spec: PipelineSpec, *, wait: bool = True, job_args: Sequence[str] = ()
+) -> dict[str, Any]:
+    """Start the stream detached unless it runs (`job_args`: the job's options, as
+    `StreamOptions.to_args` writes them); wait until it reports `running`."""
     set_desired(settings, spec, "running")
     pid = running_pid(settings, spec)
     if pid is not None:
@@ -104,7 +107,7 @@ def start(settings: Settings, spec: PipelineSpec, *, wait: bool = True) -> dict[
     log = log_file(settings, spec)
     with open(log, "ab") as out:
         process = subprocess.Popen(
-            [sys.executable, str(job_path(settings)), spec.name],
+            [sys.executable, str(job_path(settings)), spec.name, *job_args],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -89,8 +89,9 @@ def test_stream_lifecycle_and_reset(settings: Settings, tmp_path: Path):
 
     done = _duality(env, "reset", spec.name)
     assert done["dry_run"] is False
-    assert kafka.committed_offsets(settings, spec.consumer_group, spec.source.topic) == {
-        p: (0, "{}") for p in range(kafka.partition_count(settings, spec.source.topic))
+    committed = kafka.committed_offsets(settings, spec.consumer_group, spec.source.topic)
+    assert {p: offset for p, (offset, _) in committed.items()} == {
+        p: 0 for p in range(kafka.partition_count(settings, spec.source.topic))
     }
     assert not (settings.checkpoint_root / spec.name).exists()
     assert sum(kafka.end_offsets(settings, spec.changelog_topic, "read_uncommitted").values()) == 0

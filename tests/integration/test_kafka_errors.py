@@ -1,0 +1,182 @@
+"""The Kafka module against real brokers: one admin client per command, and what a command says
+when a broker with SASL/PLAIN logins and ACLs refuses a login or denies an operation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from confluent_kafka.admin import (
+    AclBinding,
+    AclOperation,
+    AclPermissionType,
+    ResourcePatternType,
+    ResourceType,
+)
+
+from duality import cli, kafka, workload
+from duality.config import Settings
+from duality.errors import UsageError
+from duality.local import LocalBroker, free_port
+from tests.harness import make_pipeline
+
+ADMIN_PASSWORD = "admin-secret"
+ALICE_PASSWORD = "alice-secret"
+WRONG_PASSWORD = "not-alices-password"
+
+
+class _SaslBroker(LocalBroker):
+    """The dev broker with a SASL/PLAIN listener and ACLs (StandardAuthorizer): `admin` is a
+    super user, `alice` logs in but has no ACL."""
+
+    def _check_can_start(self) -> None:  # the dev broker refuses anything but PLAINTEXT
+        pass
+
+    def _write_config(self) -> None:
+        super()._write_config()
+        host, port = self.settings.first_bootstrap
+        controller = f"CONTROLLER://{host}:{self.settings.controller_port}"
+        jaas = (
+            "org.apache.kafka.common.security.plain.PlainLoginModule required "
+            f'username="admin" password="{ADMIN_PASSWORD}" '
+            f'user_admin="{ADMIN_PASSWORD}" user_alice="{ALICE_PASSWORD}";'
+        )
+        config = dict(line.split("=", 1) for line in self.config_file.read_text().splitlines())
+        config.update(
+            {
+                "listeners": f"SASL_PLAINTEXT://{host}:{port},{controller}",
+                "advertised.listeners": f"SASL_PLAINTEXT://{host}:{port}",
+                "inter.broker.listener.name": "SASL_PLAINTEXT",
+                "listener.security.protocol.map": "SASL_PLAINTEXT:SASL_PLAINTEXT,"
+                "CONTROLLER:PLAINTEXT",
+                "sasl.enabled.mechanisms": "PLAIN",
+                "sasl.mechanism.inter.broker.protocol": "PLAIN",
+                "listener.name.sasl_plaintext.plain.sasl.jaas.config": jaas,
+                "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+                # The controller listener is PLAINTEXT: its principal is ANONYMOUS.
+                "super.users": "User:admin;User:ANONYMOUS",
+            }
+        )
+        self.config_file.write_text("".join(f"{k}={v}\n" for k, v in config.items()))
+
+
+@pytest.fixture(scope="module")
+def secured(
+    base_settings: Settings, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Settings]:
+    """Settings of the super user on a broker of its own with SASL logins and ACLs."""
+    admin = base_settings.replace(
+        bootstrap_servers=f"localhost:{free_port()}",
+        controller_port=free_port(),
+        local_dir=tmp_path_factory.mktemp("sasl-broker"),
+        security_protocol="SASL_PLAINTEXT",
+        sasl_mechanism="PLAIN",
+        sasl_username="admin",
+        sasl_password=ADMIN_PASSWORD,
+        connect_timeout_s=5.0,
+    )
+    broker = _SaslBroker(admin)
+    broker.start()  # waits until the super user's admin client gets an answer
+    try:
+        yield admin
+    finally:
+        broker.stop()
+
+
+def _as(monkeypatch: pytest.MonkeyPatch, settings: Settings, user: str, password: str) -> None:
+    """The command line's environment: the secured broker, as `user`."""
+    for name, value in {
+        "DUALITY_BOOTSTRAP_SERVERS": settings.bootstrap_servers,
+        "DUALITY_SECURITY_PROTOCOL": settings.security_protocol,
+        "DUALITY_SASL_MECHANISM": settings.sasl_mechanism or "",
+        "DUALITY_SASL_USERNAME": user,
+        "DUALITY_SASL_PASSWORD": password,
+        "DUALITY_CONNECT_TIMEOUT_S": "3",
+    }.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_a_refused_login_says_so_naming_mechanism_and_user_never_the_password(
+    secured: Settings, topic: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+):
+    kafka.create_topic(secured, topic, 2)
+    _as(monkeypatch, secured, "alice", WRONG_PASSWORD)
+    assert cli.main(["skew", topic]) == 2
+    err = capsys.readouterr().err.replace("\n", " ")
+    assert (
+        f"Kafka at {secured.bootstrap_servers} refused the SASL PLAIN login of user 'alice'" in err
+    )
+    assert "Invalid username or password" in err
+    assert WRONG_PASSWORD not in err and "timed out" not in err
+
+
+def test_an_operation_without_acl_names_the_user_and_the_operation(
+    secured: Settings, topic: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+):
+    kafka.create_topic(secured, topic, 2)
+    group = f"{topic}-group"
+    _as(monkeypatch, secured, "alice", ALICE_PASSWORD)
+    assert cli.main(["skew", topic, "--group", group]) == 2
+    err = capsys.readouterr().err.replace("\n", " ")
+    assert f"does not allow user 'alice' to describe topic '{topic}'" in err
+    assert ALICE_PASSWORD not in err
+
+    # Allowed to read the topic, not the group: the group is named now.
+    read = AclBinding(
+        ResourceType.TOPIC,
+        topic,
+        ResourcePatternType.LITERAL,
+        "User:alice",
+        "*",
+        AclOperation.READ,
+        AclPermissionType.ALLOW,
+    )
+    for future in kafka.admin(secured).create_acls([read]).values():
+        future.result()
+    for command in (["skew", topic, "--group", group], ["lag", "--group", group]):
+        assert cli.main(command) == 2
+        err = capsys.readouterr().err.replace("\n", " ")
+        assert f"does not allow user 'alice' to read the committed offsets of group '{group}'" in (
+            err
+        ), command
+
+    alice = secured.replace(sasl_username="alice", sasl_password=ALICE_PASSWORD)
+    with pytest.raises(
+        UsageError, match=f"does not allow user 'alice' to create topic '{topic}-2'"
+    ):
+        kafka.create_topic(alice, f"{topic}-2", 1)
+    with pytest.raises(UsageError, match="does not allow user 'alice' to initialise the trans"):
+        kafka.transactional_producer(alice, f"{topic}-tx")
+
+
+class _CountingAdminClient(kafka.AdminClient):
+    built = 0
+
+    def __init__(self, config: dict) -> None:
+        type(self).built += 1
+        super().__init__(config)
+
+
+def test_a_command_builds_one_admin_client(
+    settings: Settings,
+    topic: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+):
+    kafka.create_topic(settings, topic, 4)
+    spec = make_pipeline(settings, tmp_path, "product_sales", topic=topic)
+    workload.produce(settings, spec, events=2_000, keys=50, zipf=1.3, bad_fraction=0, seed=5)
+    monkeypatch.setenv("DUALITY_BOOTSTRAP_SERVERS", settings.bootstrap_servers)
+    monkeypatch.setattr(kafka, "AdminClient", _CountingAdminClient)
+    commands = [
+        ["skew", topic, "--group", spec.consumer_group, "--window", "1h"],
+        ["repartition", topic, "--to", f"{topic}-8p", "--partitions", "8", "--dry-run"],
+        ["lag"],
+    ]
+    for command in commands:
+        monkeypatch.setattr(kafka, "_admins", {})  # a new process, as far as clients go
+        _CountingAdminClient.built = 0
+        assert cli.main(command) == 0, capsys.readouterr().err
+        assert _CountingAdminClient.built == 1, command

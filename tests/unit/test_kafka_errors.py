@@ -1,0 +1,137 @@
+"""What a failed Kafka call tells the user, and the one retry helper: no broker needed (a closed
+port, and errors as librdkafka reports them). tests/integration/test_kafka_errors.py checks the
+same against a broker that refuses logins and operations."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from confluent_kafka import KafkaError, KafkaException
+
+from duality import kafka, skew
+from duality.config import Settings
+from duality.errors import BrokerUnavailable, UsageError
+from duality.local import free_port
+
+PASSWORD = "s3cret-never-printed"
+
+
+@pytest.fixture
+def closed(tmp_path: Path) -> Settings:
+    return Settings(
+        home=tmp_path, bootstrap_servers=f"localhost:{free_port()}", connect_timeout_s=1
+    )
+
+
+@pytest.fixture
+def sasl(tmp_path: Path) -> Settings:
+    return Settings(
+        home=tmp_path,
+        bootstrap_servers="kafka-1:9092,kafka-2:9092",
+        security_protocol="SASL_SSL",
+        sasl_mechanism="SCRAM-SHA-512",
+        sasl_username="bob",
+        sasl_password=PASSWORD,
+    )
+
+
+@pytest.mark.parametrize(
+    ("call", "doing"),
+    [
+        (lambda s: skew.analyse(s, "orders"), "describe topic 'orders'"),
+        (lambda s: kafka.create_topic(s, "orders", 1), "create topic 'orders'"),
+        (lambda s: kafka.consumer_groups(s), "list the consumer groups"),
+        (lambda s: kafka.lag(s, ["g"]), "list its topics"),
+    ],
+    ids=["skew", "create_topic", "consumer_groups", "lag"],
+)
+def test_no_answer_is_a_timeout_naming_the_call_and_the_servers(
+    closed: Settings, call: Callable[[Settings], Any], doing: str
+):
+    with pytest.raises(BrokerUnavailable) as error:
+        call(closed)
+    message = str(error.value)
+    assert f"timed out after 1s waiting for Kafka at {closed.bootstrap_servers}" in message
+    assert f"to {doing} (" in message
+    assert "duality up" in message and "DUALITY_BOOTSTRAP_SERVERS" in message
+
+
+def _exception(code: int, text: str) -> KafkaException:
+    return KafkaException(KafkaError(code, text))
+
+
+def test_a_refused_login_names_mechanism_and_user_never_the_password(sasl: Settings):
+    cause = _exception(KafkaError.SASL_AUTHENTICATION_FAILED, "Authentication failed")
+    error = kafka.failure(sasl, "list its topics", cause)
+    assert isinstance(error, UsageError)
+    message = str(error)
+    assert "kafka-1:9092,kafka-2:9092 refused the SASL SCRAM-SHA-512 login of user 'bob'" in message
+    assert "Authentication failed" in message and "DUALITY_SASL_PASSWORD" in message
+    assert PASSWORD not in message
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        KafkaError.TOPIC_AUTHORIZATION_FAILED,
+        KafkaError.GROUP_AUTHORIZATION_FAILED,
+        KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+        KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+    ],
+)
+def test_a_denied_operation_names_the_user_and_the_operation(sasl: Settings, code: int):
+    error = kafka.failure(sasl, "describe topic 'orders'", _exception(code, "denied"))
+    assert isinstance(error, UsageError)
+    assert "does not allow user 'bob' to describe topic 'orders' (denied)" in str(error)
+    assert PASSWORD not in str(error)
+    anonymous = kafka.failure(sasl.replace(sasl_username=None), "x", _exception(code, "denied"))
+    assert "no DUALITY_SASL_USERNAME" in str(anonymous)
+
+
+def test_other_errors_are_passed_on_as_they_are(sasl: Settings):
+    cause = _exception(KafkaError.INVALID_REPLICATION_FACTOR, "3 > 1 broker")
+    assert kafka.failure(sasl, "create topic 't'", cause) is cause
+
+
+def test_retrying_asks_again_while_kafka_says_not_yet(sasl: Settings):
+    answers: list[Any] = [
+        _exception(KafkaError.COORDINATOR_LOAD_IN_PROGRESS, "loading"),
+        _exception(KafkaError.UNSTABLE_OFFSET_COMMIT, "a transaction commits offsets"),
+        "the offsets",
+    ]
+
+    def call() -> str:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return str(answer)
+
+    assert kafka.retrying(sasl, "read offsets", call) == "the offsets"
+    assert answers == []
+
+
+def test_retrying_gives_up_with_a_timeout_and_stops_at_a_real_error(sasl: Settings):
+    calls = 0
+
+    def busy() -> None:
+        nonlocal calls
+        calls += 1
+        raise _exception(KafkaError.NOT_COORDINATOR, "moving")
+
+    with pytest.raises(BrokerUnavailable, match=r"timed out after 0.5s .* to read offsets"):
+        kafka.retrying(sasl, "read offsets", busy, seconds=0.5)
+    assert calls >= 2
+
+    calls = 0
+
+    def denied() -> None:
+        nonlocal calls
+        calls += 1
+        raise _exception(KafkaError.GROUP_AUTHORIZATION_FAILED, "no ACL")
+
+    with pytest.raises(UsageError, match="does not allow user 'bob' to read offsets"):
+        kafka.retrying(sasl, "read offsets", denied)
+    assert calls == 1
