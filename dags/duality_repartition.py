@@ -13,6 +13,7 @@ from typing import Any
 
 from airflow.sdk import DAG, Param, get_current_context, task
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
+from duality_airflow.hooks import execution_timeout
 from duality_airflow.operators import RepartitionOperator
 
 from duality.config import Settings
@@ -106,9 +107,11 @@ with DAG(
     },
 ) as dag:
 
-    @task
+    @task(execution_timeout=execution_timeout("repartition"))
     def select() -> list[dict[str, Any]]:
         context = get_current_context()
         return select_moves(_configured(), dict(context["params"]))
 
-    RepartitionOperator.partial(task_id="repartition").expand(move=select())
+    RepartitionOperator.partial(
+        task_id="repartition", execution_timeout=execution_timeout("repartition")
+    ).expand(move=select())

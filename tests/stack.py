@@ -14,7 +14,7 @@ from pathlib import Path
 
 from duality.airflow_api import AirflowClient
 from duality.config import Settings
-from duality.local import free_port
+from duality.local import AIRFLOW_USER, LocalAirflow, free_port
 
 
 @dataclass
@@ -76,3 +76,15 @@ def running_stack(root: Path, env: dict[str, str] | None = None) -> Iterator[Sta
     finally:
         down = run("down", "--json")
         assert down.returncode == 0, down.stderr[-3000:]
+
+
+@contextlib.contextmanager
+def running_airflow(settings: Settings) -> Iterator[AirflowClient]:
+    """Airflow standalone as `duality up` starts it (for the broker, folders and connections of
+    `settings`), on a broker that is already running; stopped after."""
+    airflow = LocalAirflow(settings)
+    started = airflow.start()
+    try:
+        yield AirflowClient(settings.airflow_url, AIRFLOW_USER, started["password"])
+    finally:
+        airflow.stop()

@@ -109,6 +109,25 @@ class AirflowClient:
         answer = self._call("GET", f"/api/v2/dags/{dag_id}/dagRuns/{quoted}/taskInstances")
         return list(answer.get("task_instances", []))
 
+    def set_task_state(self, dag_id: str, run_id: str, task_id: str, state: str) -> None:
+        """Set a task instance's state (`failed`, `success`, `skipped`), as the UI's buttons do."""
+        quoted = urllib.parse.quote(run_id, safe="")
+        self._call(
+            "PATCH",
+            f"/api/v2/dags/{dag_id}/dagRuns/{quoted}/taskInstances/{task_id}",
+            {"new_state": state},
+        )
+
+    def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int) -> str:
+        """The log of one try of a task instance, as text."""
+        quoted = urllib.parse.quote(run_id, safe="")
+        answer = self._call(
+            "GET",
+            f"/api/v2/dags/{dag_id}/dagRuns/{quoted}/taskInstances/{task_id}/logs/{try_number}"
+            "?full_content=true",
+        )
+        return json.dumps(answer.get("content"), default=str)
+
     def xcom(self, dag_id: str, run_id: str, task_id: str, map_index: int = -1) -> Any:
         quoted = urllib.parse.quote(run_id, safe="")
         answer = self._call(

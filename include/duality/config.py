@@ -54,6 +54,16 @@ class Settings:
     airflow_url: str = "http://localhost:8080"
     # How long a command waits for the broker before it gives up with a clear error.
     connect_timeout_s: float = 10.0
+    # Airflow: the execution timeout of each kind of task (DAG files read these when parsed).
+    supervise_timeout_s: float = 600.0
+    snapshot_timeout_s: float = 1800.0
+    validate_timeout_s: float = 1800.0
+    publish_timeout_s: float = 600.0
+    repartition_timeout_s: float = 21600.0
+    reset_timeout_s: float = 1800.0
+    # Airflow: seconds between SIGTERM and SIGKILL when a task stops its child's process group;
+    # below Airflow's own 5 s between the SIGTERM and the SIGKILL of a task being stopped.
+    kill_grace_s: float = 3.0
 
     def __post_init__(self) -> None:
         if self.security_protocol not in _SECURITY_PROTOCOLS:
@@ -69,6 +79,12 @@ class Settings:
                 raise UsageError(
                     f"{PREFIX}BOOTSTRAP_SERVERS={self.bootstrap_servers!r}: {server.strip()!r} "
                     "is not host:port; write it like localhost:9092"
+                )
+        for name in (f.name for f in dataclasses.fields(self) if f.name.endswith("_s")):
+            if not getattr(self, name) > 0:
+                raise UsageError(
+                    f"{PREFIX}{name.upper()}={getattr(self, name)!r}: set it to a number of "
+                    "seconds above zero"
                 )
         # Paths are made absolute once, here, so no other module resolves them.
         for field in (
@@ -185,6 +201,16 @@ def describe() -> list[tuple[str, str, str]]:
         "reports": "validation reports: JSON and Great Expectations Data Docs per pipeline",
         "airflow_url": "Airflow UI and API address",
         "connect_timeout_s": "seconds a command waits for the broker before it gives up",
+        "supervise_timeout_s": "Airflow: execution timeout (s) of a stream DAG task (one look of "
+        "the supervisor; waiting for the stream to report running)",
+        "snapshot_timeout_s": "Airflow: execution timeout (s) of the snapshot DAG's `snapshot`",
+        "validate_timeout_s": "Airflow: execution timeout (s) of the snapshot DAG's `validate`",
+        "publish_timeout_s": "Airflow: execution timeout (s) of the snapshot DAG's `publish`",
+        "repartition_timeout_s": "Airflow: execution timeout (s) of a repartition DAG task (the "
+        "plan; the skew check and copy of one topic)",
+        "reset_timeout_s": "Airflow: execution timeout (s) of the reset DAG's task",
+        "kill_grace_s": "Airflow: seconds between SIGTERM and SIGKILL when a task that is stopped "
+        "or timed out ends its child's process group (keep it below Airflow's 5)",
     }
     rows = []
     for field in dataclasses.fields(Settings):

@@ -9,10 +9,12 @@ changelog was recreated or truncated, the table was changed outside duality, or 
 longer match the spec. Each run is one Delta commit, so an interrupted run leaves the previous
 version as it was.
 
-Write, audit, publish: `duality validate` checks a version and, when it passes, publishes it by
-setting the table properties `duality.published.*` (a metadata-only commit); `read()` returns
-the published version, never a newer unvalidated one
-(docs/decisions/0004-snapshots-write-audit-publish.md).
+Write, audit, publish: `duality validate` checks a version and records its verdict in the table
+(a metadata-only commit whose userMetadata holds it, `record_validation`); publishing a version
+(`publish`, or the same commit when validation publishes) sets the table properties
+`duality.published.*`, and only a version whose recorded verdict passed is published. `read()`
+returns the published version, never a newer unvalidated one
+(docs/decisions/0004-snapshots-write-audit-publish.md, 0010-publish-gate-in-delta.md).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ Progress = Callable[[str], None]
 METADATA_KEY = "duality"
 PUBLISHED_VERSION = "duality.published.version"
 PUBLISHED_COVERAGE = "duality.published.coverage"
+VALIDATION = "duality.validation"  # the latest verdict, for people reading the properties
 # Commits that do not change the table's rows; an incremental run may build on top of them.
 _ROW_PRESERVING = {"OPTIMIZE", "VACUUM START", "VACUUM END", "SET TBLPROPERTIES"}
 
@@ -544,16 +547,74 @@ def published(spark: SparkSession, path: Path) -> tuple[int, Coverage] | None:
 
 
 def publish(spark: SparkSession, path: Path, version: int, coverage: Coverage) -> int:
-    """Make `version` the one readers get; returns the metadata-only commit that says so."""
-    properties = {
-        PUBLISHED_VERSION: str(version),
-        PUBLISHED_COVERAGE: json.dumps(coverage.as_dict(), separators=(",", ":")),
-    }
-    assignments = ", ".join(f"'{k}' = '{v}'" for k, v in properties.items())
-    metadata = {"kind": "publish", "published_version": version, "coverage": coverage.as_dict()}
+    """Make `version` the one readers get; returns the metadata-only commit that says so.
+
+    Callers check first that the table records a passing verdict for it (`validation`)."""
+    return _metadata_commit(
+        spark,
+        path,
+        _published_properties(version, coverage),
+        {"kind": "publish", "published": {"version": version, "coverage": coverage.as_dict()}},
+    )
+
+
+def record_validation(
+    spark: SparkSession, path: Path, verdict: dict[str, Any], publish: Coverage | None = None
+) -> int:
+    """Record the verdict of a version's validation in the table: a metadata-only commit whose
+    userMetadata holds it (`validation` finds it there); with `publish`, the same commit also
+    publishes that version. Returns the commit's version."""
+    properties = {VALIDATION: _json(verdict)}
+    metadata: dict[str, Any] = {"kind": "validation", "validation": verdict}
+    if publish is not None:
+        properties.update(_published_properties(verdict["version"], publish))
+        metadata["published"] = {"version": verdict["version"], "coverage": publish.as_dict()}
+    return _metadata_commit(spark, path, properties, metadata)
+
+
+def validation(versions: list[Version], version: int) -> dict[str, Any] | None:
+    """The newest verdict the table records for `version` (from `history()`), with `commit`,
+    the commit that records it; None when it was never validated."""
+    for entry in versions:
+        verdict = (entry.metadata or {}).get("validation")
+        if isinstance(verdict, dict) and verdict.get("version") == version:
+            return {**verdict, "commit": entry.version}
+    return None
+
+
+def latest_data_version(versions: list[Version]) -> int:
+    """The newest version that is not one of duality's validation or publish commits."""
+    for entry in versions:
+        if (entry.metadata or {}).get("kind") not in ("validation", "publish"):
+            return entry.version
+    return versions[-1].version
+
+
+def _published_properties(version: int, coverage: Coverage) -> dict[str, str]:
+    return {PUBLISHED_VERSION: str(version), PUBLISHED_COVERAGE: _json(coverage.as_dict())}
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), default=str)
+
+
+def _metadata_commit(
+    spark: SparkSession, path: Path, properties: dict[str, str], metadata: dict[str, Any]
+) -> int:
+    """One commit that sets table properties (no data change) with `metadata` as its
+    userMetadata; returns its version."""
+
+    def literal(text: str) -> str:
+        return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+    assignments = ", ".join(f"{literal(k)} = {literal(v)}" for k, v in properties.items())
     with commit_metadata(spark, metadata):
         spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ({assignments})")
-    return history(spark, path)[0].version
+    from delta.tables import DeltaTable
+
+    row = DeltaTable.forPath(spark, str(path)).history(1).select("version").first()
+    assert row is not None
+    return int(row["version"])
 
 
 def version_coverage(versions: list[Version], version: int) -> Coverage | None:

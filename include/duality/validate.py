@@ -7,8 +7,13 @@ is a floating division). `reconcile=True` adds a row-by-row comparison with the 
 recomputed from the source topic up to the source offsets the version covers.
 
 The snapshot is read once into a cached DataFrame; GE computes its metrics on it (aggregate
-metrics of one column domain share a Spark pass). Results go to `<reports>/<pipeline>/` as
-JSON and as Data Docs HTML. Only a version that passes is published.
+metrics of one column domain share a Spark pass). Every expectation is found in GE's registry by
+its name and carries its origin (built-in, the spec's, reconciliation) in its `meta`, which the
+results give back. The verdict is recorded in the Delta table itself, in a commit of its own
+(`snapshot.record_validation`): publishing reads it from there, so `validate` and `publish` may
+run on different machines. Results also go to `<reports>/<pipeline>/` as JSON and as Data Docs
+HTML, as reports. Only a version that passes is published
+(docs/decisions/0010-publish-gate-in-delta.md).
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ import dataclasses
 import itertools
 import json
 import logging
-import os
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -31,13 +35,10 @@ from duality.spec import PipelineSpec
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
 
-# GE reports usage to a remote service unless told not to; duality never phones home.
-os.environ.setdefault("GX_ANALYTICS_ENABLED", "False")
-# GE logs its own start-up at INFO; jobs log at INFO, so keep GE to warnings.
-logging.getLogger("great_expectations").setLevel(logging.WARNING)
-
 FLOAT_TOLERANCE = 1e-9  # relative, for floating sums and averages
 SAMPLE_KEYS = 5
+ORIGIN = "duality_origin"  # the key of an expectation's `meta` that says where it comes from
+RECONCILE_ORIGIN = "reconcile: the rows recomputed from the source"
 
 _GE_TYPES = {
     "string": "StringType",
@@ -57,7 +58,7 @@ class Check:
 
     type: str
     kwargs: dict[str, Any]
-    origin: str  # "built-in" or "spec expectations[i]"
+    origin: str  # "built-in: ...", "spec expectations[i]" or RECONCILE_ORIGIN
 
 
 def _q(column: str) -> str:
@@ -145,20 +146,22 @@ def spec_checks(spec: PipelineSpec) -> list[Check]:
 
 
 def _expectation(check: Check, origin: str) -> Any:
-    """The GE Expectation object; a clear UsageError for unknown names or bad arguments."""
-    import great_expectations as gx
+    """The GE Expectation, found in GE's registry by name, with the check's origin in its `meta`;
+    a clear UsageError for unknown names or bad arguments."""
+    from great_expectations.exceptions import ExpectationNotFoundError
+    from great_expectations.expectations.registry import get_expectation_impl
 
-    class_name = "".join(part.capitalize() for part in check.type.split("_"))
-    if check.type == "unexpected_rows_expectation":
-        class_name = "UnexpectedRowsExpectation"
-    cls = getattr(gx.expectations, class_name, None)
-    if cls is None:
+    try:
+        cls = get_expectation_impl(check.type)
+    except ExpectationNotFoundError:
         raise UsageError(
             f"{origin}: {check.origin}: unknown expectation {check.type!r}; use a Great "
             "Expectations 1.x expectation name such as expect_column_values_to_be_between"
-        )
+        ) from None
+    kwargs = dict(check.kwargs)
+    meta = {**(kwargs.pop("meta", None) or {}), ORIGIN: check.origin}
     try:
-        return cls(**check.kwargs)
+        return cls(**kwargs, meta=meta)
     except Exception as error:  # GE raises pydantic (v1) validation errors
         detail = " ".join(str(error).split())
         raise UsageError(
@@ -234,6 +237,17 @@ def recompute(
     return table.select(*columns)
 
 
+# The reconciliation's one expectation, on the `_mismatch` column of `reconciliation()`.
+RECONCILE_CHECK = Check(
+    "expect_column_values_to_be_null",
+    {
+        "column": "_mismatch",
+        "description": "each row equals the aggregates recomputed from the source",
+    },
+    RECONCILE_ORIGIN,
+)
+
+
 def reconciliation(spec: PipelineSpec, table: DataFrame, truth: DataFrame) -> DataFrame:
     """Key columns and `_mismatch` (null when the row agrees) of a full outer join."""
     from pyspark.sql import functions as F
@@ -292,6 +306,7 @@ class Report:
     json_report: str
     data_docs: str
     coverage: dict[str, Any] | None
+    validation_commit: int  # the table's commit that records this verdict
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -307,10 +322,13 @@ def run(
     spark: SparkSession | None = None,
     progress: snapshot.Progress = snapshot.quiet,
 ) -> Report:
-    """Validate a snapshot version (default: the latest) and publish it when it passes."""
+    """Validate a snapshot version (default: the latest), record the verdict in the table, and
+    publish the version when it passes."""
     origin = f"pipeline {spec.name}"
     suite_checks = [*built_in_checks(spec), *spec_checks(spec)]
-    expectations = [(check, _expectation(check, origin)) for check in suite_checks]
+    if reconcile:
+        suite_checks.append(RECONCILE_CHECK)
+    expectations = [_expectation(check, origin) for check in suite_checks]
     path = spec.snapshot_path(settings)
     snapshot.require_table(spec, path)
     started = time.monotonic()
@@ -320,7 +338,7 @@ def run(
         spark = session(settings, f"duality-validate-{spec.name}")
     versions = snapshot.history(spark, path)
     if version is None:
-        version = versions[0].version
+        version = snapshot.latest_data_version(versions)
     elif version not in {v.version for v in versions}:
         raise UsageError(f"{path} has no version {version}: versions are 0..{versions[0].version}")
     coverage = snapshot.version_coverage(versions, version)
@@ -340,26 +358,36 @@ def run(
             progress(f"recomputing the aggregates from {spec.source.topic}")
             truth = recompute(settings, spec, spark, coverage.source)
             diff = reconciliation(spec, table, truth).persist()
-        progress(f"running {len(expectations) + int(reconcile)} expectations on {rows:,} rows")
+        progress(f"running {len(expectations)} expectations on {rows:,} rows")
         results = _run_ge(settings, spec, version, table, diff, expectations)
-        failed = _failures(spark, spec, table, results, suite_checks)
+        failed = _failures(spark, spec, table, results)
     finally:
         table.unpersist()
         if diff is not None:
             diff.unpersist()
     success = not failed
-    published_version = None
     current = snapshot.published(spark, path)
-    if current is not None:
-        published_version = current[0]
+    published_version = current[0] if current is not None else None
     # A version written outside duality does not say what it covers: it is never published.
     publishing = success and publish and coverage is not None
+    report_dir = settings.reports / spec.name
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    json_report = report_dir / f"{stamp}-v{version}.json"
+    verdict = {
+        "version": version,
+        "success": success,
+        "checks": len(expectations),
+        "failed": [f"{item['expectation']} [{item['origin']}]" for item in failed],
+        "reconciled": reconcile,
+        "validated_at": stamp,
+        "json_report": str(json_report),
+    }
+    commit = snapshot.record_validation(
+        spark, path, verdict, publish=coverage if publishing else None
+    )
     if publishing:
-        assert coverage is not None
-        snapshot.publish(spark, path, version, coverage)
         published_version = version
         progress(f"published version {version}")
-    report_dir = settings.reports / spec.name
     report = Report(
         pipeline=spec.name,
         path=str(path),
@@ -370,13 +398,14 @@ def run(
         published_version=published_version,
         reconciled=reconcile,
         failed=failed,
-        checks=len(expectations) + int(reconcile),
+        checks=len(expectations),
         seconds=round(time.monotonic() - started, 2),
         json_report=str(report_dir / "latest.json"),
         data_docs=str(report_dir / "data_docs" / "index.html"),
         coverage=coverage.as_dict() if coverage else None,
+        validation_commit=commit,
     )
-    _write_json(report_dir, report, results)
+    _write_json(json_report, report, results, stamp)
     return report
 
 
@@ -386,12 +415,14 @@ def _run_ge(
     version: int,
     table: DataFrame,
     diff: DataFrame | None,
-    expectations: list[tuple[Check, Any]],
+    expectations: list[Any],
 ) -> list[dict[str, Any]]:
-    """Run the suite (and the reconciliation) as one GE checkpoint; returns the results' JSON."""
+    """Run the suite (the reconciliation on `diff`) as GE validations; returns the results' JSON."""
     import great_expectations as gx
     from great_expectations.data_context.types.base import ProgressBarsConfig
 
+    # GE logs its own start-up at INFO; jobs log at INFO, so keep GE to warnings.
+    logging.getLogger("great_expectations").setLevel(logging.WARNING)
     context = gx.get_context(mode="ephemeral")
     context.variables.progress_bars = ProgressBarsConfig(globally=False)
     site = settings.reports / spec.name / "data_docs"
@@ -429,13 +460,9 @@ def _run_ge(
         )
         batches[f"{spec.name}_{name}"] = {"dataframe": frame}
 
-    add("snapshot", table, [expectation for _, expectation in expectations])
+    add("snapshot", table, [e for e in expectations if e.meta[ORIGIN] != RECONCILE_ORIGIN])
     if diff is not None:
-        mismatch = gx.expectations.ExpectColumnValuesToBeNull(
-            column="_mismatch",
-            description="each row equals the aggregates recomputed from the source",
-        )
-        add("reconcile", diff, [mismatch])
+        add("reconcile", diff, [e for e in expectations if e.meta[ORIGIN] == RECONCILE_ORIGIN])
     results = []
     for definition in definitions:
         saved = context.validation_definitions.add(definition)
@@ -450,9 +477,9 @@ def _failures(
     spec: PipelineSpec,
     table: DataFrame,
     results: list[dict[str, Any]],
-    checks: list[Check],
 ) -> list[dict[str, Any]]:
-    """The failed expectations, each with the keys of a few failing rows."""
+    """The failed expectations, each with its origin (from its `meta`) and the keys of a few
+    failing rows."""
     failed = []
     for result in results:
         for item in result["results"]:
@@ -465,22 +492,10 @@ def _failures(
                 if k not in ("batch_id", "result_format") and v is not None
             }
             outcome = item.get("result") or {}
-            # GE fills in default arguments: a check is the one whose arguments all match.
-            check = next(
-                (
-                    c
-                    for c in checks
-                    if c.type == config["type"]
-                    and all(kwargs.get(k) == v for k, v in c.kwargs.items() if k != "description")
-                ),
-                None,
-            )
             entry: dict[str, Any] = {
                 "expectation": config["type"],
                 "kwargs": kwargs,
-                "origin": check.origin
-                if check
-                else "reconcile: the rows recomputed from the source",
+                "origin": (config.get("meta") or {}).get(ORIGIN, "(unknown)"),
                 "unexpected_count": outcome.get("unexpected_count", outcome.get("observed_value")),
                 "keys": outcome.get("partial_unexpected_index_list", [])[:SAMPLE_KEYS],
             }
@@ -499,25 +514,12 @@ def _failures(
     return failed
 
 
-def _write_json(folder: Path, report: Report, results: list[dict[str, Any]]) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+def _write_json(path: Path, report: Report, results: list[dict[str, Any]], stamp: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     document = {**report.as_dict(), "validated_at": stamp, "results": results}
     text = json.dumps(document, indent=2, default=str)
-    (folder / f"{stamp}-v{report.version}.json").write_text(text)
-    (folder / "latest.json").write_text(text)
-
-
-def passing_report(settings: Settings, spec: PipelineSpec, version: int) -> dict[str, Any] | None:
-    """The newest report of `version`, if that validation passed."""
-    folder = settings.reports / spec.name
-    for path in sorted(folder.glob(f"*-v{version}.json"), reverse=True):
-        document = json.loads(path.read_text())
-        if document.get("version") == version and document.get("path") == str(
-            spec.snapshot_path(settings)
-        ):
-            return {**document, "file": str(path)} if document.get("success") else None
-    return None
+    path.write_text(text)
+    (path.parent / "latest.json").write_text(text)
 
 
 def publish_validated(
@@ -527,45 +529,44 @@ def publish_validated(
     *,
     spark: SparkSession | None = None,
 ) -> dict[str, Any]:
-    """Publish a version that passed `validate --no-publish` (the audit step before this)."""
+    """Publish a version that passed `validate --no-publish` (the audit step before this), by
+    the verdict the table records for it: no report on this machine is needed or read."""
     path = spec.snapshot_path(settings)
     snapshot.require_table(spec, path)
-    report = passing_report(settings, spec, version)
-    if report is None:
-        raise CheckFailed(
-            f"version {version} of {spec.name}'s snapshot has no passing validation in "
-            f"{settings.reports / spec.name}: run `duality validate {spec.name} --version "
-            f"{version}` first; nothing was published"
-        )
     if spark is None:
         from duality.spark import session
 
         spark = session(settings, f"duality-publish-{spec.name}")
     versions = snapshot.history(spark, path)
+    verdict = snapshot.validation(versions, version)
+    if verdict is None or not verdict["success"]:
+        found = (
+            "has no validation recorded in the table"
+            if verdict is None
+            else f"failed validation (commit {verdict['commit']}: {'; '.join(verdict['failed'])})"
+        )
+        raise CheckFailed(
+            f"version {version} of {spec.name}'s snapshot {found}: it needs a passing "
+            f"`duality validate {spec.name} --version {version}` first; nothing was published"
+        )
     coverage = snapshot.version_coverage(versions, version)
     if coverage is None:
         raise CheckFailed(
             f"version {version} of {path} does not record what it covers (written outside "
             f"duality): it is never published; rebuild with `duality snapshot {spec.name} --full`"
         )
-    current = snapshot.published(spark, path)
-    if current is not None and current[0] == version:
-        return {
-            "pipeline": spec.name,
-            "published_version": version,
-            "already_published": True,
-            "report": report["file"],
-            "coverage": coverage.as_dict(),
-        }
-    commit = snapshot.publish(spark, path, version, coverage)
-    return {
+    result = {
         "pipeline": spec.name,
         "published_version": version,
         "already_published": False,
-        "commit": commit,
-        "report": report["file"],
+        "validation_commit": verdict["commit"],
+        "report": verdict.get("json_report"),  # where the validating machine wrote it
         "coverage": coverage.as_dict(),
     }
+    current = snapshot.published(spark, path)
+    if current is not None and current[0] == version:
+        return {**result, "already_published": True}
+    return {**result, "commit": snapshot.publish(spark, path, version, coverage)}
 
 
 def summary(report: Report) -> str:

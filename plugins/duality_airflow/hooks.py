@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -49,11 +50,9 @@ def overrides(
     return changes
 
 
-def settings() -> Settings:
+def settings(kafka_conn_id: str = KAFKA_CONN_ID, spark_conn_id: str = SPARK_CONN_ID) -> Settings:
     """`Settings.from_env()` with the Airflow connections applied (missing ones are skipped)."""
     from airflow.sdk import BaseHook
-
-    from duality.config import Settings
 
     def connection(conn_id: str) -> Any:
         try:
@@ -61,10 +60,37 @@ def settings() -> Settings:
         except Exception:  # not defined: the environment's settings stand
             return None
 
-    kafka_conn = connection(KAFKA_CONN_ID)
-    spark_conn = connection(SPARK_CONN_ID)
+    return _with_connections(connection(kafka_conn_id), connection(spark_conn_id))
+
+
+async def asettings(
+    kafka_conn_id: str = KAFKA_CONN_ID, spark_conn_id: str = SPARK_CONN_ID
+) -> Settings:
+    """`settings()` for the triggerer's event loop."""
+    from airflow.sdk import BaseHook
+
+    async def connection(conn_id: str) -> Any:
+        try:
+            return await BaseHook.aget_connection(conn_id)
+        except Exception:  # not defined: the environment's settings stand
+            return None
+
+    return _with_connections(await connection(kafka_conn_id), await connection(spark_conn_id))
+
+
+def _with_connections(kafka_conn: Any, spark_conn: Any) -> Settings:
+    from duality.config import Settings
+
     changes = overrides(
         kafka_conn.extra_dejson if kafka_conn is not None else None,
         (spark_conn.host, spark_conn.port) if spark_conn is not None else None,
     )
     return Settings.from_env().replace(**changes)
+
+
+def execution_timeout(kind: str) -> timedelta:
+    """A task kind's execution timeout (`<kind>_timeout_s`), from the environment's settings:
+    DAG files read it when they are parsed, so no connection is looked up then."""
+    from duality.config import Settings
+
+    return timedelta(seconds=getattr(Settings.from_env(), f"{kind}_timeout_s"))

@@ -25,16 +25,17 @@ class StreamRunningSensor(BaseSensorOperator):
 
     def __init__(self, *, pipeline: str, **kwargs: Any) -> None:
         kwargs.setdefault("timeout", timedelta(minutes=5).total_seconds())
+        if kwargs.get("execution_timeout") is None:
+            kwargs["execution_timeout"] = hooks.execution_timeout("supervise")
         super().__init__(**kwargs)
         self.pipeline = pipeline
 
     def execute(self, context: Context) -> Any:
-        env = hooks.settings().as_env()
-        health = stream_health(env, self.pipeline)
+        health = stream_health(hooks.settings(), self.pipeline)
         if health["health"] == "healthy" or health["desired"] == "stopped":
             return self._done(health)
         self.defer(
-            trigger=StreamRunningTrigger(self.pipeline, env),
+            trigger=StreamRunningTrigger(self.pipeline),
             method_name="execute_complete",
             timeout=timedelta(seconds=float(self.timeout)),
         )

@@ -180,3 +180,24 @@ def test_repartition_params_select_the_moves():
         select(configured, {**defaults, "topic": "c"})
     with pytest.raises(AirflowSkipException):
         select([], defaults)
+
+
+def test_every_task_has_the_execution_timeout_of_its_kind_from_settings(dags):
+    from duality.config import Settings
+
+    settings = Settings.from_env()
+    kinds = {
+        "supervise": "supervise",
+        "wait_running": "supervise",
+        "snapshot": "snapshot",
+        "validate": "validate",
+        "publish": "publish",
+        "select": "repartition",
+        "repartition": "repartition",
+        "reset": "reset",
+    }
+    for dag_id, dag in dags.items():
+        for task in dag.tasks:
+            seconds = getattr(settings, f"{kinds[task.task_id]}_timeout_s")
+            assert task.execution_timeout is not None, f"{dag_id}.{task.task_id}"
+            assert task.execution_timeout.total_seconds() == seconds, f"{dag_id}.{task.task_id}"

@@ -307,3 +307,46 @@ def test_reconcile_with_the_source(spark, pipeline, tmp_path: Path) -> None:  # 
     assert failed[0]["origin"].startswith("reconcile") and failed[0]["unexpected_count"] == 1
     assert failed[0]["keys"][0]["product"] == key.decode()
     assert "orders: snapshot" in failed[0]["keys"][0]["_mismatch"]
+
+
+def test_publish_reads_the_verdict_from_the_table_not_from_a_report(
+    spark, pipeline, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """`validate` on one worker (its own Airflow home and report folder), `publish` on another:
+    the gate is the verdict the table records, so no report file needs to travel."""
+    settings, spec = pipeline
+    rng = random.Random(3)
+    _write(settings, spec, _history(rng, range(50)))
+    passed = snapshot.build(settings, spec, "full", spark=spark).version
+    _write(settings, spec, _history(rng, range(50, 60)))
+    unvalidated = snapshot.build(settings, spec, spark=spark).version
+    negative = {"orders": -5, "units": 1, "revenue": 1.0, "max_amount": 1.0}
+    _write(settings, spec, {"p0001": {**negative, "min_amount": 1.0, "avg_amount": 1.0}})
+    failed = snapshot.build(settings, spec, spark=spark).version
+
+    def worker(name: str) -> Settings:
+        return settings.replace(reports=tmp_path / name / "reports", local_dir=tmp_path / name)
+
+    for version, success in ((passed, True), (failed, False)):
+        report = validate.run(worker("a"), spec, version=version, publish=False, spark=spark)
+        assert report.success is success and not report.published
+
+    def publish(version: int) -> subprocess.CompletedProcess[str]:
+        command = ["publish", spec.name, "--version", str(version), "--json"]
+        return subprocess.run(
+            [sys.executable, "-m", "duality.cli", *command],
+            env={**_env(worker("b")), "AIRFLOW_HOME": str(tmp_path / "b" / "airflow")},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    refused = publish(unvalidated)
+    assert refused.returncode == 1 and "no validation recorded" in refused.stderr, refused.stderr
+    refused = publish(failed)
+    assert refused.returncode == 1 and "failed validation" in refused.stderr, refused.stderr
+    done = publish(passed)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["published_version"] == passed
+    assert snapshot.published(spark, spec.snapshot_path(settings))[0] == passed  # type: ignore[index]
+    assert not (tmp_path / "b" / "reports").exists()
