@@ -349,12 +349,28 @@ def create_topic(
     except KafkaException as exc:
         if _code(exc) != KafkaError.TOPIC_ALREADY_EXISTS:
             raise
-        if exist_ok:
-            return False
-        raise UsageError(
-            f"topic {name!r} already exists: delete it or choose another name"
-        ) from None
+        if not exist_ok:
+            raise UsageError(
+                f"topic {name!r} already exists: delete it or choose another name"
+            ) from None
+        _wait_for_leaders(settings, name)
+        return False
+    _wait_for_leaders(settings, name)
     return True
+
+
+def _wait_for_leaders(settings: Settings, name: str) -> None:
+    """Until the broker that answers knows the topic and every partition has a leader: a topic
+    just created takes a moment to reach every broker's metadata."""
+
+    def ready() -> None:
+        entry = _metadata(settings, f"describe topic {name!r}", name).topics.get(name)
+        if entry is None or entry.error is not None or not entry.partitions:
+            raise KafkaException(KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART, retriable=True))
+        if any(p.leader < 0 for p in entry.partitions.values()):
+            raise KafkaException(KafkaError(KafkaError.LEADER_NOT_AVAILABLE, retriable=True))
+
+    retrying(settings, f"wait for the partitions of the new topic {name!r} to have leaders", ready)
 
 
 def delete_topic(settings: Settings, name: str) -> None:
