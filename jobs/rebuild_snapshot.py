@@ -1,4 +1,4 @@
-"""spark-submit entry point: rebuild one pipeline's Delta snapshot from its changelog.
+"""Entry point: rebuild one pipeline's Delta snapshot from its changelog.
 
     python jobs/rebuild_snapshot.py PIPELINE [OPTIONS]      (the arguments of `duality snapshot`)
 

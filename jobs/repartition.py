@@ -1,4 +1,4 @@
-"""spark-submit entry point: copy a topic into one with N partitions, exactly once.
+"""Entry point: copy a topic into one with N partitions, exactly once.
 
     python jobs/repartition.py SOURCE --to TARGET --partitions N [OPTIONS]
         (the arguments of `duality repartition`)

@@ -1,6 +1,6 @@
-"""spark-submit entry point: run one pipeline's changelog-backed streaming aggregate.
+"""Entry point: run one pipeline's changelog-backed streaming aggregate.
 
-    python jobs/stream_aggregate.py PIPELINE      (or spark-submit ... jobs/stream_aggregate.py)
+    python jobs/stream_aggregate.py PIPELINE
 
 Runs until SIGTERM; exits non-zero when the stream cannot run (bad spec, lock held).
 """

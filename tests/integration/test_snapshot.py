@@ -158,7 +158,7 @@ def test_full_then_incremental_equal_the_changelog(spark, pipeline) -> None:  # 
     kafka.delete_topic(settings, spec.changelog_topic)
     _create_again(settings, spec)
     _write(settings, spec, _history(rng, range(5)))
-    # The spark-submit entry point, as Airflow runs it.
+    # The job's entry point, run with Python as users run it.
     job = subprocess.run(
         [sys.executable, str(ROOT / "jobs" / "rebuild_snapshot.py"), spec.name, "--incremental"],
         env=_env(settings),
