@@ -398,6 +398,17 @@ class TreeMemory:
             return "driver" if process.ppid() == self.root.pid else "python workers"
         return "other"
 
+    @staticmethod
+    def _forked_helper(process: psutil.Process) -> bool:
+        """A JVM's child other than a Python worker: a command Hadoop's file system forks for a
+        moment (`chmod`, `df`), whose RSS before its exec repeats the whole JVM's."""
+        parent = process.parent()
+        return (
+            parent is not None
+            and parent.name().startswith("java")
+            and not process.name().startswith("python")
+        )
+
     def sample(self) -> int:
         """Bytes resident now, summed over the tree (pages shared by forks count in each)."""
         try:
@@ -408,6 +419,8 @@ class TreeMemory:
         total = 0
         for process in processes:
             try:
+                if self._forked_helper(process):
+                    continue
                 rss = process.memory_info().rss
                 part = self._part(process)
             except psutil.Error:
