@@ -32,7 +32,7 @@ from duality import kafka
 from duality.config import Settings
 from duality.local import ephemeral_broker
 from repartition import repartition_scenarios
-from snapshots import snapshot_scenarios, validation_scenario
+from snapshots import snapshot_scenarios, validation_scenarios
 from streaming import Bench, StreamFigure, bench_spec, set_throughput_target, stream_scenarios
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -120,6 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--keys", type=int, default=100_000)
     parser.add_argument(
+        "--snapshot-keys",
+        type=int,
+        default=None,
+        help="keys of the snapshot scenarios (default 1,000,000; --keys below "
+        f"{FULL_RECORDS:,} records)",
+    )
+    parser.add_argument(
         "--latency-rate",
         type=float,
         default=LATENCY_RATE,
@@ -140,8 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    if args.records < 1 or args.keys < 1:
-        parser.error("--records and --keys must be at least 1")
+    if args.snapshot_keys is None:
+        args.snapshot_keys = 1_000_000 if args.records >= FULL_RECORDS else args.keys
+    if args.records < 1 or args.keys < 1 or args.snapshot_keys < 1:
+        parser.error("--records, --keys and --snapshot-keys must be at least 1")
     if args.latency_rate <= 0 or args.trigger_seconds <= 0:
         parser.error("--latency-rate and --trigger-seconds must be positive")
     if args.latency_seconds is None:
@@ -206,12 +215,17 @@ def main(argv: list[str] | None = None) -> int:
         figures.extend(streams)
         figures.extend(repartitioned)
 
-        progress.console.print(f"snapshots of {args.keys:,} keys: full, then 1% changed")
-        snapshots = bench_spec(f"bench_snapshot_{stamp}", source)
-        figures.extend(snapshot_scenarios(scoped, snapshots, args.keys))
-        progress.console.print(f"validating a snapshot of {args.records:,} rows")
+        progress.console.print(
+            f"snapshots of {args.snapshot_keys:,} keys: full, then 1% changed, then nothing new"
+        )
+        pipelines = scratch / "pipelines"
+        snapshots = bench_spec(f"bench_snapshot_{stamp}", source, pipelines)
+        figures.extend(snapshot_scenarios(scoped, snapshots, args.snapshot_keys, pipelines))
+        progress.console.print(
+            f"validating snapshots of {args.records:,} and {3 * args.records:,} rows"
+        )
         checked = bench_spec(f"bench_validate_{stamp}", source)
-        figures.append(validation_scenario(scoped, checked, args.records))
+        figures.extend(validation_scenarios(scoped, checked, args.records))
     document = {
         "started": started.isoformat(),
         "machine": {
@@ -222,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         "workload": {
             "records": args.records,
             "keys": args.keys,
+            "snapshot_keys": args.snapshot_keys,
             "partitions": PARTITIONS,
             "megabytes": round(megabytes, 3),
             "latency_rate": args.latency_rate,

@@ -222,7 +222,7 @@ def _latest_per_key(raw: DataFrame) -> DataFrame:
     )
 
 
-# -- the table's history ----------------------------------------------------------------------
+# -- the table's log, read without Spark -----------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,52 +231,86 @@ class Version:
     timestamp_ms: int
     operation: str
     metadata: dict[str, Any] | None  # duality's userMetadata, None for a foreign commit
+    metrics: dict[str, int] = dataclasses.field(default_factory=dict)  # operationMetrics
 
 
-def history(spark: SparkSession, path: Path) -> list[Version]:
-    """The table's commits, newest first."""
-    from delta.tables import DeltaTable
-
-    rows = (
-        DeltaTable.forPath(spark, str(path))
-        .history()
-        .select("version", "timestamp", "operation", "userMetadata")
-        .collect()
-    )
+def history(path: Path) -> list[Version]:
+    """The table's commits, newest first: the `commitInfo` of each JSON commit in its log (what
+    Delta's own history reads), without a Spark job."""
     versions = []
-    for row in rows:
+    for file in (path / "_delta_log").glob("*.json"):
+        if not file.stem.isdigit():
+            continue
+        info: dict[str, Any] = {}
+        with file.open() as lines:
+            for line in lines:
+                if line.startswith('{"commitInfo"'):
+                    info = json.loads(line)["commitInfo"]
+                    break
         metadata = None
-        if row["userMetadata"]:
+        if info.get("userMetadata"):
             try:
-                metadata = json.loads(row["userMetadata"]).get(METADATA_KEY)
+                metadata = json.loads(info["userMetadata"]).get(METADATA_KEY)
             except (json.JSONDecodeError, AttributeError):
                 metadata = None
+        metrics = {k: int(v) for k, v in (info.get("operationMetrics") or {}).items()}
         versions.append(
             Version(
-                row["version"], int(row["timestamp"].timestamp() * 1000), row["operation"], metadata
+                int(file.stem),
+                int(info.get("timestamp", file.stat().st_mtime * 1000)),
+                str(info.get("operation", "UNKNOWN")),
+                metadata,
+                metrics,
             )
         )
     return sorted(versions, key=lambda v: -v.version)
+
+
+@dataclasses.dataclass(frozen=True)
+class TableState:
+    """What a version's checksum file (Delta's `_delta_log/<version>.crc`) says of it."""
+
+    version: int
+    columns: list[str]
+    properties: dict[str, str]
+    rows: int | None  # None when the checksum does not list the table's files
+
+
+def table_state(path: Path, version: int) -> TableState | None:
+    """A version's columns, table properties and row count from its checksum file, or None
+    when Delta wrote none (the callers then ask Spark)."""
+    try:
+        checksum = json.loads((path / "_delta_log" / f"{version:020d}.crc").read_text())
+        metadata = checksum["metadata"]
+        columns = [field["name"] for field in json.loads(metadata["schemaString"])["fields"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    rows: int | None = None
+    if isinstance(checksum.get("allFiles"), list):
+        try:
+            rows = sum(
+                json.loads(entry["stats"])["numRecords"]
+                - (entry.get("deletionVector") or {}).get("cardinality", 0)
+                for entry in checksum["allFiles"]
+            )
+        except (ValueError, KeyError, TypeError):
+            rows = None
+    return TableState(version, columns, dict(metadata.get("configuration") or {}), rows)
 
 
 def is_table(path: Path) -> bool:
     return (path / "_delta_log").is_dir()
 
 
-def current(spark: SparkSession, path: Path) -> tuple[Version, Coverage | None, str | None]:
-    """The latest version, the coverage an incremental run can build on, or why it cannot."""
-    versions = history(spark, path)
-    latest = versions[0]
+def current(versions: list[Version]) -> tuple[Coverage | None, str | None]:
+    """The coverage an incremental run can build on (from `history()`), or why it cannot."""
     for version in versions:
         if version.metadata is not None and "coverage" in version.metadata:
-            return latest, Coverage.from_dict(version.metadata["coverage"]), None
+            return Coverage.from_dict(version.metadata["coverage"]), None
         if version.operation not in _ROW_PRESERVING:
-            return (
-                latest,
-                None,
-                f"version {version.version} ({version.operation}) was written outside duality",
-            )
-    return latest, None, "no version records the changelog offsets it covers"
+            written = f"version {version.version} ({version.operation})"
+            return None, f"{written} was written outside duality"
+    return None, "no version records the changelog offsets it covers"
 
 
 @contextmanager
@@ -324,7 +358,11 @@ def build(
     spark: SparkSession | None = None,
     progress: Progress = quiet,
 ) -> SnapshotResult:
-    """Write one new snapshot version (or none when the changelog has not moved)."""
+    """Write one new snapshot version (or none when the changelog has not moved).
+
+    Whether there is anything to do is decided from Kafka's offsets and the table's log alone:
+    a run that finds nothing new starts no Spark session and no Spark job.
+    """
     started = time.monotonic()
     if not kafka.topic_exists(settings, spec.changelog_topic):
         raise UsageError(
@@ -333,20 +371,29 @@ def build(
         )
     progress(f"reading the offsets of {spec.changelog_topic}")
     coverage = capture_coverage(settings, spec)
-    if spark is None:
-        from duality.spark import session
-
-        spark = session(settings, f"duality-snapshot-{spec.name}")
     path = spec.snapshot_path(settings)
+    sessions: list[SparkSession] = [spark] if spark is not None else []
+
+    def spark_session() -> SparkSession:
+        if not sessions:
+            from duality.spark import session
+
+            progress("starting Spark")
+            sessions.append(session(settings, f"duality-snapshot-{spec.name}"))
+        return sessions[0]
 
     base: Coverage | None = None
     previous: int | None = None
     reason: str | None = None
+    state: TableState | None = None
     if is_table(path):
-        newest, base, reason = current(spark, path)
-        previous = newest.version
+        versions = history(path)
+        previous = versions[0].version
+        state = table_state(path, previous)
+        base, reason = current(versions)
         if base is not None:
-            reason = _incremental_blocker(settings, spec, spark, path, base, coverage)
+            columns = state.columns if state else load(spark_session(), path).columns
+            reason = _incremental_blocker(settings, spec, columns, base, coverage)
             if reason is not None:
                 base = None
     else:
@@ -358,6 +405,7 @@ def build(
 
     if base is not None and base.changelog == coverage.changelog:
         progress(f"{spec.changelog_topic} has not moved since version {previous}: nothing to do")
+        known = state.rows if state is not None else None
         return SnapshotResult(
             spec.name,
             str(path),
@@ -370,13 +418,14 @@ def build(
             {},
             0,
             0,
-            _row_count(spark, path),
+            known if known is not None else _row_count(spark_session(), path),
             0,
             0,
             0,
             round(time.monotonic() - started, 2),
         )
 
+    spark = spark_session()
     start = base.changelog if base is not None else None
     ran = "incremental" if base is not None else "full"
     metadata = {
@@ -416,21 +465,29 @@ def build(
             _merge(spark, spec, path, rows, metadata)
     finally:
         latest.unpersist()
-    version, inserted, updated, deleted = _last_commit(spark, path)
-    progress(f"version {version} of {path} written ({ran})")
+    written = history(path)[0]
+    progress(f"version {written.version} of {path} written ({ran})")
+    if written.operation == "MERGE":
+        inserted, updated, deleted = (
+            written.metrics.get(f"numTargetRows{kind}", 0)
+            for kind in ("Inserted", "Updated", "Deleted")
+        )
+    else:
+        inserted, updated, deleted = written.metrics.get("numOutputRows", 0), 0, 0
+    after = table_state(path, written.version)
     return SnapshotResult(
         pipeline=spec.name,
         path=str(path),
         mode=ran,
         requested=mode,
         fallback_reason=reason if base is None and mode != "full" else None,
-        version=version,
+        version=written.version,
         previous_version=previous,
         coverage=coverage.as_dict(),
         read_ranges=ranges,
         records_read=int(records_read),
         keys_read=int(keys_read),
-        rows=_row_count(spark, path),
+        rows=after.rows if after and after.rows is not None else _row_count(spark, path),
         inserted=inserted,
         updated=updated,
         deleted=deleted,
@@ -441,8 +498,7 @@ def build(
 def _incremental_blocker(
     settings: Settings,
     spec: PipelineSpec,
-    spark: SparkSession,
-    path: Path,
+    table_columns: list[str],
     base: Coverage,
     now: Coverage,
 ) -> str | None:
@@ -463,7 +519,6 @@ def _incremental_blocker(
             f"records of {now.changelog_topic} after the recorded offsets were deleted "
             f"(partitions {truncated})"
         )
-    table_columns = spark.read.format("delta").load(str(path)).columns
     if table_columns != list(column_types(spec)):
         return "the table's columns differ from the spec's"
     return None
@@ -494,24 +549,6 @@ def _merge(
         )
 
 
-def _last_commit(spark: SparkSession, path: Path) -> tuple[int, int, int, int]:
-    """The newest version and the rows it inserted, updated and deleted (Delta's own metrics)."""
-    from delta.tables import DeltaTable
-
-    row = DeltaTable.forPath(spark, str(path)).history(1).first()
-    assert row is not None
-    metrics = row["operationMetrics"] or {}
-    if row["operation"] == "MERGE":
-        counts = (
-            metrics.get("numTargetRowsInserted", 0),
-            metrics.get("numTargetRowsUpdated", 0),
-            metrics.get("numTargetRowsDeleted", 0),
-        )
-    else:
-        counts = (metrics.get("numOutputRows", 0), 0, 0)
-    return int(row["version"]), *(int(c) for c in counts)  # type: ignore[return-value]
-
-
 def _row_count(spark: SparkSession, path: Path, version: int | None = None) -> int:
     return load(spark, path, version).count()
 
@@ -535,11 +572,16 @@ def require_table(spec: PipelineSpec, path: Path) -> None:
 
 
 def published(spark: SparkSession, path: Path) -> tuple[int, Coverage] | None:
-    """The published version and what it covers, from the table's properties."""
-    from delta.tables import DeltaTable
+    """The published version and what it covers, from the table's properties (read from the
+    latest version's checksum file; from Spark when there is none)."""
+    state = table_state(path, history(path)[0].version)
+    if state is not None:
+        properties = state.properties
+    else:
+        from delta.tables import DeltaTable
 
-    row = DeltaTable.forPath(spark, str(path)).detail().select("properties").first()
-    properties = (row["properties"] if row else None) or {}
+        row = DeltaTable.forPath(spark, str(path)).detail().select("properties").first()
+        properties = (row["properties"] if row else None) or {}
     if PUBLISHED_VERSION not in properties:
         return None
     coverage = Coverage.from_dict(json.loads(properties[PUBLISHED_COVERAGE]))
@@ -610,11 +652,7 @@ def _metadata_commit(
     assignments = ", ".join(f"{literal(k)} = {literal(v)}" for k, v in properties.items())
     with commit_metadata(spark, metadata):
         spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ({assignments})")
-    from delta.tables import DeltaTable
-
-    row = DeltaTable.forPath(spark, str(path)).history(1).select("version").first()
-    assert row is not None
-    return int(row["version"])
+    return history(path)[0].version
 
 
 def version_coverage(versions: list[Version], version: int) -> Coverage | None:
@@ -681,7 +719,7 @@ def maintain(
         from duality.spark import session
 
         spark = session(settings, f"duality-maintain-{spec.name}")
-    versions = history(spark, path)
+    versions = history(path)
     found = published(spark, path)
     needed = 0.0
     if found is not None:

@@ -18,6 +18,7 @@ HTML, as reports. Only a version that passes is published
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import json
@@ -25,7 +26,7 @@ import logging
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from duality import kafka, snapshot
 from duality.config import Settings
@@ -39,6 +40,8 @@ FLOAT_TOLERANCE = 1e-9  # relative, for floating sums and averages
 SAMPLE_KEYS = 5
 ORIGIN = "duality_origin"  # the key of an expectation's `meta` that says where it comes from
 RECONCILE_ORIGIN = "reconcile: the rows recomputed from the source"
+# Checks answered from the table's schema, without reading rows.
+SCHEMA = {"expect_table_columns_to_match_ordered_list", "expect_column_values_to_be_of_type"}
 
 _GE_TYPES = {
     "string": "StringType",
@@ -336,7 +339,7 @@ def run(
         from duality.spark import session
 
         spark = session(settings, f"duality-validate-{spec.name}")
-    versions = snapshot.history(spark, path)
+    versions = snapshot.history(path)
     if version is None:
         version = snapshot.latest_data_version(versions)
     elif version not in {v.version for v in versions}:
@@ -438,38 +441,60 @@ def _run_ge(
         },
     )
     source = context.data_sources.add_spark(f"{spec.name}_snapshot")
-    result_format = {
-        "result_format": "SUMMARY",
-        "unexpected_index_column_names": list(spec.key_columns),
-        "partial_unexpected_count": SAMPLE_KEYS,
-    }
-    definitions = []
-    batches: dict[str, dict[str, Any]] = {}
+    reconciling = [e for e in expectations if e.meta[ORIGIN] == RECONCILE_ORIGIN]
+    schema = [e for e in expectations if e not in reconciling and e.expectation_type in SCHEMA]
+    rows = [e for e in expectations if e not in reconciling and e not in schema]
 
-    def add(name: str, frame: DataFrame, checks: list[Any]) -> None:
+    def validate(name: str, frame: DataFrame, checks: list[Any], detail: bool) -> dict[str, Any]:
         suite = context.suites.add(gx.ExpectationSuite(f"{spec.name}_v{version}_{name}"))
         for check in checks:
             suite.add_expectation(check)
-        asset = source.add_dataframe_asset(name)
-        definitions.append(
+        definition = context.validation_definitions.add(
             gx.ValidationDefinition(
                 name=f"{spec.name}_{name}",
-                data=asset.add_batch_definition_whole_dataframe("version"),
+                data=source.add_dataframe_asset(name).add_batch_definition_whole_dataframe("v"),
                 suite=suite,
             )
         )
-        batches[f"{spec.name}_{name}"] = {"dataframe": frame}
+        # A passing check needs no more than its verdict: BOOLEAN_ONLY lets GE compute the
+        # unexpected counts of a domain in one aggregation, with no per-check sample queries.
+        # Failed checks run again with their counts and the keys of a few failing rows.
+        result_format: dict[str, Any] = {"result_format": "BOOLEAN_ONLY"}
+        if detail:
+            result_format = {
+                "result_format": "SUMMARY",
+                "unexpected_index_column_names": list(spec.key_columns),
+                "partial_unexpected_count": SAMPLE_KEYS,
+            }
+        outcome = definition.run(batch_parameters={"dataframe": frame}, result_format=result_format)
+        return cast(dict[str, Any], outcome.to_json_dict())
 
-    add("snapshot", table, [e for e in expectations if e.meta[ORIGIN] != RECONCILE_ORIGIN])
-    if diff is not None:
-        add("reconcile", diff, [e for e in expectations if e.meta[ORIGIN] == RECONCILE_ORIGIN])
     results = []
-    for definition in definitions:
-        saved = context.validation_definitions.add(definition)
-        outcome = saved.run(batch_parameters=batches[definition.name], result_format=result_format)
-        results.append(outcome)
+    for name, checks in (("schema", schema), ("snapshot", rows), ("reconcile", reconciling)):
+        if not checks:
+            continue
+        frame = diff if name == "reconcile" else table
+        assert frame is not None
+        # Schema checks read no rows; their full results also let Data Docs order the columns.
+        result = validate(name, frame, checks, detail=name == "schema")
+        failed = {i["expectation_config"]["id"] for i in result["results"] if not i["success"]}
+        if failed and name != "schema":
+            # An expectation belongs to one suite: the failures' suite gets copies.
+            copies: dict[str, Any] = {}
+            for check in checks:
+                if check.id in failed:
+                    duplicate = copy.copy(check)
+                    duplicate.id = None
+                    copies[check.id] = duplicate
+            detailed = validate(f"{name}_failures", frame, list(copies.values()), detail=True)
+            original = {duplicate.id: check_id for check_id, duplicate in copies.items()}
+            by_id = {original[i["expectation_config"]["id"]]: i for i in detailed["results"]}
+            result["results"] = [
+                by_id.get(item["expectation_config"]["id"], item) for item in result["results"]
+            ]
+        results.append(result)
     context.build_data_docs(site_names=["duality"])
-    return [r.to_json_dict() for r in results]
+    return results
 
 
 def _failures(
@@ -537,7 +562,7 @@ def publish_validated(
         from duality.spark import session
 
         spark = session(settings, f"duality-publish-{spec.name}")
-    versions = snapshot.history(spark, path)
+    versions = snapshot.history(path)
     verdict = snapshot.validation(versions, version)
     if verdict is None or not verdict["success"]:
         found = (

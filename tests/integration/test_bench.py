@@ -47,7 +47,9 @@ def test_bench_writes_baselines(settings: Settings, tmp_path: Path):
         "snapshot-full",
         "snapshot-incremental",
         "snapshot-full-after",
+        "snapshot-nothing-new",
         "validate",
+        "validate-3x",
         "latency",
     }
     for name in ("kafka-consumer-perf", "python-copy", "stream-throughput"):
@@ -63,8 +65,15 @@ def test_bench_writes_baselines(settings: Settings, tmp_path: Path):
     assert figures["snapshot-incremental"]["changelog_records_read"] == 5
     assert figures["snapshot-full-after"]["changelog_records_read"] >= 505
     assert figures["snapshot-incremental"]["records"] == figures["snapshot-full-after"]["records"]
+    assert figures["snapshot-nothing-new"]["mode"] == "none"
+    assert figures["snapshot-nothing-new"]["records"] == figures["snapshot-full-after"]["records"]
+    for name in ("snapshot-incremental", "snapshot-nothing-new"):
+        assert len(_targets(figures[name])) == 1
     assert figures["validate"]["records"] == 20000 and figures["validate"]["checks"] > 10
-    assert figures["validate"]["seconds_per_million_rows"] > 0
+    assert figures["validate-3x"]["records"] == 60000
+    for name in ("validate", "validate-3x"):
+        assert figures[name]["seconds_per_million_rows"] > 0
+    assert len(_targets(figures["validate"])) == 1 and len(_targets(figures["validate-3x"])) == 2
     assert "records/s" in result.stdout and "python-copy" in result.stdout
     for name in ("state-scale (500 keys)", "state-scale (10,000 keys)", "latency"):
         assert name in result.stdout

@@ -126,7 +126,7 @@ def test_full_then_incremental_equal_the_changelog(spark, pipeline) -> None:  # 
     assert _table(snapshot.load(spark, path, full.version), spec) == truth
     # The offsets the version covers are in its commit.
     ends = kafka.end_offsets(settings, spec.changelog_topic)
-    recorded = snapshot.history(spark, path)[0].metadata
+    recorded = snapshot.history(path)[0].metadata
     assert recorded is not None
     assert snapshot.Coverage.from_dict(recorded["coverage"]).changelog == ends
 
