@@ -6,6 +6,7 @@ Exit codes: 0 success, 1 a check failed, 2 bad input or usage (including an unre
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -96,6 +97,21 @@ def _cmd_status(settings: Settings, args: argparse.Namespace, console: Console) 
         state["reachable"] = False
         state["error"] = str(error)
     airflow = LocalAirflow(settings).status()
+    short: list[kafka.TopicReplication] = []
+    if state["reachable"]:
+        durable = kafka.durability(settings)
+        topics = kafka.replication(settings, _duality_topics(settings))
+        # Created before the settings (or the cluster) asked for more, or by hand.
+        short = [
+            t
+            for t in topics
+            if t.replication_factor < durable.replication_factor
+            or t.min_insync_replicas < durable.min_insync_replicas
+        ]
+        state["durability"] = dataclasses.asdict(durable)
+        state["topics"] = [
+            {**dataclasses.asdict(t), "below_configured": t in short} for t in topics
+        ]
     if not args.json:
         table = Table(title="duality local stack", show_header=True)
         for column in ("service", "state", "address", "pid", "reachable", "log"):
@@ -117,7 +133,41 @@ def _cmd_status(settings: Settings, args: argparse.Namespace, console: Console) 
             airflow["log"],
         )
         console.print(table)
+        if "durability" in state:
+            durable = state["durability"]
+            console.print(
+                f"new topics: replication factor {durable['replication_factor']}, "
+                f"min.insync.replicas {durable['min_insync_replicas']} "
+                f"({durable['brokers']} brokers; chosen by {durable['chosen_by']})"
+            )
+            replicas = Table(title="duality's topics", show_header=True)
+            for column in ("topic", "replicas", "min.insync.replicas", "below min ISR now"):
+                replicas.add_column(column)
+            for row in state["topics"]:
+                flag = " [red](fewer than configured)[/red]" if row["below_configured"] else ""
+                replicas.add_row(
+                    row["topic"] + flag,
+                    str(row["replication_factor"]),
+                    str(row["min_insync_replicas"]),
+                    str(row["below_min_isr"]),
+                )
+            console.print(replicas)
     result: dict[str, Any] = {"broker": state, "airflow": airflow}
+    if short:
+        durable = state["durability"]
+        names = ", ".join(
+            f"{t.topic} ({t.replication_factor} replicas, min.insync.replicas "
+            f"{t.min_insync_replicas})"
+            for t in short
+        )
+        raise CheckFailed(
+            f"topics replicated less than configured (replication factor "
+            f"{durable['replication_factor']}, min.insync.replicas "
+            f"{durable['min_insync_replicas']}): {names}; add replicas with Kafka's "
+            "kafka-reassign-partitions and raise min.insync.replicas with kafka-configs, or "
+            "recreate the topics (`duality reset` recreates a pipeline's changelog)",
+            result,
+        )
     if not state["reachable"]:
         # A refused login or a missing ACL says so; a cluster that does not answer says how to
         # start one.
@@ -128,6 +178,21 @@ def _cmd_status(settings: Settings, args: argparse.Namespace, console: Console) 
             result,
         )
     return result
+
+
+def _duality_topics(settings: Settings) -> list[str]:
+    """The topics duality creates for the pipelines, the heartbeats and the repartition DAG."""
+    from duality.status import STATUS_TOPIC
+
+    topics = [STATUS_TOPIC]
+    for path in spec.spec_files(settings):
+        try:
+            pipeline = spec.load_spec(path)
+        except UsageError:
+            continue  # `duality spec validate` names what is wrong with it
+        topics += [pipeline.changelog_topic, pipeline.dlq_topic]
+    topics += [t.target for t in spec.load_repartition_config(settings).topics]
+    return topics
 
 
 def _cmd_lag(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:

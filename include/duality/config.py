@@ -40,6 +40,10 @@ class Settings:
     sasl_mechanism: str | None = None
     sasl_username: str | None = None
     sasl_password: str | None = None
+    # Replicas of every topic duality creates, and how many must be in sync for a write with
+    # acks=all to succeed. Unset: 3 and 2 on a cluster of at least three brokers, else 1 and 1.
+    replication_factor: int | None = None
+    min_insync_replicas: int | None = None
     # The dev broker's KRaft controller listener (`duality up` only).
     controller_port: int = 9093
     spark_master: str = "local[2]"
@@ -80,6 +84,20 @@ class Settings:
                     f"{PREFIX}BOOTSTRAP_SERVERS={self.bootstrap_servers!r}: {server.strip()!r} "
                     "is not host:port; write it like localhost:9092"
                 )
+        for name in ("replication_factor", "min_insync_replicas"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise UsageError(f"{PREFIX}{name.upper()}={value!r}: set it to 1 or more")
+        if (
+            self.replication_factor is not None
+            and self.min_insync_replicas is not None
+            and self.min_insync_replicas > self.replication_factor
+        ):
+            raise UsageError(
+                f"{PREFIX}MIN_INSYNC_REPLICAS={self.min_insync_replicas} is more than "
+                f"{PREFIX}REPLICATION_FACTOR={self.replication_factor}: no write could succeed; "
+                "lower it to the replication factor or less"
+            )
         for name in (f.name for f in dataclasses.fields(self) if f.name.endswith("_s")):
             if not getattr(self, name) > 0:
                 raise UsageError(
@@ -170,12 +188,13 @@ def _convert(name: str, kind: object, raw: str) -> object:
     kind_text = str(kind)
     if "Path" in kind_text:
         return Path(raw).expanduser()
-    if kind_text in ("int", "float"):
+    if kind_text in ("int", "float", "int | None"):
         try:
-            return int(raw) if kind_text == "int" else float(raw)
+            return float(raw) if kind_text == "float" else int(raw)
         except ValueError:
             raise UsageError(
-                f"{env_name}={raw!r} is not a number: set it to a {kind_text}"
+                f"{env_name}={raw!r} is not a number: set it to a "
+                f"{'number' if kind_text == 'float' else 'whole number'}"
             ) from None
     return raw
 
@@ -189,6 +208,10 @@ def describe() -> list[tuple[str, str, str]]:
         "sasl_mechanism": "SASL mechanism (PLAIN, SCRAM-SHA-256, SCRAM-SHA-512)",
         "sasl_username": "SASL user name",
         "sasl_password": "SASL password",
+        "replication_factor": "replicas of every topic duality creates (unset: 3 on a cluster "
+        "of at least three brokers, else 1)",
+        "min_insync_replicas": "`min.insync.replicas` of every topic duality creates (unset: 2 "
+        "when the replication factor is 3 or more, else 1)",
         "controller_port": "KRaft controller port of the dev broker started by `duality up`",
         "spark_master": "Spark master URL (`local[N]`, `spark://host:7077`)",
         "spark_driver_memory": "memory of the Spark driver",

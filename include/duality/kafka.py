@@ -325,23 +325,57 @@ def _metadata(
         raise failure(settings, doing, exc, timeout) from None
 
 
+@dataclasses.dataclass(frozen=True)
+class Durability:
+    """How the topics duality creates are replicated on the cluster the settings name."""
+
+    replication_factor: int
+    min_insync_replicas: int
+    brokers: int
+    # "settings" when DUALITY_REPLICATION_FACTOR names the factor, else "cluster size".
+    chosen_by: str
+
+
+def durability(settings: Settings, doing: str = "list its brokers") -> Durability:
+    """The replication factor and `min.insync.replicas` for new topics: from the settings, else
+    3 and 2 on a cluster of at least three brokers and 1 and 1 on a smaller one. `doing` names
+    the work in the error when the cluster does not answer."""
+    brokers = len(_metadata(settings, doing).brokers)
+    factor = settings.replication_factor or (3 if brokers >= 3 else 1)
+    if factor > brokers:
+        raise UsageError(
+            f"DUALITY_REPLICATION_FACTOR={factor}, but the cluster at {settings.bootstrap_servers} "
+            f"has {brokers} broker{'s' if brokers != 1 else ''}: lower it to {brokers} or less, "
+            "or unset it to follow the cluster's size"
+        )
+    in_sync = settings.min_insync_replicas or (2 if factor >= 3 else 1)
+    if in_sync > factor:
+        raise UsageError(
+            f"DUALITY_MIN_INSYNC_REPLICAS={in_sync} is more than the replication factor {factor}: "
+            "no write could succeed; lower it"
+        )
+    chosen_by = "settings" if settings.replication_factor else "cluster size"
+    return Durability(factor, in_sync, brokers, chosen_by)
+
+
 def create_topic(
     settings: Settings,
     name: str,
     partitions: int,
     *,
     config: Mapping[str, str] | None = None,
-    replication_factor: int = 1,
     exist_ok: bool = False,
 ) -> bool:
-    """Create a topic; returns False when it already existed and `exist_ok` allowed that."""
+    """Create a topic replicated as `durability` says; returns False when it already existed
+    and `exist_ok` allowed that."""
     if partitions < 1:
         raise UsageError(f"topic {name!r}: partitions must be at least 1, got {partitions}")
+    durable = durability(settings, f"create topic {name!r}")
     new = NewTopic(
         name,
         num_partitions=partitions,
-        replication_factor=replication_factor,
-        config=dict(config or {}),
+        replication_factor=durable.replication_factor,
+        config={"min.insync.replicas": str(durable.min_insync_replicas), **(config or {})},
     )
     futures = admin(settings).create_topics([new], request_timeout=settings.connect_timeout_s)
     try:
@@ -416,6 +450,40 @@ def _configs(settings: Settings, topic: str) -> dict[str, Any]:
         [resource], request_timeout=settings.connect_timeout_s
     )
     return _result(futures[resource], settings, f"describe the configs of topic {topic!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TopicReplication:
+    topic: str
+    replication_factor: int  # the fewest replicas any of its partitions has
+    min_insync_replicas: int  # its own setting, or the broker's default
+    below_min_isr: int  # partitions with fewer in-sync replicas than that right now
+
+
+def replication(settings: Settings, topics: Iterable[str]) -> list[TopicReplication]:
+    """How those of `topics` that exist are replicated: one metadata and one config request."""
+    metadata = _metadata(settings, "list its topics")
+    present = [t for t in dict.fromkeys(topics) if t in metadata.topics]
+    if not present:
+        return []
+    resources = [ConfigResource(ConfigResource.Type.TOPIC, t) for t in present]
+    futures = admin(settings).describe_configs(
+        resources, request_timeout=settings.connect_timeout_s
+    )
+    rows = []
+    for topic, resource in zip(present, resources, strict=True):
+        configs = _result(futures[resource], settings, f"describe the configs of topic {topic!r}")
+        in_sync = int(configs["min.insync.replicas"].value)
+        partitions = list(metadata.topics[topic].partitions.values())
+        rows.append(
+            TopicReplication(
+                topic,
+                min((len(p.replicas) for p in partitions), default=0),
+                in_sync,
+                sum(1 for p in partitions if len(p.isrs) < in_sync),
+            )
+        )
+    return rows
 
 
 def topic_overrides(settings: Settings, name: str) -> dict[str, str]:

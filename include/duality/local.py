@@ -10,7 +10,9 @@ leaving a process behind. Starting a running broker reports it instead of starti
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -77,12 +79,34 @@ logger.cleaner.level = info
 """
 
 
-class LocalBroker:
-    """The dev broker of one `local_dir`, listening where `settings.bootstrap_servers` says."""
+@dataclasses.dataclass(frozen=True)
+class QuorumNode:
+    """One KRaft node (broker and controller) of a local cluster: its id and ports."""
 
-    def __init__(self, settings: Settings):
+    node_id: int
+    port: int
+    controller_port: int
+
+
+class LocalBroker:
+    """The dev broker of one `local_dir`, listening where `settings.bootstrap_servers` says.
+
+    With `quorum`, it is node `node_id` of that KRaft quorum instead (`LocalKafkaCluster`): its
+    own ports, its own folder `kafka-<id>`, and the cluster id all nodes were formatted with.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        node_id: int = 1,
+        quorum: tuple[QuorumNode, ...] = (),
+        cluster_id: str | None = None,
+    ):
         self.settings = settings
-        self.root = settings.local_dir / "kafka"
+        self.node_id = node_id
+        self.quorum = quorum
+        self.cluster_id = cluster_id
+        self.root = settings.local_dir / ("kafka" if not quorum else f"kafka-{node_id}")
         self.data_dir = self.root / "data"
         self.logs_dir = self.root / "logs"
         self.config_file = self.root / "server.properties"
@@ -148,7 +172,7 @@ class LocalBroker:
         return {**self.status(), "already_running": False}
 
     def _check_can_start(self) -> None:
-        host, port = self.settings.first_bootstrap
+        host = self.settings.first_bootstrap[0]
         if host not in _LOCAL_HOSTS or "," in self.settings.bootstrap_servers:
             raise UsageError(
                 f"DUALITY_BOOTSTRAP_SERVERS={self.settings.bootstrap_servers!r} names a remote "
@@ -166,27 +190,42 @@ class LocalBroker:
             raise LocalStackError(
                 f"no Kafka jars in {self.jar_dir}: run `make setup` to fetch them from Maven"
             )
-        for busy in (port, self.settings.controller_port):
+        me = next(n for n in self._nodes() if n.node_id == self.node_id)
+        for busy in (me.port, me.controller_port):
             if _port_in_use(host, busy):
                 raise LocalStackError(
                     f"port {busy} on {host} is taken by another process: stop it, or choose free "
                     "ports with DUALITY_BOOTSTRAP_SERVERS and DUALITY_CONTROLLER_PORT"
                 )
 
+    def _nodes(self) -> tuple[QuorumNode, ...]:
+        _, port = self.settings.first_bootstrap
+        return self.quorum or (QuorumNode(1, port, self.settings.controller_port),)
+
     def _write_config(self) -> None:
-        host, port = self.settings.first_bootstrap
-        cport = self.settings.controller_port
+        host = self.settings.first_bootstrap[0]
+        nodes = self._nodes()
+        me = next(n for n in nodes if n.node_id == self.node_id)
+        # Kafka's internal topics: three replicas, two in sync, once there are three nodes.
+        replicas, in_sync = (3, 2) if len(nodes) >= 3 else (1, 1)
         config = {
             "process.roles": "broker,controller",
-            "node.id": "1",
-            "controller.quorum.voters": f"1@{host}:{cport}",
-            "listeners": f"PLAINTEXT://{host}:{port},CONTROLLER://{host}:{cport}",
-            "advertised.listeners": f"PLAINTEXT://{host}:{port}",
+            "node.id": str(me.node_id),
+            "controller.quorum.voters": ",".join(
+                f"{n.node_id}@{host}:{n.controller_port}" for n in nodes
+            ),
+            "listeners": f"PLAINTEXT://{host}:{me.port},CONTROLLER://{host}:{me.controller_port}",
+            "advertised.listeners": f"PLAINTEXT://{host}:{me.port}",
             "controller.listener.names": "CONTROLLER",
             "inter.broker.listener.name": "PLAINTEXT",
             "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
             "log.dirs": str(self.data_dir),
             **_DEV_BROKER_CONFIG,
+            "offsets.topic.replication.factor": str(replicas),
+            "transaction.state.log.replication.factor": str(replicas),
+            "transaction.state.log.min.isr": str(in_sync),
+            "share.coordinator.state.topic.replication.factor": str(replicas),
+            "share.coordinator.state.topic.min.isr": str(in_sync),
         }
         self.config_file.write_text("".join(f"{k}={v}\n" for k, v in config.items()))
         (self.root / "log4j2.properties").write_text(_LOG4J2.format(logs=self.logs_dir))
@@ -206,7 +245,7 @@ class LocalBroker:
         ]
 
     def _format_storage(self) -> None:
-        cluster_id = new_cluster_id()
+        cluster_id = self.cluster_id or new_cluster_id()
         command = self._java(
             "kafka.tools.StorageTool",
             "format",
@@ -247,7 +286,7 @@ class LocalBroker:
                     f"last lines of {self.log_file}:\n{self.log_tail()}"
                 )
             try:
-                kafka.ensure_reachable(self.settings, timeout=2)
+                kafka.ensure_reachable(self._own_settings(), timeout=2)
                 return
             except BrokerUnavailable:
                 continue
@@ -256,6 +295,14 @@ class LocalBroker:
             f"the broker did not answer on {self.settings.bootstrap_servers} within "
             f"{_START_TIMEOUT_S:g}s; last lines of {self.log_file}:\n{self.log_tail()}"
         )
+
+    def _own_settings(self) -> Settings:
+        """Settings that reach this node alone."""
+        if not self.quorum:
+            return self.settings
+        host = self.settings.first_bootstrap[0]
+        port = next(n.port for n in self.quorum if n.node_id == self.node_id)
+        return self.settings.replace(bootstrap_servers=f"{host}:{port}")
 
     def log_tail(self, lines: int = 20) -> str:
         texts = []
@@ -353,6 +400,80 @@ def ephemeral_broker(settings: Settings) -> Iterator[Settings]:
         yield scoped
     finally:
         broker.stop()
+        if sys.exc_info()[0] is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+class LocalKafkaCluster:
+    """A KRaft cluster of `brokers` nodes on this machine, each a combined broker and controller
+    with its own ports and folder under `<local_dir>`; `settings.bootstrap_servers` names them
+    all, in node order."""
+
+    def __init__(self, settings: Settings, controller_ports: list[int], cluster_id: str):
+        self.settings = settings
+        host = settings.first_bootstrap[0]
+        ports = [int(a.rpartition(":")[2]) for a in settings.bootstrap_servers.split(",")]
+        if len(ports) != len(controller_ports):
+            raise UsageError(
+                f"{len(ports)} bootstrap servers but {len(controller_ports)} controller ports: "
+                "give one of each per node"
+            )
+        self.quorum = tuple(
+            QuorumNode(i + 1, port, cport)
+            for i, (port, cport) in enumerate(zip(ports, controller_ports, strict=True))
+        )
+        self.nodes = [
+            LocalBroker(
+                settings.replace(bootstrap_servers=f"{host}:{node.port}"),
+                node.node_id,
+                self.quorum,
+                cluster_id,
+            )
+            for node in self.quorum
+        ]
+
+    def start(self) -> None:
+        """Start every node; a quorum needs a majority, so they are launched before waiting."""
+        launched = []
+        try:
+            for node in self.nodes:
+                node.root.mkdir(parents=True, exist_ok=True)
+                node.logs_dir.mkdir(parents=True, exist_ok=True)
+                node._write_config()
+                if not (node.data_dir / "meta.properties").is_file():
+                    node._format_storage()
+                process = node._launch()
+                node.pid_file.write_text(f"{process.pid}\n")
+                launched.append((node, process))
+            for node, process in launched:
+                node._wait_until_ready(process)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Stop every node at once: one at a time, the last would wait out its grace period
+        for a quorum that is already gone."""
+        with concurrent.futures.ThreadPoolExecutor(len(self.nodes)) as pool:
+            list(pool.map(LocalBroker.stop, self.nodes))
+
+    def node(self, node_id: int) -> LocalBroker:
+        return next(n for n in self.nodes if n.node_id == node_id)
+
+
+@contextlib.contextmanager
+def ephemeral_cluster(settings: Settings, brokers: int = 3) -> Iterator[LocalKafkaCluster]:
+    """A throw-away KRaft cluster of `brokers` nodes on free ports in a temporary folder, for
+    tests: `.settings` reach the whole cluster, `.node(i)` is one node to stop and start."""
+    root = Path(tempfile.mkdtemp(prefix="duality-cluster-"))
+    servers = ",".join(f"localhost:{free_port()}" for _ in range(brokers))
+    scoped = settings.replace(bootstrap_servers=servers, local_dir=root)
+    cluster = LocalKafkaCluster(scoped, [free_port() for _ in range(brokers)], new_cluster_id())
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
         if sys.exc_info()[0] is None:
             shutil.rmtree(root, ignore_errors=True)
 

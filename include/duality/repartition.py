@@ -433,8 +433,10 @@ class Report:
 
 
 def ensure_target(settings: Settings, plan: Plan) -> bool:
-    """Create TARGET with N partitions and SOURCE's own configs; False when it existed."""
+    """Create TARGET with N partitions and SOURCE's own configs, replicated as the settings say
+    (`kafka.durability`); False when it existed."""
     configs = kafka.topic_overrides(settings, plan.source)
+    configs.pop("min.insync.replicas", None)
     return kafka.create_topic(settings, plan.target, plan.partitions, config=configs, exist_ok=True)
 
 

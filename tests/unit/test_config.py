@@ -84,3 +84,58 @@ def test_cluster_ids_never_read_as_options():
     assert len(ids) == 5000
     assert not any(i.startswith("-") for i in ids)
     assert all(len(i) == 22 for i in ids)
+
+
+@pytest.mark.parametrize(
+    ("environ", "named"),
+    [
+        ({"DUALITY_REPLICATION_FACTOR": "0"}, "DUALITY_REPLICATION_FACTOR=0"),
+        ({"DUALITY_REPLICATION_FACTOR": "three"}, "whole number"),
+        (
+            {"DUALITY_REPLICATION_FACTOR": "2", "DUALITY_MIN_INSYNC_REPLICAS": "3"},
+            "DUALITY_MIN_INSYNC_REPLICAS=3 is more than DUALITY_REPLICATION_FACTOR=2",
+        ),
+    ],
+)
+def test_bad_durability_settings_are_named(environ: dict[str, str], named: str):
+    with pytest.raises(UsageError) as error:
+        Settings.from_env(environ)
+    assert named in str(error.value)
+
+
+class _Metadata:
+    """What an admin client's list_topics answers, as far as `durability` reads it."""
+
+    def __init__(self, brokers: int):
+        self.brokers = {i: f"broker {i}" for i in range(brokers)}
+
+
+@pytest.mark.parametrize(
+    ("brokers", "environ", "expected"),
+    [
+        (1, {}, (1, 1, "cluster size")),
+        (2, {}, (1, 1, "cluster size")),
+        (3, {}, (3, 2, "cluster size")),
+        (5, {}, (3, 2, "cluster size")),
+        (3, {"DUALITY_REPLICATION_FACTOR": "2"}, (2, 1, "settings")),
+        (3, {"DUALITY_MIN_INSYNC_REPLICAS": "3"}, (3, 3, "cluster size")),
+    ],
+)
+def test_durability_follows_the_cluster_unless_set(
+    monkeypatch: pytest.MonkeyPatch, brokers: int, environ: dict[str, str], expected: tuple
+):
+    from duality import kafka
+
+    monkeypatch.setattr(kafka, "_metadata", lambda *_: _Metadata(brokers))
+    durable = kafka.durability(Settings.from_env(environ))
+    assert (durable.replication_factor, durable.min_insync_replicas, durable.chosen_by) == expected
+    assert durable.brokers == brokers
+
+
+def test_more_replicas_than_brokers_is_a_usage_error(monkeypatch: pytest.MonkeyPatch):
+    from duality import kafka
+
+    monkeypatch.setattr(kafka, "_metadata", lambda *_: _Metadata(1))
+    with pytest.raises(UsageError) as error:
+        kafka.durability(Settings.from_env({"DUALITY_REPLICATION_FACTOR": "3"}))
+    assert "has 1 broker:" in str(error.value) and "lower it to 1" in str(error.value)
