@@ -161,6 +161,11 @@ class LocalBroker:
         if self.pid() is not None:
             return {**self.status(), "already_running": True}
         self._check_can_start()
+        self._wait_until_ready(self._prepare_and_launch())
+        return {**self.status(), "already_running": False}
+
+    def _prepare_and_launch(self) -> subprocess.Popen[bytes]:
+        """Write the config, format the storage once, launch the node and record its pid."""
         self.root.mkdir(parents=True, exist_ok=True)
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         self._write_config()
@@ -168,8 +173,7 @@ class LocalBroker:
             self._format_storage()
         process = self._launch()
         self.pid_file.write_text(f"{process.pid}\n")
-        self._wait_until_ready(process)
-        return {**self.status(), "already_running": False}
+        return process
 
     def _check_can_start(self) -> None:
         host = self.settings.first_bootstrap[0]
@@ -437,14 +441,7 @@ class LocalKafkaCluster:
         launched = []
         try:
             for node in self.nodes:
-                node.root.mkdir(parents=True, exist_ok=True)
-                node.logs_dir.mkdir(parents=True, exist_ok=True)
-                node._write_config()
-                if not (node.data_dir / "meta.properties").is_file():
-                    node._format_storage()
-                process = node._launch()
-                node.pid_file.write_text(f"{process.pid}\n")
-                launched.append((node, process))
+                launched.append((node, node._prepare_and_launch()))
             for node, process in launched:
                 node._wait_until_ready(process)
         except BaseException:
