@@ -290,7 +290,7 @@ class LocalBroker:
                     f"last lines of {self.log_file}:\n{self.log_tail()}"
                 )
             try:
-                kafka.ensure_reachable(self._own_settings(), timeout=2)
+                kafka.ensure_reachable(self.settings, timeout=2)
                 return
             except BrokerUnavailable:
                 continue
@@ -299,14 +299,6 @@ class LocalBroker:
             f"the broker did not answer on {self.settings.bootstrap_servers} within "
             f"{_START_TIMEOUT_S:g}s; last lines of {self.log_file}:\n{self.log_tail()}"
         )
-
-    def _own_settings(self) -> Settings:
-        """Settings that reach this node alone."""
-        if not self.quorum:
-            return self.settings
-        host = self.settings.first_bootstrap[0]
-        port = next(n.port for n in self.quorum if n.node_id == self.node_id)
-        return self.settings.replace(bootstrap_servers=f"{host}:{port}")
 
     def log_tail(self, lines: int = 20) -> str:
         texts = []
@@ -409,31 +401,23 @@ def ephemeral_broker(settings: Settings) -> Iterator[Settings]:
 
 
 class LocalKafkaCluster:
-    """A KRaft cluster of `brokers` nodes on this machine, each a combined broker and controller
-    with its own ports and folder under `<local_dir>`; `settings.bootstrap_servers` names them
-    all, in node order."""
+    """A KRaft cluster of the `quorum`'s nodes on this machine, each a combined broker and
+    controller with its own ports and folder under `<local_dir>`; `.settings` name them all."""
 
-    def __init__(self, settings: Settings, controller_ports: list[int], cluster_id: str):
-        self.settings = settings
-        host = settings.first_bootstrap[0]
-        ports = [int(a.rpartition(":")[2]) for a in settings.bootstrap_servers.split(",")]
-        if len(ports) != len(controller_ports):
-            raise UsageError(
-                f"{len(ports)} bootstrap servers but {len(controller_ports)} controller ports: "
-                "give one of each per node"
-            )
-        self.quorum = tuple(
-            QuorumNode(i + 1, port, cport)
-            for i, (port, cport) in enumerate(zip(ports, controller_ports, strict=True))
+    def __init__(self, settings: Settings, quorum: tuple[QuorumNode, ...], cluster_id: str):
+        host = "localhost"
+        self.settings = settings.replace(
+            bootstrap_servers=",".join(f"{host}:{node.port}" for node in quorum)
         )
+        # Each node's settings reach that node alone.
         self.nodes = [
             LocalBroker(
                 settings.replace(bootstrap_servers=f"{host}:{node.port}"),
                 node.node_id,
-                self.quorum,
+                quorum,
                 cluster_id,
             )
-            for node in self.quorum
+            for node in quorum
         ]
 
     def start(self) -> None:
@@ -463,9 +447,8 @@ def ephemeral_cluster(settings: Settings, brokers: int = 3) -> Iterator[LocalKaf
     """A throw-away KRaft cluster of `brokers` nodes on free ports in a temporary folder, for
     tests: `.settings` reach the whole cluster, `.node(i)` is one node to stop and start."""
     root = Path(tempfile.mkdtemp(prefix="duality-cluster-"))
-    servers = ",".join(f"localhost:{free_port()}" for _ in range(brokers))
-    scoped = settings.replace(bootstrap_servers=servers, local_dir=root)
-    cluster = LocalKafkaCluster(scoped, [free_port() for _ in range(brokers)], new_cluster_id())
+    quorum = tuple(QuorumNode(i + 1, free_port(), free_port()) for i in range(brokers))
+    cluster = LocalKafkaCluster(settings.replace(local_dir=root), quorum, new_cluster_id())
     try:
         cluster.start()
         yield cluster
