@@ -25,6 +25,7 @@ from typing import Any, Literal, TypeVar
 
 import tenacity
 from confluent_kafka import (
+    OFFSET_INVALID,
     Consumer,
     IsolationLevel,
     KafkaError,
@@ -52,6 +53,7 @@ Isolation = Literal["read_committed", "read_uncommitted"]
 # librdkafka reports every failed connection attempt through this logger; commands turn
 # unreachable brokers into one BrokerUnavailable error instead of a screen of retries.
 _client_log = logging.getLogger("duality.kafka.client")
+log = logging.getLogger("duality.kafka")
 _client_log.addHandler(logging.NullHandler())
 
 # Configs for topics that should compact quickly on the dev broker; callers pass them explicitly.
@@ -221,6 +223,10 @@ def _error(exc: BaseException) -> KafkaError | None:
 def _code(exc: BaseException) -> int | None:
     error = _error(exc)
     return None if error is None else error.code()
+
+
+def _as_exception(error: KafkaError | KafkaException) -> KafkaException:
+    return error if isinstance(error, KafkaException) else KafkaException(error)
 
 
 def _reason(exc: KafkaException) -> str:
@@ -530,11 +536,26 @@ def _list_offsets(
         if isolation == "read_committed"
         else IsolationLevel.READ_UNCOMMITTED
     )
-    futures = admin(settings).list_offsets(
-        request, isolation_level=level, request_timeout=settings.connect_timeout_s
-    )
-    doing = f"list the offsets of topic {topic!r}"
-    return {tp.partition: _result(future, settings, doing).offset for tp, future in futures.items()}
+
+    def ask() -> dict[int, int]:
+        futures = admin(settings).list_offsets(
+            request, isolation_level=level, request_timeout=settings.connect_timeout_s
+        )
+        found = {tp.partition: future.result().offset for tp, future in futures.items()}
+        if OFFSET_INVALID in found.values():
+            # What librdkafka answers for a partition whose leader did not answer in time: a
+            # broker that died and still leads until the controller notices (about 9 s).
+            waiting = sorted(p for p, offset in found.items() if offset == OFFSET_INVALID)
+            raise KafkaException(
+                KafkaError(
+                    KafkaError.LEADER_NOT_AVAILABLE,
+                    f"no leader answered for partitions {waiting}",
+                    retriable=True,
+                )
+            )
+        return found
+
+    return retrying(settings, f"list the offsets of topic {topic!r}", ask)
 
 
 def end_offsets(
@@ -579,8 +600,13 @@ def consumer_groups(settings: Settings) -> list[str]:
     doing = "list the consumer groups"
     future = admin(settings).list_consumer_groups(request_timeout=settings.connect_timeout_s)
     result = _result(future, settings, doing)
-    if result.errors:  # the brokers that did not answer, or refused
-        raise failure(settings, doing, KafkaException(result.errors[0]))
+    refused = [e for e in result.errors if _code(_as_exception(e)) not in _NO_ANSWER]
+    if refused:
+        raise failure(settings, doing, _as_exception(refused[0]))
+    if result.errors:
+        # A broker that is down: its groups move to another coordinator within seconds, and
+        # the groups of the brokers that answered are still worth showing.
+        log.warning("%d broker(s) did not list their consumer groups", len(result.errors))
     return sorted(listing.group_id for listing in result.valid)
 
 

@@ -1,0 +1,261 @@
+"""A broker of a three-node cluster (replication factor 3, min ISR 2) SIGKILLed under work.
+
+One outage serves three checks, so the minute without the broker is paid once: while a stream
+runs under load, a repartition copies and a snapshot merges, the broker that leads the status
+topic (and, on three brokers, one partition of every three-partition topic: source, changelog,
+dead letters, repartition source and target) is killed, and started again a minute later.
+Meanwhile `duality stream status`, `duality lag` and the supervisor answer with what they see.
+Afterwards the changelog equals the ground truth, every record was copied exactly once, and the
+snapshot run either committed a correct version or left the previous one; the next run is exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from duality import kafka, repartition, snapshot, status, stream_control, stream_job, workload
+from duality.config import Settings
+from duality.local import LocalKafkaCluster, ephemeral_cluster
+from duality.spec import PipelineSpec
+from tests.harness import ROOT, assert_eventually, make_pipeline, read_topic
+from tests.integration.test_repartition import _assert_exact_copy
+from tests.integration.test_stream import _verify
+
+DOWN_S = 60  # the issue's fault: the broker comes back a minute after it was killed
+KEYS = 500
+LOAD = 9_000  # events produced at 150/s while the broker dies and returns
+COPIED = 30_000  # records of the repartition's source, copied at 150/s per partition
+
+
+class _Snapshot(threading.Thread):
+    """One snapshot run in this process (its Spark session is the tests' one)."""
+
+    def __init__(self, settings: Settings, spec: PipelineSpec, spark):  # type: ignore[no-untyped-def]
+        super().__init__(daemon=True)
+        self.settings, self.spec, self.spark = settings, spec, spark
+        self.said: list[str] = []
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        try:
+            snapshot.build(
+                self.settings, self.spec, "auto", spark=self.spark, progress=self.said.append
+            )
+        except BaseException as error:  # kept for the test to judge
+            self.error = error
+        finally:
+            self.done.set()
+
+
+@pytest.fixture(scope="module")
+def cluster(base_settings: Settings) -> Iterator[LocalKafkaCluster]:
+    with ephemeral_cluster(base_settings, brokers=3) as running:
+        yield running
+
+
+def _leaders(settings: Settings, topic: str) -> dict[int, int]:
+    metadata = kafka.admin(settings).list_topics(topic, timeout=10)
+    return {p: entry.leader for p, entry in metadata.topics[topic].partitions.items()}
+
+
+def _run(settings: Settings, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args],
+        env={**os.environ, **settings.as_env()},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+def _cli(settings: Settings, *args: str) -> dict:
+    done = _run(settings, "-m", "duality.cli", *args, "--json", timeout=60)
+    assert done.returncode == 0, f"duality {' '.join(args)}: {done.stdout}{done.stderr}"
+    return dict(json.loads(done.stdout))
+
+
+def _job(settings: Settings, log: Path, job: str, *args: str) -> subprocess.Popen[bytes]:
+    """A job of `jobs/` started as the DAGs start it: its result on stdout, its log apart."""
+    with open(log, "ab") as err:
+        return subprocess.Popen(
+            [sys.executable, str(ROOT / "jobs" / job), *args],
+            env={**os.environ, **settings.as_env()},
+            stdout=subprocess.PIPE,
+            stderr=err,
+            start_new_session=True,
+        )
+
+
+def _changelog_truth(
+    settings: Settings, spec: PipelineSpec, below: dict[int, int] | None = None
+) -> dict[str, dict]:
+    """Latest live value per key of the changelog (below the given offsets), read apart."""
+    latest: dict[str, dict] = {}
+    for partition, offset, key, value in read_topic(settings, spec.changelog_topic):
+        assert key is not None
+        if below is not None and offset >= below[partition]:
+            continue
+        if value is None:
+            latest.pop(key.decode(), None)
+        else:
+            document = json.loads(value)
+            latest[key.decode()] = {c: document[c] for c in spec.aggregates}
+    return latest
+
+
+def _table(spark, settings: Settings, spec: PipelineSpec, version: int) -> dict[str, dict]:  # type: ignore[no-untyped-def]
+    rows = snapshot.load(spark, settings.warehouse / spec.name, version).collect()
+    table = {row["product"]: {c: row[c] for c in spec.aggregates} for row in rows}
+    assert len(table) == len(rows), "a key appears twice in the snapshot"
+    return table
+
+
+def _assert_snapshot_exact(spark, settings: Settings, spec: PipelineSpec, version: int) -> None:  # type: ignore[no-untyped-def]
+    coverage = snapshot.version_coverage(snapshot.history(settings.warehouse / spec.name), version)
+    assert coverage is not None, f"version {version} records no coverage"
+    wanted = _changelog_truth(settings, spec, coverage.changelog)
+    actual = _table(spark, settings, spec, version)
+    assert actual.keys() == wanted.keys()
+    for key, row in wanted.items():
+        for column, value in row.items():
+            assert actual[key][column] == pytest.approx(value), (key, column)
+
+
+def test_leader_killed_mid_stream_repartition_and_snapshot(
+    cluster: LocalKafkaCluster, spark, tmp_path: Path
+):  # type: ignore[no-untyped-def]
+    settings = cluster.settings.replace(
+        pipelines=tmp_path / "pipelines",
+        local_dir=tmp_path / "local",
+        checkpoint_root=tmp_path / "checkpoints",
+        warehouse=tmp_path / "warehouse",
+        reports=tmp_path / "reports",
+    )
+    spec = make_pipeline(settings, settings.pipelines, "product_sales")
+    group = spec.consumer_group
+    kafka.create_topic(settings, spec.source.topic, 3)
+    # The stream's changelog, kept uncompacted for the test: the truth of a snapshot version is
+    # the changelog below the version's offsets, which compaction would thin out meanwhile.
+    config = {**stream_job.changelog_config(spec), "min.compaction.lag.ms": "3600000"}
+    kafka.create_topic(settings, spec.changelog_topic, 3, config=config)
+    workload.produce(settings, spec, events=3_000, keys=KEYS, bad_fraction=0.05, seed=61)
+    stream_control.start(settings, spec, wait=False, job_args=["--max-offsets-per-trigger", "2000"])
+
+    # The repartition's source, for a copy throttled to be still running when the broker dies.
+    source, target = f"{spec.name}-hot", f"{spec.name}-hot-5p"
+    kafka.create_topic(settings, source, 3)
+    hot = make_pipeline(settings, tmp_path / "hot", "product_sales", topic=source)
+    workload.produce(settings, hot, events=COPIED, keys=KEYS, bad_fraction=0, seed=62)
+    plan = repartition.plan(settings, source, target, 5)
+
+    def covered(topic: str, by: str) -> int:
+        return sum(o for o, _ in kafka.committed_offsets(settings, by, topic).values())
+
+    load = threading.Thread(
+        target=workload.produce,
+        args=(settings, spec),
+        kwargs={"events": LOAD, "keys": KEYS, "bad_fraction": 0.05, "rate": 150, "seed": 63},
+    )
+    copy_log = tmp_path / "repartition.log"
+    copier = None
+    merging = _Snapshot(settings, spec, spark)
+    try:
+        assert_eventually(
+            lambda: covered(spec.source.topic, group) >= 3_000,
+            timeout=180,
+            message="the stream never caught up with the first records",
+        )
+        before = snapshot.build(settings, spec, "auto", spark=spark).version
+        copier = _job(
+            settings,
+            copy_log,
+            "repartition.py",
+            source,
+            "--to",
+            target,
+            "--partitions",
+            "5",
+            "--throttle",
+            "150",
+        )
+        load.start()
+        assert_eventually(
+            lambda: covered(spec.source.topic, group) >= 3_500,
+            timeout=120,
+            message="the stream did not take in the load",
+        )
+        # Changes since the first version: this run merges them when the broker dies.
+        merging.start()
+        assert_eventually(
+            lambda: copier.poll() is None and covered(source, plan.group) >= 3_000,
+            timeout=120,
+            message=f"the copy never got going; see {copy_log}",
+        )
+        assert_eventually(
+            lambda: merging.done.is_set() or any("merging" in m for m in merging.said),
+            timeout=120,
+            message=f"the snapshot never started merging: {merging.said}",
+        )
+        victim = _leaders(settings, status.STATUS_TOPIC)[0]
+        for topic in (spec.source.topic, spec.changelog_topic, source, target):
+            assert victim in _leaders(settings, topic).values(), (topic, victim)
+        node = cluster.node(victim)
+        os.kill(node.pid() or 0, signal.SIGKILL)
+        killed_at = time.monotonic()
+
+        # While it is down, the commands and the supervisor answer with what they see.
+        seen = _cli(settings, "stream", "status", spec.name)
+        assert seen["state"] == "running" and seen["heartbeat"]["state"] == "running", seen
+        lags = _cli(settings, "lag", "--group", group)["lag"]
+        assert {row["topic"] for row in lags} == {spec.source.topic}, lags
+        look = stream_control.supervise_once(settings, spec)
+        assert look["health"] == "healthy" and look["action"] == "none", look
+        while time.monotonic() < killed_at + DOWN_S:
+            assert stream_control.running_pid(settings, spec), "the stream gave up"
+            assert copier.poll() in (None, 0), copy_log.read_text()[-3000:]
+            time.sleep(1)
+        node.start()
+
+        load.join(timeout=300)
+        assert not load.is_alive(), "the load producer did not finish"
+        # The stream recovered by itself and caught up with the load.
+        assert_eventually(
+            lambda: covered(spec.source.topic, group) >= 3_000 + LOAD,
+            timeout=300,
+            message="the stream did not catch up after the broker came back",
+        )
+    finally:
+        stream_control.stop(settings, spec)
+        if copier is not None:
+            copier.wait(timeout=300)
+        merging.done.wait(timeout=300)
+    _verify(settings, spec, 3_000 + LOAD)
+
+    # The repartition finished by itself, every record exactly once.
+    assert copier.returncode == 0, copy_log.read_text()[-3000:]
+    assert copier.stdout is not None and json.loads(copier.stdout.read())["copied"] == COPIED
+    _assert_exact_copy(settings, source, target)
+
+    # The snapshot run committed a correct version or left the previous one; the next is exact.
+    latest = snapshot.latest_data_version(snapshot.history(settings.warehouse / spec.name))
+    if merging.error is None:
+        assert latest > before, merging.said
+    else:
+        assert latest == before, merging.error
+    _assert_snapshot_exact(spark, settings, spec, latest)
+    version = snapshot.build(settings, spec, "auto", spark=spark).version
+    assert version is not None and version > latest
+    _assert_snapshot_exact(spark, settings, spec, version)
+    assert _table(spark, settings, spec, version).keys() == _changelog_truth(settings, spec).keys()
