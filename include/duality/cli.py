@@ -19,7 +19,18 @@ from rich.table import Table
 from duality import kafka, spec
 from duality.config import Settings
 from duality.errors import CheckFailed, DualityError, UsageError
-from duality.local import LocalAirflow, LocalBroker
+from duality.local import (
+    LocalAirflow,
+    LocalBroker,
+    LocalKafkaCluster,
+    LocalSparkCluster,
+    Topology,
+    forget_stack,
+    local_cluster,
+    record_stack,
+    recorded_stack,
+    stop_brokers,
+)
 from duality.stream_job import StreamOptions
 
 Handler = Callable[[Settings, argparse.Namespace, Console], Any]
@@ -39,27 +50,84 @@ class _Parser(argparse.ArgumentParser):
 # -- commands ------------------------------------------------------------------------------
 
 
+def _topology(settings: Settings, args: argparse.Namespace) -> Topology:
+    """What `up` should run: the options given, else what runs already, else the defaults."""
+    recorded = recorded_stack(settings)
+    base = recorded or Topology()
+    wanted = Topology(
+        brokers=base.brokers if args.brokers is None else args.brokers,
+        spark_workers=base.spark_workers if args.spark_workers is None else args.spark_workers,
+        airflow_db=base.airflow_db if args.airflow_db is None else args.airflow_db,
+    )
+    if recorded is not None and wanted != recorded:
+        raise UsageError(
+            f"the local stack in {settings.local_dir} runs {_describe(recorded)}; "
+            f"`duality down` first, then `duality up` with {_describe(wanted)}"
+        )
+    return wanted
+
+
+def _describe(topology: Topology) -> str:
+    return (
+        f"--brokers {topology.brokers} --spark-workers {topology.spark_workers} "
+        f"--airflow-db {topology.airflow_db}"
+    )
+
+
+def _kafka_of(settings: Settings, topology: Topology) -> LocalBroker | LocalKafkaCluster:
+    if topology.brokers == 1:
+        return LocalBroker(settings)
+    return local_cluster(settings, topology.brokers)
+
+
 def _cmd_up(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    broker = LocalBroker(settings)
-    with console.status(f"starting the Kafka broker on {settings.bootstrap_servers}"):
-        state = broker.start()
-    if not args.json:
+    topology = _topology(settings, args)
+    said = (lambda text: None) if args.json else console.print
+    brokers = _kafka_of(settings, topology)
+    where = settings.bootstrap_servers
+    if isinstance(brokers, LocalKafkaCluster):
+        where = brokers.settings.bootstrap_servers
+        with console.status(f"starting {topology.brokers} Kafka brokers on {where}"):
+            brokers.start()
+        state = brokers.status()
+        said(f"Kafka cluster of {topology.brokers} brokers running at [bold]{where}[/]")
+    else:
+        with console.status(f"starting the Kafka broker on {where}"):
+            state = brokers.start()
         verb = "already running" if state["already_running"] else "started"
-        console.print(
+        said(
             f"Kafka broker {verb} at [bold]{state['bootstrap_servers']}[/] "
             f"(pid {state['pid']}); logs in {state['log']}"
         )
-    airflow = LocalAirflow(settings)
+    chosen = {"DUALITY_BOOTSTRAP_SERVERS": where}
+    result: dict[str, Any] = {"topology": dataclasses.asdict(topology), "broker": state}
+    if topology.spark_workers:
+        spark = LocalSparkCluster(settings, topology.spark_workers)
+        with console.status(f"starting a Spark master and {topology.spark_workers} workers"):
+            result["spark"] = spark.start()
+        chosen["DUALITY_SPARK_MASTER"] = spark.master_url
+        said(
+            f"Spark master at [bold]{spark.master_url}[/] with {topology.spark_workers} workers "
+            f"(UI {spark.master_ui}); logs in {spark.root}"
+        )
+    if topology.airflow_db != "sqlite":
+        chosen["DUALITY_AIRFLOW_DB"] = topology.airflow_db
+    # Later commands (and Airflow's tasks) find the stack through the record.
+    record_stack(settings, topology, chosen)
+    stacked = settings.replace(
+        bootstrap_servers=where,
+        spark_master=chosen.get("DUALITY_SPARK_MASTER", settings.spark_master),
+    )
+    airflow = LocalAirflow(stacked)
     with console.status(f"starting Airflow on {settings.airflow_url}") as status:
         web = airflow.start(progress=lambda text: status.update(text))
-    if not args.json:
-        verb = "already running" if web["already_running"] else "started"
-        console.print(
-            f"Airflow {verb} at [bold]{web['url']}[/] (pid {web['pid']}); log in as "
-            f"[bold]{web['user']}[/] with password [bold]{web['password']}[/] "
-            f"(kept in {web['password_file']}); logs in {web['log']}"
-        )
-    return {"broker": state, "airflow": web}
+    verb = "already running" if web["already_running"] else "started"
+    said(
+        f"Airflow {verb} at [bold]{web['url']}[/] (pid {web['pid']}); log in as "
+        f"[bold]{web['user']}[/] with password [bold]{web['password']}[/] "
+        f"(kept in {web['password_file']}); logs in {web['log']}"
+    )
+    return {**result, "airflow": web}
 
 
 def _cmd_down(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
@@ -67,7 +135,13 @@ def _cmd_down(settings: Settings, args: argparse.Namespace, console: Console) ->
 
     streams = stream_control.stop_all(settings)
     airflow = LocalAirflow(settings).stop()
-    state = LocalBroker(settings).stop()
+    topology = recorded_stack(settings) or Topology()
+    workers = max(
+        topology.spark_workers, len(list((settings.local_dir / "spark").glob("worker-*")))
+    )
+    spark = LocalSparkCluster(settings, max(1, workers)).stop()
+    brokers = stop_brokers(settings)
+    forget_stack(settings)
     if not args.json:
         for stopped in streams:
             console.print(f"stream {stopped['pipeline']} stopped (pid {stopped['pid']})")
@@ -76,16 +150,18 @@ def _cmd_down(settings: Settings, args: argparse.Namespace, console: Console) ->
             if airflow["was_running"]
             else "Airflow was not running"
         )
-        console.print(
-            f"Kafka broker stopped (pid {state['pid']})"
-            if state["was_running"]
-            else "Kafka broker was not running"
-        )
-    return {"broker": state, "airflow": airflow, "streams": streams}
+        if spark["was_running"]:
+            console.print(f"Spark master and workers stopped (pids {spark['pids']})")
+        for node in brokers:
+            console.print(f"Kafka {node['node']} stopped (pid {node['pid']})")
+        if not brokers:
+            console.print("Kafka was not running")
+    return {"brokers": brokers, "spark": spark, "airflow": airflow, "streams": streams}
 
 
 def _cmd_status(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    state = LocalBroker(settings).status()
+    topology = recorded_stack(settings) or Topology()
+    state = _kafka_of(settings, topology).status()
     # The cluster the settings name is the one that matters, whatever runs locally.
     state["bootstrap_servers"] = settings.bootstrap_servers
     try:
@@ -97,6 +173,9 @@ def _cmd_status(settings: Settings, args: argparse.Namespace, console: Console) 
         state["reachable"] = False
         state["error"] = str(error)
     airflow = LocalAirflow(settings).status()
+    spark = None
+    if topology.spark_workers:
+        spark = LocalSparkCluster(settings, topology.spark_workers).status()
     short: list[kafka.TopicReplication] = []
     if state["reachable"]:
         durable = kafka.durability(settings)
@@ -116,14 +195,24 @@ def _cmd_status(settings: Settings, args: argparse.Namespace, console: Console) 
         table = Table(title="duality local stack", show_header=True)
         for column in ("service", "state", "address", "pid", "reachable", "log"):
             table.add_column(column)
-        table.add_row(
-            "kafka",
-            state["state"],
-            state["bootstrap_servers"],
-            str(state["pid"] or "-"),
-            "yes" if state["reachable"] else "no",
-            state["log"],
-        )
+        for node in state.get("nodes") or [state]:
+            table.add_row(
+                f"kafka-{node['node_id']}" if "node_id" in node else "kafka",
+                node["state"] if "node_id" in node else state["state"],
+                node["bootstrap_servers"],
+                str(node["pid"] or "-"),
+                "yes" if (node if "node_id" in node else state)["reachable"] else "no",
+                node["log"],
+            )
+        if spark is not None:
+            table.add_row(
+                "spark",
+                spark["state"],
+                spark["master_url"] or "-",
+                str(spark["master_pid"] or "-"),
+                f"{sum(w['registered'] for w in spark['workers'])}/{len(spark['workers'])} workers",
+                spark["log"],
+            )
         table.add_row(
             "airflow",
             airflow["state"],
@@ -152,7 +241,13 @@ def _cmd_status(settings: Settings, args: argparse.Namespace, console: Console) 
                     str(row["below_min_isr"]),
                 )
             console.print(replicas)
-    result: dict[str, Any] = {"broker": state, "airflow": airflow}
+    result: dict[str, Any] = {
+        "topology": dataclasses.asdict(topology),
+        "broker": state,
+        "airflow": airflow,
+    }
+    if spark is not None:
+        result["spark"] = spark
     if short:
         durable = state["durability"]
         names = ", ".join(
@@ -642,6 +737,12 @@ def _at_least_one(text: str) -> int:
     return int(text)
 
 
+def _not_negative(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of 0 or more")
+    return int(text)
+
+
 def stream_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of `duality stream start` and `jobs/stream_aggregate.py`."""
     parser.add_argument("pipeline", help="pipeline name or spec file")
@@ -718,7 +819,21 @@ def build_parser() -> argparse.ArgumentParser:
         sub.set_defaults(handler=handler)
         return sub
 
-    add("up", _cmd_up, "start the local stack (idempotent)")
+    up = add("up", _cmd_up, "start the local stack (idempotent)")
+    up.add_argument(
+        "--brokers", type=_at_least_one, help="Kafka brokers, a KRaft quorum from 3 (default 1)"
+    )
+    up.add_argument(
+        "--spark-workers",
+        type=_not_negative,
+        help="start a Spark standalone master and this many workers (default 0: local mode)",
+    )
+    up.add_argument(
+        "--airflow-db",
+        choices=("sqlite", "postgres"),
+        help="Airflow's metadata database: standalone on SQLite (default), or its components "
+        "as separate processes on a local PostgreSQL",
+    )
     add("down", _cmd_down, "stop the local stack")
     add("status", _cmd_status, "report the local stack")
     lag = add("lag", _cmd_lag, "consumer lag per group, topic and partition")

@@ -8,6 +8,7 @@ fields through `Settings.replace`, so the library itself never imports Airflow.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -120,8 +121,12 @@ class Settings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """The settings of the environment; where it is silent, those that `duality up` recorded
+        for the local stack it started (`<local_dir>/stack.json`), then the defaults."""
         env = os.environ if environ is None else environ
         home = Path(env.get(f"{PREFIX}HOME") or _checkout_root()).resolve()
+        local_dir = Path(env.get(f"{PREFIX}LOCAL_DIR") or cls.local_dir).expanduser()
+        env = {**stack_settings(home / local_dir), **env}
         values: dict[str, object] = {"home": home}
         for field in dataclasses.fields(cls):
             if field.name == "home":
@@ -181,6 +186,24 @@ class Settings:
                 f'password="{self.sasl_password or ""}";'
             )
         return options
+
+
+STACK_FILE = "stack.json"
+
+
+def stack_settings(local_dir: Path) -> dict[str, str]:
+    """The `DUALITY_*` settings that `duality up` recorded for the stack it runs in `local_dir`
+    (the brokers' addresses, the Spark master); none when no stack was started there."""
+    path = local_dir / STACK_FILE
+    try:
+        recorded = json.loads(path.read_text())["settings"]
+    except FileNotFoundError:
+        return {}
+    except (ValueError, KeyError, TypeError):
+        raise UsageError(
+            f"{path} is not a stack record of `duality up`: run `duality down`, or delete it"
+        ) from None
+    return {str(k): str(v) for k, v in recorded.items() if str(k).startswith(PREFIX)}
 
 
 def _convert(name: str, kind: object, raw: str) -> object:

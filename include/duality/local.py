@@ -30,7 +30,7 @@ from typing import Any
 import psutil
 
 from duality import kafka
-from duality.config import Settings
+from duality.config import STACK_FILE, Settings
 from duality.errors import BrokerUnavailable, LocalStackError, UsageError
 
 _LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -121,10 +121,7 @@ class LocalBroker:
 
     def pid(self) -> int | None:
         """The pid of this broker's running process, or None (a stale pid file is ignored)."""
-        return live_pid(
-            self.pid_file,
-            lambda cmdline: _MAIN_CLASS in cmdline and str(self.config_file) in cmdline,
-        )
+        return live_pid(self.pid_file, _runs_config(self.config_file))
 
     def _listening(self) -> str | None:
         if self.pid() is None or not self.config_file.is_file():
@@ -421,10 +418,14 @@ class LocalKafkaCluster:
         ]
 
     def start(self) -> None:
-        """Start every node; a quorum needs a majority, so they are launched before waiting."""
+        """Start every node that does not run; a quorum needs a majority, so they are all
+        launched before any is waited for."""
         launched = []
         try:
             for node in self.nodes:
+                if node.pid() is not None:
+                    continue
+                node._check_can_start()
                 launched.append((node, node._prepare_and_launch()))
             for node, process in launched:
                 node._wait_until_ready(process)
@@ -440,6 +441,96 @@ class LocalKafkaCluster:
 
     def node(self, node_id: int) -> LocalBroker:
         return next(n for n in self.nodes if n.node_id == node_id)
+
+    def status(self) -> dict[str, Any]:
+        nodes = [{"node_id": n.node_id, **n.status()} for n in self.nodes]
+        running = [n for n in nodes if n["state"] == "running"]
+        return {
+            "state": "running"
+            if len(running) == len(nodes)
+            else "degraded"
+            if running
+            else "stopped",
+            "bootstrap_servers": self.settings.bootstrap_servers,
+            "nodes": nodes,
+        }
+
+
+def local_cluster(settings: Settings, brokers: int) -> LocalKafkaCluster:
+    """The cluster `duality up --brokers N` runs in `<local_dir>`: node i (from 1) listens on
+    the bootstrap port + 2(i-1) and the controller port + 2(i-1), with its folder `kafka-<i>`;
+    the cluster id is the one its nodes were formatted with, or a new one."""
+    if brokers < 2:
+        raise UsageError(f"a local cluster has two brokers or more, not {brokers}")
+    _, port = settings.first_bootstrap
+    quorum = tuple(
+        QuorumNode(i + 1, port + 2 * i, settings.controller_port + 2 * i) for i in range(brokers)
+    )
+    meta = settings.local_dir / "kafka-1" / "data" / "meta.properties"
+    cluster_id = None
+    if meta.is_file():
+        for line in meta.read_text().splitlines():
+            if line.startswith("cluster.id="):
+                cluster_id = line.split("=", 1)[1].strip()
+    return LocalKafkaCluster(settings, quorum, cluster_id or new_cluster_id())
+
+
+def _runs_config(config: Path) -> Callable[[list[str]], bool]:
+    return lambda cmdline: _MAIN_CLASS in cmdline and str(config) in cmdline
+
+
+def stop_brokers(settings: Settings) -> list[dict[str, Any]]:
+    """Stop every Kafka node this `local_dir` runs (`kafka/`, `kafka-<i>/`), all at once."""
+    folders = [*sorted(settings.local_dir.glob("kafka-*")), settings.local_dir / "kafka"]
+    running = []
+    for folder in folders:
+        pid = live_pid(folder / "broker.pid", _runs_config(folder / "server.properties"))
+        if pid is not None:
+            running.append((folder.name, pid))
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(running))) as pool:
+        list(pool.map(lambda item: stop_group(item[1], _STOP_TIMEOUT_S), running))
+    for folder in folders:
+        (folder / "broker.pid").unlink(missing_ok=True)
+    return [{"node": name, "pid": pid} for name, pid in running]
+
+
+# -- the stack `duality up` started ----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """What `duality up` runs: Kafka nodes, Spark workers (0: Spark in local mode), Airflow's
+    metadata database."""
+
+    brokers: int = 1
+    spark_workers: int = 0
+    airflow_db: str = "sqlite"
+
+    def __post_init__(self) -> None:
+        if self.brokers < 1:
+            raise UsageError(f"--brokers {self.brokers}: a stack needs at least one broker")
+        if self.spark_workers < 0:
+            raise UsageError(f"--spark-workers {self.spark_workers}: use 0 (local mode) or more")
+
+
+def recorded_stack(settings: Settings) -> Topology | None:
+    """The topology `duality up` recorded in `<local_dir>/stack.json`, if it did."""
+    path = settings.local_dir / STACK_FILE
+    if not path.is_file():
+        return None
+    return Topology(**json.loads(path.read_text())["topology"])
+
+
+def record_stack(settings: Settings, topology: Topology, chosen: dict[str, str]) -> None:
+    """Keep the topology and the settings it chose (addresses), read by every later command's
+    `Settings.from_env` where the environment does not say otherwise."""
+    settings.local_dir.mkdir(parents=True, exist_ok=True)
+    document = {"topology": dataclasses.asdict(topology), "settings": chosen}
+    (settings.local_dir / STACK_FILE).write_text(json.dumps(document, indent=2) + "\n")
+
+
+def forget_stack(settings: Settings) -> None:
+    (settings.local_dir / STACK_FILE).unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

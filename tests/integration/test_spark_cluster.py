@@ -1,5 +1,6 @@
-"""The stream on a real Spark standalone cluster: a master and two workers from pyspark's own
-`bin/spark-class`, one worker SIGKILLed mid-stream, and the changelog still equals the truth.
+"""duality on a real Spark standalone cluster: a master and two workers from pyspark's own
+`bin/spark-class`. The stream survives a worker SIGKILLed mid-stream and its changelog still
+equals the truth; the snapshot and the repartition give what local mode gives.
 
 The stream runs unchanged (`jobs/stream_aggregate.py` with `DUALITY_SPARK_MASTER=spark://…`);
 its executors get duality as a zip (`spark.submit.pyFiles`) and keep the state store in their
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,11 +20,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from duality import kafka, workload
+from duality import kafka, snapshot, workload
 from duality.config import Settings
 from duality.local import LocalSparkCluster
 from duality.spark import package_zip
-from tests.harness import StreamProcess, assert_eventually, make_pipeline
+from tests.harness import ROOT, StreamProcess, assert_eventually, make_pipeline
 from tests.integration.test_stream import _verify
 
 EVENTS, MORE_EVENTS, KEYS = 12_000, 4_000, 500
@@ -164,3 +166,67 @@ def test_stream_survives_a_worker_sigkill(
         f"{cluster.local_dir(KILLED)}: the stream keeps no state on the executors"
     )
     assert set(survivor_stores) == everywhere, (survivor_stores.keys(), killed_stores.keys())
+
+
+def _ran_on_both_workers(cluster: LocalSparkCluster, name: str) -> str:
+    """The id of the finished application `name`, asserted to have had executors on both
+    workers (their work dirs hold one folder per executor)."""
+    apps = [
+        app["id"]
+        for app in (cluster.master_state() or {}).get("completedapps", [])
+        if app.get("name") == name
+    ]
+    assert len(apps) == 1, f"the master lists {apps} for {name}"
+    for worker in range(cluster.workers):
+        executors = list((cluster.work_dir(worker) / apps[0]).glob("*"))
+        assert executors, f"worker {worker} ran no executor of {name} ({apps[0]})"
+    return str(apps[0])
+
+
+def _job(settings: Settings, *args: str) -> dict:
+    done = subprocess.run(
+        [sys.executable, *args],
+        env={**os.environ, **settings.as_env()},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(json.loads(done.stdout))
+
+
+def test_snapshot_and_repartition_run_on_the_workers(
+    cluster: LocalSparkCluster, settings: Settings, spark, tmp_path: Path
+):  # type: ignore[no-untyped-def]
+    """The batch jobs, unchanged, on the cluster: executors on both workers, and the results
+    local mode gives (a snapshot equal to the changelog, an exact copy)."""
+    from tests.integration.test_repartition import _assert_exact_copy
+    from tests.integration.test_snapshot import _create_changelog, _history, _truth, _write
+
+    on_cluster = settings.replace(
+        spark_master=cluster.master_url,
+        pipelines=tmp_path / "pipelines",
+        warehouse=tmp_path / "warehouse",
+        reports=tmp_path / "reports",
+    )
+    spec = make_pipeline(on_cluster, on_cluster.pipelines, "product_sales")
+    kafka.create_topic(on_cluster, spec.source.topic, 4)
+    _create_changelog(on_cluster, spec)
+    rng = random.Random(17)
+    _write(on_cluster, spec, _history(rng, range(600)))
+    _write(on_cluster, spec, {f"p{i:04d}": None for i in range(0, 90, 3)})
+
+    built = _job(on_cluster, str(ROOT / "jobs" / "rebuild_snapshot.py"), spec.name)
+    _ran_on_both_workers(cluster, f"duality-snapshot-{spec.name}")
+    table = snapshot.load(spark, spec.snapshot_path(on_cluster), built["version"]).collect()
+    rows = {r["product"]: {c: r[c] for c in spec.aggregates} for r in table}
+    assert len(rows) == len(table) == 570
+    assert rows == _truth(on_cluster, spec)
+
+    target = f"{spec.source.topic}-6p"
+    workload.produce(on_cluster, spec, events=8_000, keys=KEYS, bad_fraction=0, seed=53)
+    args = [spec.source.topic, "--to", target, "--partitions", "6"]
+    report = _job(on_cluster, str(ROOT / "jobs" / "repartition.py"), *args)
+    _ran_on_both_workers(cluster, f"duality-repartition-{target}")
+    assert report["copied"] == 8_000
+    _assert_exact_copy(on_cluster, spec.source.topic, target)
