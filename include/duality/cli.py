@@ -23,10 +23,10 @@ from duality.local import (
     LocalAirflow,
     LocalBroker,
     LocalKafkaCluster,
-    LocalSparkCluster,
     Topology,
     forget_stack,
     local_cluster,
+    local_spark,
     record_stack,
     recorded_stack,
     stop_brokers,
@@ -102,10 +102,12 @@ def _cmd_up(settings: Settings, args: argparse.Namespace, console: Console) -> d
     chosen = {"DUALITY_BOOTSTRAP_SERVERS": where}
     result: dict[str, Any] = {"topology": dataclasses.asdict(topology), "broker": state}
     if topology.spark_workers:
-        spark = LocalSparkCluster(settings, topology.spark_workers)
+        spark = local_spark(settings, topology.spark_workers)
         with console.status(f"starting a Spark master and {topology.spark_workers} workers"):
             result["spark"] = spark.start()
         chosen["DUALITY_SPARK_MASTER"] = spark.master_url
+        # An executor per worker for each application: a stream leaves room for batch jobs.
+        chosen["DUALITY_SPARK_CORES_MAX"] = str(topology.spark_workers)
         said(
             f"Spark master at [bold]{spark.master_url}[/] with {topology.spark_workers} workers "
             f"(UI {spark.master_ui}); logs in {spark.root}"
@@ -114,10 +116,7 @@ def _cmd_up(settings: Settings, args: argparse.Namespace, console: Console) -> d
         chosen["DUALITY_AIRFLOW_DB"] = topology.airflow_db
     # Later commands (and Airflow's tasks) find the stack through the record.
     record_stack(settings, topology, chosen)
-    stacked = settings.replace(
-        bootstrap_servers=where,
-        spark_master=chosen.get("DUALITY_SPARK_MASTER", settings.spark_master),
-    )
+    stacked = Settings.from_env({**settings.as_env(), **chosen})
     airflow = LocalAirflow(stacked)
     with console.status(f"starting Airflow on {settings.airflow_url}") as status:
         web = airflow.start(progress=lambda text: status.update(text))
@@ -139,7 +138,7 @@ def _cmd_down(settings: Settings, args: argparse.Namespace, console: Console) ->
     workers = max(
         topology.spark_workers, len(list((settings.local_dir / "spark").glob("worker-*")))
     )
-    spark = LocalSparkCluster(settings, max(1, workers)).stop()
+    spark = local_spark(settings, max(1, workers)).stop()
     brokers = stop_brokers(settings)
     forget_stack(settings)
     if not args.json:
@@ -175,7 +174,7 @@ def _cmd_status(settings: Settings, args: argparse.Namespace, console: Console) 
     airflow = LocalAirflow(settings).status()
     spark = None
     if topology.spark_workers:
-        spark = LocalSparkCluster(settings, topology.spark_workers).status()
+        spark = local_spark(settings, topology.spark_workers).status()
     short: list[kafka.TopicReplication] = []
     if state["reachable"]:
         durable = kafka.durability(settings)

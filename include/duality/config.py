@@ -49,6 +49,9 @@ class Settings:
     controller_port: int = 9093
     spark_master: str = "local[2]"
     spark_driver_memory: str = "2g"
+    # Cores one application takes on a Spark cluster (`spark.cores.max`); unset, all free ones,
+    # which leaves none for a batch job beside a stream.
+    spark_cores_max: int | None = None
     warehouse: Path = Path(".local/warehouse")
     checkpoint_root: Path = Path(".local/checkpoints")
     jar_cache: Path = Path(".cache/jars")
@@ -85,7 +88,7 @@ class Settings:
                     f"{PREFIX}BOOTSTRAP_SERVERS={self.bootstrap_servers!r}: {server.strip()!r} "
                     "is not host:port; write it like localhost:9092"
                 )
-        for name in ("replication_factor", "min_insync_replicas"):
+        for name in ("replication_factor", "min_insync_replicas", "spark_cores_max"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UsageError(f"{PREFIX}{name.upper()}={value!r}: set it to 1 or more")
@@ -238,6 +241,8 @@ def describe() -> list[tuple[str, str, str]]:
         "controller_port": "KRaft controller port of the dev broker started by `duality up`",
         "spark_master": "Spark master URL (`local[N]`, `spark://host:7077`)",
         "spark_driver_memory": "memory of the Spark driver",
+        "spark_cores_max": "cores each application may take on a Spark cluster (unset: all free "
+        "ones; `duality up --spark-workers N` sets N, so streams and batch jobs fit side by side)",
         "warehouse": "folder of Delta tables",
         "checkpoint_root": "folder of streaming checkpoints",
         "jar_cache": "folder the Maven-fetched jars are copied into",

@@ -604,8 +604,9 @@ def consumer_groups(settings: Settings) -> list[str]:
     if refused:
         raise failure(settings, doing, _as_exception(refused[0]))
     if result.errors:
-        # A broker that is down: its groups move to another coordinator within seconds, and
-        # the groups of the brokers that answered are still worth showing.
+        # Brokers that are down: their groups move to another coordinator within seconds, and
+        # the groups of the brokers that answered are still worth showing, if any did.
+        _metadata(settings, doing)
         log.warning("%d broker(s) did not list their consumer groups", len(result.errors))
     return sorted(listing.group_id for listing in result.valid)
 

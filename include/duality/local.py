@@ -892,6 +892,12 @@ class LocalSparkCluster:
         return {"state": "stopped", "was_running": bool(running), "pids": running}
 
 
+def local_spark(settings: Settings, workers: int) -> LocalSparkCluster:
+    """The Spark cluster `duality up --spark-workers N` runs in `<local_dir>/spark`: workers of 2
+    cores and 2 GiB each, like docker-compose.yml's."""
+    return LocalSparkCluster(settings, workers, cores=2, memory="2g")
+
+
 # -- Airflow ------------------------------------------------------------------------------
 
 _AIRFLOW_START_TIMEOUT_S = 300.0

@@ -141,6 +141,8 @@ def session_config(settings: Settings, app_name: str) -> dict[str, str]:
                 "spark.executor.memory": "512m",
             }
         )
+        if settings.spark_cores_max is not None:
+            config["spark.cores.max"] = str(settings.spark_cores_max)
         if settings.spark_master.startswith("spark://") and all(
             host in _LOCAL_HOSTS for host in _master_hosts(settings.spark_master)
         ):

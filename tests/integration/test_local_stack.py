@@ -63,7 +63,7 @@ def test_up_twice_status_down(tmp_path: Path):
     finally:
         down = _duality(env, "down", "--json")
     assert down.returncode == 0, down.stderr
-    assert json.loads(down.stdout)["broker"]["was_running"] is True
+    assert [node["pid"] for node in json.loads(down.stdout)["brokers"]] == [started["pid"]]
     assert _kafka_processes(str(tmp_path)) == []
 
     stopped = _duality(env, "status", "--json")
