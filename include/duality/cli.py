@@ -18,7 +18,7 @@ from rich.table import Table
 
 from duality import kafka, spec
 from duality.config import Settings
-from duality.errors import CheckFailed, DualityError, UsageError
+from duality.errors import BrokerUnavailable, CheckFailed, DualityError, UsageError
 from duality.local import LocalAirflow, LocalBroker
 from duality.stream_job import StreamOptions
 
@@ -88,6 +88,7 @@ def _cmd_status(settings: Settings, args: argparse.Namespace, console: Console) 
     state = LocalBroker(settings).status()
     # The cluster the settings name is the one that matters, whatever runs locally.
     state["bootstrap_servers"] = settings.bootstrap_servers
+    unanswered = False
     try:
         state["brokers"] = kafka.ensure_reachable(settings, timeout=5)
         state["reachable"] = True
@@ -96,6 +97,7 @@ def _cmd_status(settings: Settings, args: argparse.Namespace, console: Console) 
     except DualityError as error:
         state["reachable"] = False
         state["error"] = str(error)
+        unanswered = isinstance(error, BrokerUnavailable)
     airflow = LocalAirflow(settings).status()
     short: list[kafka.TopicReplication] = []
     if state["reachable"]:
@@ -171,10 +173,15 @@ def _cmd_status(settings: Settings, args: argparse.Namespace, console: Console) 
     if not state["reachable"]:
         # A refused login or a missing ACL says so; a cluster that does not answer says how to
         # start one.
+        hint = (
+            "; start the local stack with `duality up`, or point DUALITY_BOOTSTRAP_SERVERS at a "
+            "running cluster"
+            if unanswered
+            else ""
+        )
         raise CheckFailed(
-            f"Kafka at {settings.bootstrap_servers} (DUALITY_BOOTSTRAP_SERVERS): {state['error']}; "
-            "start the local stack with `duality up`, or point DUALITY_BOOTSTRAP_SERVERS at a "
-            "running cluster",
+            f"Kafka at {settings.bootstrap_servers} (DUALITY_BOOTSTRAP_SERVERS): "
+            f"{state['error']}{hint}",
             result,
         )
     return result
@@ -834,9 +841,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     )
     console = _err if args.json else _out
+    settings: Settings | None = None
     try:
-        settings = Settings.from_env()
-        result = args.handler(settings, args, console)
+        try:
+            settings = Settings.from_env()
+            result = args.handler(settings, args, console)
+        except DualityError:
+            raise
+        except Exception as error:
+            # A login that Spark's Kafka client had refused is named like any refused login.
+            refused = None if settings is None else kafka.refused_login_in(settings, error)
+            if refused is None:
+                raise
+            raise refused from None
     except DualityError as error:
         if args.json:
             details = getattr(error, "details", {})

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -248,12 +249,7 @@ def failure(
         code, reason = KafkaError._AUTHENTICATION, refused
     user = repr(settings.sasl_username) if settings.sasl_username else None
     if code in _LOGIN_REFUSED:
-        mechanism = settings.sasl_mechanism or "GSSAPI (librdkafka's default)"
-        return UsageError(
-            f"Kafka at {settings.bootstrap_servers} refused the SASL {mechanism} login of user "
-            f"{user or '(none)'} ({reason}): check DUALITY_SASL_USERNAME and "
-            "DUALITY_SASL_PASSWORD, and that DUALITY_SASL_MECHANISM is one the cluster accepts"
-        )
+        return _login_refused(settings, reason)
     if code in _DENIED:
         who = f"user {user}" if user else "this client (no DUALITY_SASL_USERNAME)"
         return UsageError(
@@ -261,6 +257,30 @@ def failure(
             "grant it the ACL, or set DUALITY_SASL_USERNAME to a user that has it"
         )
     return cause
+
+
+def _login_refused(settings: Settings, reason: str) -> UsageError:
+    user = repr(settings.sasl_username) if settings.sasl_username else "(none)"
+    return UsageError(
+        f"Kafka at {settings.bootstrap_servers} refused the SASL {settings.sasl_mechanism} login "
+        f"of user {user} ({reason}): check DUALITY_SASL_USERNAME and DUALITY_SASL_PASSWORD, and "
+        "that DUALITY_SASL_MECHANISM is one the cluster accepts"
+    )
+
+
+# How Kafka's Java client (in Spark's Kafka source and sink) reports a refused login.
+_JAVA_LOGIN_REFUSED = re.compile(
+    r"org\.apache\.kafka\.common\.errors\.(?:Sasl)?AuthenticationException: ?([^\n]*)"
+)
+
+
+def refused_login_in(settings: Settings, error: BaseException) -> UsageError | None:
+    """The refused login that a failure of Spark's Kafka source or sink comes from, as the
+    same error a refused login of the Python clients gives; None for any other failure."""
+    found = _JAVA_LOGIN_REFUSED.search(str(error))
+    if found is None:
+        return None
+    return _login_refused(settings, found.group(1).strip() or "authentication failed")
 
 
 def _timed_out(settings: Settings, doing: str, timeout: float, reason: str) -> DualityError:

@@ -979,8 +979,9 @@ class LocalAirflow:
     """Airflow standalone (SQLite, LocalExecutor) with this checkout's `dags/` and `plugins/`.
 
     Its home is `<local_dir>/airflow`. The connections `kafka_default` and `spark_default` are
-    given as `AIRFLOW_CONN_*` variables built from the settings, and every `DUALITY_*` setting is
-    passed on, so tasks see the same stack as the command that started Airflow.
+    given as `AIRFLOW_CONN_*` variables built from the settings (`kafka_default` with the SASL
+    login, if any), and every `DUALITY_*` setting is passed on, so tasks see the same stack as
+    the command that started Airflow.
     """
 
     def __init__(self, settings: Settings):
@@ -1006,11 +1007,9 @@ class LocalAirflow:
     def environment(self) -> dict[str, str]:
         """The environment Airflow and its tasks run with."""
         settings = self.settings
-        kafka_extra = {
-            key: value
-            for key, value in settings.kafka_client_config().items()
-            if key in ("bootstrap.servers", "security.protocol", "sasl.mechanism")
-        }
+        # The Kafka provider's form: librdkafka properties in the extra, the login included.
+        # Airflow masks `sasl.password` in task logs (a key with "password" in its name).
+        kafka_extra = settings.kafka_client_config()
         secret_file = self.home / "jwt_secret"
         if not secret_file.is_file():
             self.home.mkdir(parents=True, exist_ok=True)
