@@ -15,6 +15,7 @@ call and the bootstrap servers), refused the SASL login, or denied the operation
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -86,6 +87,9 @@ _DENIED = (
     KafkaError.CLUSTER_AUTHORIZATION_FAILED,
     KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
 )
+
+# How often a call that waits for Kafka looks whether the login was refused meanwhile.
+_REFUSAL_CHECK_S = 0.5
 
 # What identifies a connection: the client properties of Settings.kafka_client_config().
 _Connection = tuple[tuple[str, str], ...]
@@ -319,11 +323,26 @@ def retrying(
 
 def _result(future: Any, settings: Settings, doing: str) -> Any:
     """The result of an admin call's future; an error `failure` does not explain is raised as
-    the KafkaException it is."""
+    the KafkaException it is. A refused login ends the wait as soon as librdkafka reports it."""
     try:
-        return future.result()
+        while True:
+            try:
+                return future.result(timeout=_REFUSAL_CHECK_S)
+            except concurrent.futures.TimeoutError:
+                refused = _refused_login(settings)
+                if refused is not None:
+                    raise refused from None
     except KafkaException as exc:
         raise failure(settings, doing, exc) from None
+
+
+def _refused_login(settings: Settings) -> UsageError | None:
+    """The login refusal librdkafka has reported for this connection since the last look."""
+    connection = _connection(settings)
+    if connection in _admins:
+        _admins[connection].poll(0)
+    refused = _refused_logins.pop(connection, None)
+    return None if refused is None else _login_refused(settings, refused)
 
 
 # -- topics ------------------------------------------------------------------------------------
@@ -339,10 +358,21 @@ def _metadata(
 ) -> Any:
     """The cluster's metadata: brokers, and `topic` or every topic."""
     timeout = settings.connect_timeout_s if timeout is None else timeout
-    try:
-        return admin(settings).list_topics(topic, timeout=timeout)
-    except KafkaException as exc:
-        raise failure(settings, doing, exc, timeout) from None
+    deadline = time.monotonic() + timeout
+    # Asked in growing slices, so that a refused login ends the wait once it is reported.
+    wait = _REFUSAL_CHECK_S
+    while True:
+        try:
+            return admin(settings).list_topics(
+                topic, timeout=max(0.05, min(wait, deadline - time.monotonic()))
+            )
+        except KafkaException as exc:
+            if _code(exc) not in _NO_ANSWER or time.monotonic() >= deadline:
+                raise failure(settings, doing, exc, timeout) from None
+            refused = _refused_login(settings)
+            if refused is not None:
+                raise refused from None
+            wait *= 2
 
 
 @dataclasses.dataclass(frozen=True)
