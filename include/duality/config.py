@@ -290,9 +290,10 @@ def describe() -> list[tuple[str, str, str]]:
         "home": "folder that relative paths below are taken from (default: the checkout)",
         "bootstrap_servers": "Kafka bootstrap servers, host:port[,host:port]",
         "security_protocol": "PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL",
-        "sasl_mechanism": "SASL mechanism (PLAIN, SCRAM-SHA-256, SCRAM-SHA-512)",
-        "sasl_username": "SASL user name",
-        "sasl_password": "SASL password",
+        "sasl_mechanism": "SASL mechanism (PLAIN, SCRAM-SHA-256, SCRAM-SHA-512); required with a "
+        "SASL_* protocol",
+        "sasl_username": "SASL user name; required with a SASL mechanism",
+        "sasl_password": "SASL password; required with a SASL mechanism, never printed or logged",
         "replication_factor": "replicas of every topic duality creates (unset: 3 on a cluster "
         "of at least three brokers, else 1)",
         "min_insync_replicas": "`min.insync.replicas` of every topic duality creates (unset: 2 "

@@ -3,6 +3,7 @@ Java properties files, the local broker's SCRAM users, and the `kafka_default` c
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hmac
 import json
@@ -178,10 +179,11 @@ def test_kafka_default_carries_the_login_through_airflow_and_masks_the_password(
     sys.modules.pop("duality_airflow.hooks", None)
     from duality_airflow import hooks
 
-    seen = hooks.settings()
-    for field in ("bootstrap_servers", "security_protocol", "sasl_mechanism", "sasl_username"):
-        assert getattr(seen, field) == getattr(settings, field), field
-    assert seen.sasl_password == PASSWORD
+    # As a task reads it, and as the triggerer does (asynchronously).
+    for seen in (hooks.settings(), asyncio.run(hooks.asettings())):
+        for field in ("bootstrap_servers", "security_protocol", "sasl_mechanism", "sasl_username"):
+            assert getattr(seen, field) == getattr(settings, field), field
+        assert seen.sasl_password == PASSWORD
     from airflow.sdk._shared.secrets_masker import redact
 
     assert PASSWORD not in str(redact(f"task log line with {PASSWORD} in it"))
