@@ -95,7 +95,8 @@ _REFUSAL_CHECK_S = 0.5
 _Connection = tuple[tuple[str, str], ...]
 _admins: dict[_Connection, AdminClient] = {}
 # The last refused login librdkafka reported per connection (through an admin client's poll).
-_refused_logins: dict[_Connection, str] = {}
+# (when, librdkafka's reason)
+_refused_logins: dict[_Connection, tuple[float, str]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +135,7 @@ def admin(settings: Settings) -> AdminClient:
 
 def _note_error(connection: _Connection, error: KafkaError) -> None:
     if error.code() in _LOGIN_REFUSED:
-        _refused_logins[connection] = error.str()
+        _refused_logins[connection] = (time.monotonic(), error.str())
 
 
 def producer(settings: Settings, **overrides: Any) -> Producer:
@@ -250,7 +251,7 @@ def failure(
         if refused is None:
             waited = settings.connect_timeout_s if timeout is None else timeout
             return _timed_out(settings, doing, waited, reason)
-        code, reason = KafkaError._AUTHENTICATION, refused
+        code, reason = KafkaError._AUTHENTICATION, refused[1]
     user = repr(settings.sasl_username) if settings.sasl_username else None
     if code in _LOGIN_REFUSED:
         return _login_refused(settings, reason)
@@ -324,25 +325,28 @@ def retrying(
 def _result(future: Any, settings: Settings, doing: str) -> Any:
     """The result of an admin call's future; an error `failure` does not explain is raised as
     the KafkaException it is. A refused login ends the wait as soon as librdkafka reports it."""
+    asked = time.monotonic()
     try:
         while True:
             try:
                 return future.result(timeout=_REFUSAL_CHECK_S)
             except concurrent.futures.TimeoutError:
-                refused = _refused_login(settings)
+                refused = _refused_login(settings, asked)
                 if refused is not None:
                     raise refused from None
     except KafkaException as exc:
         raise failure(settings, doing, exc) from None
 
 
-def _refused_login(settings: Settings) -> UsageError | None:
-    """The login refusal librdkafka has reported for this connection since the last look."""
+def _refused_login(settings: Settings, since: float) -> UsageError | None:
+    """A login refusal librdkafka reported for this connection after `since` (monotonic)."""
     connection = _connection(settings)
     if connection in _admins:
         _admins[connection].poll(0)
     refused = _refused_logins.pop(connection, None)
-    return None if refused is None else _login_refused(settings, refused)
+    if refused is None or refused[0] < since:
+        return None
+    return _login_refused(settings, refused[1])
 
 
 # -- topics ------------------------------------------------------------------------------------
@@ -358,7 +362,8 @@ def _metadata(
 ) -> Any:
     """The cluster's metadata: brokers, and `topic` or every topic."""
     timeout = settings.connect_timeout_s if timeout is None else timeout
-    deadline = time.monotonic() + timeout
+    asked = time.monotonic()
+    deadline = asked + timeout
     # Asked in growing slices, so that a refused login ends the wait once it is reported.
     wait = _REFUSAL_CHECK_S
     while True:
@@ -369,7 +374,7 @@ def _metadata(
         except KafkaException as exc:
             if _code(exc) not in _NO_ANSWER or time.monotonic() >= deadline:
                 raise failure(settings, doing, exc, timeout) from None
-            refused = _refused_login(settings)
+            refused = _refused_login(settings, asked)
             if refused is not None:
                 raise refused from None
             wait *= 2

@@ -187,3 +187,14 @@ def test_kafka_default_carries_the_login_through_airflow_and_masks_the_password(
     from airflow.sdk._shared.secrets_masker import redact
 
     assert PASSWORD not in str(redact(f"task log line with {PASSWORD} in it"))
+
+
+def test_only_a_refusal_reported_during_a_call_ends_it(monkeypatch: pytest.MonkeyPatch):
+    settings = Settings(**SCRAM)  # type: ignore[arg-type]
+    connection = kafka._connection(settings)
+    monkeypatch.setattr(kafka, "_refused_logins", {connection: (100.0, "invalid credentials")})
+    assert kafka._refused_login(settings, since=101.0) is None  # an old one: ask on
+    monkeypatch.setattr(kafka, "_refused_logins", {connection: (102.0, "invalid credentials")})
+    refused = kafka._refused_login(settings, since=101.0)
+    assert refused is not None and "SCRAM-SHA-512 login of user 'alice'" in str(refused)
+    assert kafka._refused_logins == {}
