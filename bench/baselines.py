@@ -19,7 +19,7 @@ from confluent_kafka import KafkaError
 from rich.progress import Progress
 
 from duality import kafka
-from duality.config import Settings
+from duality.config import Settings, java_properties
 
 
 @dataclass
@@ -111,11 +111,11 @@ def preload(
 
 def consumer_perf(settings: Settings, topic: str, records: int) -> Figure:
     """Kafka's ConsumerPerformance tool, read_committed like every duality consumer."""
+    # The Java client's own names (sasl.jaas.config, escaped), in a file only this user reads.
+    properties = {**settings.java_client_config(), "isolation.level": "read_committed"}
+    properties.pop("bootstrap.servers")
     with tempfile.NamedTemporaryFile("w", suffix=".properties", delete=False) as config:
-        config.write("isolation.level=read_committed\n")
-        for key, value in settings.kafka_client_config().items():
-            if key != "bootstrap.servers":
-                config.write(f"{key}={value}\n")
+        config.write(java_properties(properties))
     command = [
         "java",
         "-Xmx1g",

@@ -18,11 +18,12 @@ from rich.table import Table
 
 from duality import kafka, spec
 from duality.config import Settings
-from duality.errors import CheckFailed, DualityError, UsageError
+from duality.errors import BrokerUnavailable, CheckFailed, DualityError, UsageError
 from duality.local import (
     LocalAirflow,
     LocalBroker,
     LocalKafkaCluster,
+    Scram,
     Topology,
     forget_stack,
     local_cluster,
@@ -58,6 +59,7 @@ def _topology(settings: Settings, args: argparse.Namespace) -> Topology:
         brokers=base.brokers if args.brokers is None else args.brokers,
         spark_workers=base.spark_workers if args.spark_workers is None else args.spark_workers,
         airflow_db=base.airflow_db if args.airflow_db is None else args.airflow_db,
+        sasl=base.sasl or args.sasl,
     )
     if recorded is not None and wanted != recorded:
         raise UsageError(
@@ -70,20 +72,23 @@ def _topology(settings: Settings, args: argparse.Namespace) -> Topology:
 def _describe(topology: Topology) -> str:
     return (
         f"--brokers {topology.brokers} --spark-workers {topology.spark_workers} "
-        f"--airflow-db {topology.airflow_db}"
+        f"--airflow-db {topology.airflow_db}" + (" --sasl" if topology.sasl else "")
     )
 
 
-def _kafka_of(settings: Settings, topology: Topology) -> LocalBroker | LocalKafkaCluster:
+def _kafka_of(
+    settings: Settings, topology: Topology, scram: Scram | None = None
+) -> LocalBroker | LocalKafkaCluster:
     if topology.brokers == 1:
-        return LocalBroker(settings)
-    return local_cluster(settings, topology.brokers)
+        return LocalBroker(settings, scram=scram)
+    return local_cluster(settings, topology.brokers, scram=scram)
 
 
 def _cmd_up(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
     topology = _topology(settings, args)
     said = (lambda text: None) if args.json else console.print
-    brokers = _kafka_of(settings, topology)
+    scram = Scram.from_settings(settings) if topology.sasl else None
+    brokers = _kafka_of(settings, topology, scram)
     where = settings.bootstrap_servers
     if isinstance(brokers, LocalKafkaCluster):
         where = brokers.settings.bootstrap_servers
@@ -100,6 +105,15 @@ def _cmd_up(settings: Settings, args: argparse.Namespace, console: Console) -> d
             f"(pid {state['pid']}); logs in {state['log']}"
         )
     chosen = {"DUALITY_BOOTSTRAP_SERVERS": where}
+    if scram is not None:
+        # Who logs in, and how; the password stays in the environment, never on disk.
+        chosen.update(
+            {
+                "DUALITY_SECURITY_PROTOCOL": settings.security_protocol,
+                "DUALITY_SASL_MECHANISM": str(settings.sasl_mechanism),
+                "DUALITY_SASL_USERNAME": str(settings.sasl_username),
+            }
+        )
     result: dict[str, Any] = {"topology": dataclasses.asdict(topology), "broker": state}
     if topology.spark_workers:
         spark = local_spark(settings, topology.spark_workers)
@@ -163,6 +177,7 @@ def _cmd_status(settings: Settings, args: argparse.Namespace, console: Console) 
     state = _kafka_of(settings, topology).status()
     # The cluster the settings name is the one that matters, whatever runs locally.
     state["bootstrap_servers"] = settings.bootstrap_servers
+    unanswered = False
     try:
         state["brokers"] = kafka.ensure_reachable(settings, timeout=5)
         state["reachable"] = True
@@ -171,6 +186,7 @@ def _cmd_status(settings: Settings, args: argparse.Namespace, console: Console) 
     except DualityError as error:
         state["reachable"] = False
         state["error"] = str(error)
+        unanswered = isinstance(error, BrokerUnavailable)
     airflow = LocalAirflow(settings).status()
     spark = None
     if topology.spark_workers:
@@ -265,10 +281,15 @@ def _cmd_status(settings: Settings, args: argparse.Namespace, console: Console) 
     if not state["reachable"]:
         # A refused login or a missing ACL says so; a cluster that does not answer says how to
         # start one.
+        hint = (
+            "; start the local stack with `duality up`, or point DUALITY_BOOTSTRAP_SERVERS at a "
+            "running cluster"
+            if unanswered
+            else ""
+        )
         raise CheckFailed(
-            f"Kafka at {settings.bootstrap_servers} (DUALITY_BOOTSTRAP_SERVERS): {state['error']}; "
-            "start the local stack with `duality up`, or point DUALITY_BOOTSTRAP_SERVERS at a "
-            "running cluster",
+            f"Kafka at {settings.bootstrap_servers} (DUALITY_BOOTSTRAP_SERVERS): "
+            f"{state['error']}{hint}",
             result,
         )
     return result
@@ -828,6 +849,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="start a Spark standalone master and this many workers (default 0: local mode)",
     )
     up.add_argument(
+        "--sasl",
+        action="store_true",
+        help="clients log in with SCRAM-SHA-512 as DUALITY_SASL_USERNAME with "
+        "DUALITY_SASL_PASSWORD (DUALITY_SECURITY_PROTOCOL=SASL_PLAINTEXT, "
+        "DUALITY_SASL_MECHANISM=SCRAM-SHA-512)",
+    )
+    up.add_argument(
         "--airflow-db",
         choices=("sqlite", "postgres"),
         help="Airflow's metadata database: standalone on SQLite (default), or its components "
@@ -948,9 +976,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     )
     console = _err if args.json else _out
+    settings: Settings | None = None
     try:
-        settings = Settings.from_env()
-        result = args.handler(settings, args, console)
+        try:
+            settings = Settings.from_env()
+            result = args.handler(settings, args, console)
+        except DualityError:
+            raise
+        except Exception as error:
+            # A login that Spark's Kafka client had refused is named like any refused login.
+            refused = None if settings is None else kafka.refused_login_in(settings, error)
+            if refused is None:
+                raise
+            raise refused from None
     except DualityError as error:
         if args.json:
             details = getattr(error, "details", {})

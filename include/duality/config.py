@@ -18,6 +18,12 @@ from duality.errors import UsageError
 PREFIX = "DUALITY_"
 
 _SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+# SASL mechanisms that log in with a user name and password, and their Java login modules.
+LOGIN_MODULES = {
+    "PLAIN": "org.apache.kafka.common.security.plain.PlainLoginModule",
+    "SCRAM-SHA-256": "org.apache.kafka.common.security.scram.ScramLoginModule",
+    "SCRAM-SHA-512": "org.apache.kafka.common.security.scram.ScramLoginModule",
+}
 
 
 def _checkout_root() -> Path:
@@ -40,7 +46,8 @@ class Settings:
     security_protocol: str = "PLAINTEXT"
     sasl_mechanism: str | None = None
     sasl_username: str | None = None
-    sasl_password: str | None = None
+    # Never shown: not in repr(), and no command prints it (tests scan their output for it).
+    sasl_password: str | None = dataclasses.field(default=None, repr=False)
     # Replicas of every topic duality creates, and how many must be in sync for a write with
     # acks=all to succeed. Unset: 3 and 2 on a cluster of at least three brokers, else 1 and 1.
     replication_factor: int | None = None
@@ -79,6 +86,7 @@ class Settings:
                 f"{PREFIX}SECURITY_PROTOCOL={self.security_protocol!r} is not a Kafka security "
                 f"protocol: use one of {', '.join(_SECURITY_PROTOCOLS)}"
             )
+        self._check_sasl()
         if not self.bootstrap_servers.strip():
             raise UsageError(f"{PREFIX}BOOTSTRAP_SERVERS is empty: set it to host:port[,host:port]")
         for server in self.bootstrap_servers.split(","):
@@ -121,6 +129,38 @@ class Settings:
             value = getattr(self, field)
             if not value.is_absolute():
                 object.__setattr__(self, field, (self.home / value).resolve())
+
+    def _check_sasl(self) -> None:
+        sasl = self.security_protocol.startswith("SASL_")
+        mechanism = self.sasl_mechanism
+        if mechanism is not None and mechanism not in LOGIN_MODULES:
+            raise UsageError(
+                f"{PREFIX}SASL_MECHANISM={mechanism!r} is not supported: use one of "
+                f"{', '.join(LOGIN_MODULES)} (spelled in capitals)"
+            )
+        if mechanism is not None and not sasl:
+            raise UsageError(
+                f"{PREFIX}SASL_MECHANISM={mechanism} needs a SASL security protocol, but "
+                f"{PREFIX}SECURITY_PROTOCOL={self.security_protocol}: set it to SASL_PLAINTEXT "
+                f"or SASL_SSL, or unset {PREFIX}SASL_MECHANISM"
+            )
+        if sasl and mechanism is None:
+            raise UsageError(
+                f"{PREFIX}SECURITY_PROTOCOL={self.security_protocol} needs "
+                f"{PREFIX}SASL_MECHANISM: set it to one of {', '.join(LOGIN_MODULES)}"
+            )
+        if sasl:
+            missing = [
+                f"{PREFIX}{name.upper()}"
+                for name in ("sasl_username", "sasl_password")
+                if not getattr(self, name)
+            ]
+            if missing:
+                raise UsageError(
+                    f"{PREFIX}SECURITY_PROTOCOL={self.security_protocol} with "
+                    f"{PREFIX}SASL_MECHANISM={mechanism} logs in with a user name and a password: "
+                    f"set {' and '.join(missing)}"
+                )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -172,23 +212,68 @@ class Settings:
             config["sasl.password"] = self.sasl_password
         return config
 
+    def jaas_config(self) -> str | None:
+        """The Java client's `sasl.jaas.config` for this login, its values quoted and escaped so
+        that any user name or password reads back unchanged; None without SASL."""
+        if self.sasl_mechanism is None:
+            return None
+        return (
+            f"{LOGIN_MODULES[self.sasl_mechanism]} required "
+            f"username={jaas_quote(self.sasl_username or '')} "
+            f"password={jaas_quote(self.sasl_password or '')};"
+        )
+
+    def java_client_config(self) -> dict[str, str]:
+        """The same connection as properties of Kafka's Java client (Kafka's tools, Spark)."""
+        config = {
+            "bootstrap.servers": self.bootstrap_servers,
+            "security.protocol": self.security_protocol,
+        }
+        jaas = self.jaas_config()
+        if jaas is not None:
+            config["sasl.mechanism"] = str(self.sasl_mechanism)
+            config["sasl.jaas.config"] = jaas
+        return config
+
     def spark_kafka_options(self) -> dict[str, str]:
         """The same connection as options of Spark's Kafka source and sink (Java client names)."""
-        options = {
-            "kafka.bootstrap.servers": self.bootstrap_servers,
-            "kafka.security.protocol": self.security_protocol,
-        }
-        if self.sasl_mechanism:
-            options["kafka.sasl.mechanism"] = self.sasl_mechanism
-            if self.sasl_mechanism.upper() == "PLAIN":
-                module = "org.apache.kafka.common.security.plain.PlainLoginModule"
-            else:
-                module = "org.apache.kafka.common.security.scram.ScramLoginModule"
-            options["kafka.sasl.jaas.config"] = (
-                f'{module} required username="{self.sasl_username or ""}" '
-                f'password="{self.sasl_password or ""}";'
-            )
-        return options
+        return {f"kafka.{key}": value for key, value in self.java_client_config().items()}
+
+
+def jaas_quote(value: str) -> str:
+    """`value` as a quoted JAAS option value. Kafka reads `sasl.jaas.config` with Java's
+    StreamTokenizer, which ends a quoted string at a quote or a line end and reads backslash
+    escapes inside it; so backslash, quote, newline and carriage return are escaped."""
+    escaped = (
+        value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
+    )
+    return f'"{escaped}"'
+
+
+def java_properties(config: Mapping[str, str]) -> str:
+    """`config` as the text of a Java properties file that `Properties.load` reads back exactly
+    (Kafka's tools read `--command-config` files so: ISO-8859-1, backslash escapes)."""
+
+    def escape(text: str, key: bool) -> str:
+        out = []
+        for i, char in enumerate(text):
+            if char == "\\":
+                out.append("\\\\")
+            elif char in "\t\n\r\f":
+                out.append({"\t": "\\t", "\n": "\\n", "\r": "\\r", "\f": "\\f"}[char])
+            elif char in "=:#!" or (char == " " and (key or i == 0)):
+                out.append("\\" + char)
+            elif " " <= char <= "~":
+                out.append(char)
+            else:  # outside printable ASCII: UTF-16 code units as \uXXXX
+                units = char.encode("utf-16-be")
+                out.extend(
+                    f"\\u{int.from_bytes(units[j : j + 2], 'big'):04x}"
+                    for j in range(0, len(units), 2)
+                )
+        return "".join(out)
+
+    return "".join(f"{escape(k, True)}={escape(v, False)}\n" for k, v in config.items())
 
 
 STACK_FILE = "stack.json"
@@ -231,9 +316,10 @@ def describe() -> list[tuple[str, str, str]]:
         "home": "folder that relative paths below are taken from (default: the checkout)",
         "bootstrap_servers": "Kafka bootstrap servers, host:port[,host:port]",
         "security_protocol": "PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL",
-        "sasl_mechanism": "SASL mechanism (PLAIN, SCRAM-SHA-256, SCRAM-SHA-512)",
-        "sasl_username": "SASL user name",
-        "sasl_password": "SASL password",
+        "sasl_mechanism": "SASL mechanism (PLAIN, SCRAM-SHA-256, SCRAM-SHA-512); required with a "
+        "SASL_* protocol",
+        "sasl_username": "SASL user name; required with a SASL mechanism",
+        "sasl_password": "SASL password; required with a SASL mechanism, never printed or logged",
         "replication_factor": "replicas of every topic duality creates (unset: 3 on a cluster "
         "of at least three brokers, else 1)",
         "min_insync_replicas": "`min.insync.replicas` of every topic duality creates (unset: 2 "

@@ -15,9 +15,11 @@ call and the bootstrap servers), refused the SASL login, or denied the operation
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -88,11 +90,15 @@ _DENIED = (
     KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
 )
 
+# How often a call that waits for Kafka looks whether the login was refused meanwhile.
+_REFUSAL_CHECK_S = 0.5
+
 # What identifies a connection: the client properties of Settings.kafka_client_config().
 _Connection = tuple[tuple[str, str], ...]
 _admins: dict[_Connection, AdminClient] = {}
 # The last refused login librdkafka reported per connection (through an admin client's poll).
-_refused_logins: dict[_Connection, str] = {}
+# (when, librdkafka's reason)
+_refused_logins: dict[_Connection, tuple[float, str]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +137,7 @@ def admin(settings: Settings) -> AdminClient:
 
 def _note_error(connection: _Connection, error: KafkaError) -> None:
     if error.code() in _LOGIN_REFUSED:
-        _refused_logins[connection] = error.str()
+        _refused_logins[connection] = (time.monotonic(), error.str())
 
 
 def producer(settings: Settings, **overrides: Any) -> Producer:
@@ -251,15 +257,10 @@ def failure(
         if refused is None:
             waited = settings.connect_timeout_s if timeout is None else timeout
             return _timed_out(settings, doing, waited, reason)
-        code, reason = KafkaError._AUTHENTICATION, refused
+        code, reason = KafkaError._AUTHENTICATION, refused[1]
     user = repr(settings.sasl_username) if settings.sasl_username else None
     if code in _LOGIN_REFUSED:
-        mechanism = settings.sasl_mechanism or "GSSAPI (librdkafka's default)"
-        return UsageError(
-            f"Kafka at {settings.bootstrap_servers} refused the SASL {mechanism} login of user "
-            f"{user or '(none)'} ({reason}): check DUALITY_SASL_USERNAME and "
-            "DUALITY_SASL_PASSWORD, and that DUALITY_SASL_MECHANISM is one the cluster accepts"
-        )
+        return _login_refused(settings, reason)
     if code in _DENIED:
         who = f"user {user}" if user else "this client (no DUALITY_SASL_USERNAME)"
         return UsageError(
@@ -267,6 +268,30 @@ def failure(
             "grant it the ACL, or set DUALITY_SASL_USERNAME to a user that has it"
         )
     return cause
+
+
+def _login_refused(settings: Settings, reason: str) -> UsageError:
+    user = repr(settings.sasl_username) if settings.sasl_username else "(none)"
+    return UsageError(
+        f"Kafka at {settings.bootstrap_servers} refused the SASL {settings.sasl_mechanism} login "
+        f"of user {user} ({reason}): check DUALITY_SASL_USERNAME and DUALITY_SASL_PASSWORD, and "
+        "that DUALITY_SASL_MECHANISM is one the cluster accepts"
+    )
+
+
+# How Kafka's Java client (in Spark's Kafka source and sink) reports a refused login.
+_JAVA_LOGIN_REFUSED = re.compile(
+    r"org\.apache\.kafka\.common\.errors\.(?:Sasl)?AuthenticationException: ?([^\n]*)"
+)
+
+
+def refused_login_in(settings: Settings, error: BaseException) -> UsageError | None:
+    """The refused login that a failure of Spark's Kafka source or sink comes from, as the
+    same error a refused login of the Python clients gives; None for any other failure."""
+    found = _JAVA_LOGIN_REFUSED.search(str(error))
+    if found is None:
+        return None
+    return _login_refused(settings, found.group(1).strip() or "authentication failed")
 
 
 def _timed_out(settings: Settings, doing: str, timeout: float, reason: str) -> DualityError:
@@ -305,11 +330,29 @@ def retrying(
 
 def _result(future: Any, settings: Settings, doing: str) -> Any:
     """The result of an admin call's future; an error `failure` does not explain is raised as
-    the KafkaException it is."""
+    the KafkaException it is. A refused login ends the wait as soon as librdkafka reports it."""
+    asked = time.monotonic()
     try:
-        return future.result()
+        while True:
+            try:
+                return future.result(timeout=_REFUSAL_CHECK_S)
+            except concurrent.futures.TimeoutError:
+                refused = _refused_login(settings, asked)
+                if refused is not None:
+                    raise refused from None
     except KafkaException as exc:
         raise failure(settings, doing, exc) from None
+
+
+def _refused_login(settings: Settings, since: float) -> UsageError | None:
+    """A login refusal librdkafka reported for this connection after `since` (monotonic)."""
+    connection = _connection(settings)
+    if connection in _admins:
+        _admins[connection].poll(0)
+    refused = _refused_logins.pop(connection, None)
+    if refused is None or refused[0] < since:
+        return None
+    return _login_refused(settings, refused[1])
 
 
 # -- topics ------------------------------------------------------------------------------------
@@ -325,10 +368,22 @@ def _metadata(
 ) -> Any:
     """The cluster's metadata: brokers, and `topic` or every topic."""
     timeout = settings.connect_timeout_s if timeout is None else timeout
-    try:
-        return admin(settings).list_topics(topic, timeout=timeout)
-    except KafkaException as exc:
-        raise failure(settings, doing, exc, timeout) from None
+    asked = time.monotonic()
+    deadline = asked + timeout
+    # Asked in growing slices, so that a refused login ends the wait once it is reported.
+    wait = _REFUSAL_CHECK_S
+    while True:
+        try:
+            return admin(settings).list_topics(
+                topic, timeout=max(0.05, min(wait, deadline - time.monotonic()))
+            )
+        except KafkaException as exc:
+            if _code(exc) not in _NO_ANSWER or time.monotonic() >= deadline:
+                raise failure(settings, doing, exc, timeout) from None
+            refused = _refused_login(settings, asked)
+            if refused is not None:
+                raise refused from None
+            wait *= 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -601,12 +656,11 @@ def consumer_groups(settings: Settings) -> list[str]:
     future = admin(settings).list_consumer_groups(request_timeout=settings.connect_timeout_s)
     result = _result(future, settings, doing)
     refused = [e for e in result.errors if _code(_as_exception(e)) not in _NO_ANSWER]
-    if refused:
-        raise failure(settings, doing, _as_exception(refused[0]))
+    if refused or (result.errors and not result.valid):
+        raise failure(settings, doing, _as_exception((refused or result.errors)[0]))
     if result.errors:
         # Brokers that are down: their groups move to another coordinator within seconds, and
-        # the groups of the brokers that answered are still worth showing, if any did.
-        _metadata(settings, doing)
+        # the groups of the brokers that answered are still worth showing.
         log.warning("%d broker(s) did not list their consumer groups", len(result.errors))
     return sorted(listing.group_id for listing in result.valid)
 

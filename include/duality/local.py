@@ -13,6 +13,7 @@ import base64
 import concurrent.futures
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -23,15 +24,15 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import psutil
 
 from duality import kafka
-from duality.config import STACK_FILE, Settings
-from duality.errors import BrokerUnavailable, LocalStackError, UsageError
+from duality.config import STACK_FILE, Settings, jaas_quote, java_properties
+from duality.errors import BrokerUnavailable, DualityError, LocalStackError, UsageError
 
 _LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 _MAIN_CLASS = "kafka.Kafka"
@@ -79,6 +80,83 @@ logger.cleaner.level = info
 """
 
 
+SCRAM_MECHANISM = "SCRAM-SHA-512"
+# The user the nodes of a SCRAM broker or cluster log in as to each other.
+BROKER_USER = "duality-broker"
+_SCRAM_ITERATIONS = 4096
+_SCRAM_USER_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._@-")
+
+
+def _secret() -> str:
+    return base64.urlsafe_b64encode(os.urandom(24)).decode()
+
+
+@dataclasses.dataclass(frozen=True)
+class Scram:
+    """SCRAM-SHA-512 logins of a local broker or cluster (docs/decisions/0014-sasl-scram.md).
+
+    Clients reach it on a SASL_PLAINTEXT listener; the nodes log in to each other as
+    `BROKER_USER` on the same listener, with `broker_password`; the KRaft controller listener
+    stays PLAINTEXT. The users (name -> password) and the broker user are created when the
+    storage is formatted, from salted passwords computed here, so no password is on a command
+    line. With `acls`, the StandardAuthorizer denies what no ACL allows, except to
+    `super_users` (and the nodes themselves).
+    """
+
+    users: Mapping[str, str] = dataclasses.field(repr=False)
+    acls: bool = False
+    super_users: tuple[str, ...] = ()
+    broker_password: str = dataclasses.field(default_factory=_secret, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in [*self.users, *self.super_users]:
+            if not name or not set(name) <= _SCRAM_USER_CHARS or name == BROKER_USER:
+                raise UsageError(
+                    f"SCRAM user name {name!r} of the local broker: use letters, digits and "
+                    f"'._@-' only, and not {BROKER_USER!r}"
+                )
+        for name, password in self.users.items():
+            if not password:
+                raise UsageError(f"SCRAM user {name!r} of the local broker needs a password")
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Scram:
+        """The one login `settings` name, for a local broker they will reach (`duality up`)."""
+        if (
+            settings.security_protocol != "SASL_PLAINTEXT"
+            or settings.sasl_mechanism != SCRAM_MECHANISM
+            or not settings.sasl_username
+            or not settings.sasl_password
+        ):
+            raise UsageError(
+                "a local broker with SCRAM logins needs DUALITY_SECURITY_PROTOCOL=SASL_PLAINTEXT, "
+                f"DUALITY_SASL_MECHANISM={SCRAM_MECHANISM}, DUALITY_SASL_USERNAME and "
+                "DUALITY_SASL_PASSWORD: set them"
+            )
+        return cls({settings.sasl_username: settings.sasl_password})
+
+    def login(self, settings: Settings, user: str) -> Settings:
+        """`settings` that log in as `user` (one of `users`)."""
+        return settings.replace(
+            security_protocol="SASL_PLAINTEXT",
+            sasl_mechanism=SCRAM_MECHANISM,
+            sasl_username=user,
+            sasl_password=self.users[user],
+        )
+
+
+def _scram_argument(user: str, password: str) -> str:
+    """StorageTool's `--add-scram` value for one user, with a salted password (RFC 5802's
+    Hi(): PBKDF2 with HMAC-SHA-512), so the password itself is not on the command line."""
+    salt = os.urandom(32)
+    salted = hashlib.pbkdf2_hmac("sha512", password.encode(), salt, _SCRAM_ITERATIONS)
+    encode = base64.b64encode
+    return (
+        f"{SCRAM_MECHANISM}=[name={user},salt={encode(salt).decode()},"
+        f"saltedpassword={encode(salted).decode()},iterations={_SCRAM_ITERATIONS}]"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class QuorumNode:
     """One KRaft node (broker and controller) of a local cluster: its id and ports."""
@@ -93,6 +171,8 @@ class LocalBroker:
 
     With `quorum`, it is node `node_id` of that KRaft quorum instead (`LocalKafkaCluster`): its
     own ports, its own folder `kafka-<id>`, and the cluster id all nodes were formatted with.
+    With `scram`, clients log in with SCRAM-SHA-512 on a SASL_PLAINTEXT listener (`Scram`);
+    `settings` must then log in as one of its users.
     """
 
     def __init__(
@@ -101,11 +181,14 @@ class LocalBroker:
         node_id: int = 1,
         quorum: tuple[QuorumNode, ...] = (),
         cluster_id: str | None = None,
+        *,
+        scram: Scram | None = None,
     ):
         self.settings = settings
         self.node_id = node_id
         self.quorum = quorum
         self.cluster_id = cluster_id
+        self.scram = scram
         self.root = settings.local_dir / ("kafka" if not quorum else f"kafka-{node_id}")
         self.data_dir = self.root / "data"
         self.logs_dir = self.root / "logs"
@@ -139,7 +222,7 @@ class LocalBroker:
             try:
                 kafka.ensure_reachable(self.settings.replace(bootstrap_servers=address), timeout=3)
                 reachable = True
-            except BrokerUnavailable:
+            except DualityError:  # no answer, or a refused login
                 reachable = False
         return {
             "state": "running" if pid is not None else "stopped",
@@ -180,10 +263,23 @@ class LocalBroker:
                 "cluster; `duality up` starts a broker on this machine only: unset the variable "
                 "or set it to localhost:<port>"
             )
-        if self.settings.security_protocol != "PLAINTEXT":
+        if self.scram is not None:
+            user = self.settings.sasl_username
+            if (
+                self.settings.security_protocol != "SASL_PLAINTEXT"
+                or self.settings.sasl_mechanism != SCRAM_MECHANISM
+                or user not in self.scram.users
+            ):
+                raise UsageError(
+                    "the local broker takes SCRAM logins: set DUALITY_SECURITY_PROTOCOL="
+                    f"SASL_PLAINTEXT, DUALITY_SASL_MECHANISM={SCRAM_MECHANISM} and "
+                    "DUALITY_SASL_USERNAME to one of its users "
+                    f"({', '.join(sorted(self.scram.users))})"
+                )
+        elif self.settings.security_protocol != "PLAINTEXT":
             raise UsageError(
-                f"DUALITY_SECURITY_PROTOCOL={self.settings.security_protocol}: the local broker "
-                "speaks PLAINTEXT only; unset the variable for the local stack"
+                f"DUALITY_SECURITY_PROTOCOL={self.settings.security_protocol}: this local broker "
+                "speaks PLAINTEXT; unset the variable, or start it with SCRAM logins"
             )
         if shutil.which("java") is None:
             raise LocalStackError("java is not on PATH: install Java 17 and try again")
@@ -209,17 +305,19 @@ class LocalBroker:
         me = next(n for n in nodes if n.node_id == self.node_id)
         # Kafka's internal topics: three replicas, two in sync, once there are three nodes.
         replicas, in_sync = (3, 2) if len(nodes) >= 3 else (1, 1)
+        clients = "PLAINTEXT" if self.scram is None else "SASL_PLAINTEXT"
         config = {
             "process.roles": "broker,controller",
             "node.id": str(me.node_id),
             "controller.quorum.voters": ",".join(
                 f"{n.node_id}@{host}:{n.controller_port}" for n in nodes
             ),
-            "listeners": f"PLAINTEXT://{host}:{me.port},CONTROLLER://{host}:{me.controller_port}",
-            "advertised.listeners": f"PLAINTEXT://{host}:{me.port}",
+            "listeners": f"{clients}://{host}:{me.port},CONTROLLER://{host}:{me.controller_port}",
+            "advertised.listeners": f"{clients}://{host}:{me.port}",
             "controller.listener.names": "CONTROLLER",
-            "inter.broker.listener.name": "PLAINTEXT",
-            "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            "inter.broker.listener.name": clients,
+            "listener.security.protocol.map": f"{clients}:{clients},CONTROLLER:PLAINTEXT",
+            **self._sasl_config(),
             "log.dirs": str(self.data_dir),
             **_DEV_BROKER_CONFIG,
             "offsets.topic.replication.factor": str(replicas),
@@ -228,8 +326,40 @@ class LocalBroker:
             "share.coordinator.state.topic.replication.factor": str(replicas),
             "share.coordinator.state.topic.min.isr": str(in_sync),
         }
-        self.config_file.write_text("".join(f"{k}={v}\n" for k, v in config.items()))
+        self.config_file.write_text(java_properties(config))
+        self.config_file.chmod(0o600)  # it holds the nodes' own password
         (self.root / "log4j2.properties").write_text(_LOG4J2.format(logs=self.logs_dir))
+
+    def _sasl_config(self) -> dict[str, str]:
+        """The SCRAM listener's settings: the nodes log in to each other as BROKER_USER."""
+        if self.scram is None:
+            return {}
+        jaas = (
+            "org.apache.kafka.common.security.scram.ScramLoginModule required "
+            f"username={jaas_quote(BROKER_USER)} password={jaas_quote(self._broker_password())};"
+        )
+        config = {
+            "sasl.enabled.mechanisms": SCRAM_MECHANISM,
+            "sasl.mechanism.inter.broker.protocol": SCRAM_MECHANISM,
+            f"listener.name.sasl_plaintext.{SCRAM_MECHANISM.lower()}.sasl.jaas.config": jaas,
+        }
+        if self.scram.acls:
+            supers = [BROKER_USER, *self.scram.super_users, "ANONYMOUS"]
+            config["authorizer.class.name"] = (
+                "org.apache.kafka.metadata.authorizer.StandardAuthorizer"
+            )
+            # ANONYMOUS: the principal of the PLAINTEXT controller listener (the nodes).
+            config["super.users"] = ";".join(f"User:{user}" for user in supers)
+        return config
+
+    def _broker_password(self) -> str:
+        """The nodes' password: the one the storage was formatted with, kept beside it."""
+        assert self.scram is not None
+        path = self.root / "broker.secret"
+        if not path.is_file():
+            path.touch(mode=0o600)
+            path.write_text(self.scram.broker_password)
+        return path.read_text()
 
     def _java(self, main: str, *args: str, heap: str = "256m") -> list[str]:
         return [
@@ -255,6 +385,7 @@ class LocalBroker:
             "--config",
             str(self.config_file),
             "--ignore-formatted",
+            *self._scram_arguments(),
         )
         result = subprocess.run(command, capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
@@ -262,6 +393,16 @@ class LocalBroker:
                 f"formatting the broker storage in {self.data_dir} failed:\n"
                 f"{result.stdout}{result.stderr}"
             )
+
+    def _scram_arguments(self) -> list[str]:
+        if self.scram is None:
+            return []
+        users = {BROKER_USER: self._broker_password(), **self.scram.users}
+        return [
+            part
+            for user, password in users.items()
+            for part in ("--add-scram", _scram_argument(user, password))
+        ]
 
     def _launch(self) -> subprocess.Popen[bytes]:
         stdout = open(self.logs_dir / "stdout.log", "ab")  # noqa: SIM115 - handed to the child
@@ -279,6 +420,7 @@ class LocalBroker:
 
     def _wait_until_ready(self, process: subprocess.Popen[bytes]) -> None:
         deadline = time.monotonic() + _START_TIMEOUT_S
+        last: DualityError | None = None
         while time.monotonic() < deadline:
             if process.poll() is not None:
                 self.pid_file.unlink(missing_ok=True)
@@ -289,12 +431,14 @@ class LocalBroker:
             try:
                 kafka.ensure_reachable(self.settings, timeout=2)
                 return
-            except BrokerUnavailable:
+            except (BrokerUnavailable, UsageError) as error:
+                # A login refused while the broker loads its SCRAM users is not the last word.
+                last = error
                 continue
         self.stop()
         raise LocalStackError(
             f"the broker did not answer on {self.settings.bootstrap_servers} within "
-            f"{_START_TIMEOUT_S:g}s; last lines of {self.log_file}:\n{self.log_tail()}"
+            f"{_START_TIMEOUT_S:g}s ({last}); last lines of {self.log_file}:\n{self.log_tail()}"
         )
 
     def log_tail(self, lines: int = 20) -> str:
@@ -376,10 +520,14 @@ def new_cluster_id() -> str:
 
 
 @contextlib.contextmanager
-def ephemeral_broker(settings: Settings) -> Iterator[Settings]:
+def ephemeral_broker(
+    settings: Settings, *, scram: Scram | None = None, user: str | None = None
+) -> Iterator[Settings]:
     """A throw-away broker on free ports in a temporary folder; yields settings that point at it.
 
-    Tests and benchmarks use it when DUALITY_BOOTSTRAP_SERVERS does not name a cluster.
+    With `scram`, the broker takes SCRAM-SHA-512 logins and the settings log in as `user`
+    (default: the first of its users). Tests and benchmarks use it when
+    DUALITY_BOOTSTRAP_SERVERS does not name a cluster.
     """
     root = Path(tempfile.mkdtemp(prefix="duality-broker-"))
     scoped = settings.replace(
@@ -387,7 +535,9 @@ def ephemeral_broker(settings: Settings) -> Iterator[Settings]:
         controller_port=free_port(),
         local_dir=root,
     )
-    broker = LocalBroker(scoped)
+    if scram is not None:
+        scoped = scram.login(scoped, user or next(iter(scram.users)))
+    broker = LocalBroker(scoped, scram=scram)
     try:
         broker.start()
         yield scoped
@@ -401,7 +551,14 @@ class LocalKafkaCluster:
     """A KRaft cluster of the `quorum`'s nodes on this machine, each a combined broker and
     controller with its own ports and folder under `<local_dir>`; `.settings` name them all."""
 
-    def __init__(self, settings: Settings, quorum: tuple[QuorumNode, ...], cluster_id: str):
+    def __init__(
+        self,
+        settings: Settings,
+        quorum: tuple[QuorumNode, ...],
+        cluster_id: str,
+        *,
+        scram: Scram | None = None,
+    ):
         host = "localhost"
         self.settings = settings.replace(
             bootstrap_servers=",".join(f"{host}:{node.port}" for node in quorum)
@@ -413,6 +570,7 @@ class LocalKafkaCluster:
                 node.node_id,
                 quorum,
                 cluster_id,
+                scram=scram,
             )
             for node in quorum
         ]
@@ -456,7 +614,9 @@ class LocalKafkaCluster:
         }
 
 
-def local_cluster(settings: Settings, brokers: int) -> LocalKafkaCluster:
+def local_cluster(
+    settings: Settings, brokers: int, *, scram: Scram | None = None
+) -> LocalKafkaCluster:
     """The cluster `duality up --brokers N` runs in `<local_dir>`: node i (from 1) listens on
     the bootstrap port + 2(i-1) and the controller port + 2(i-1), with its folder `kafka-<i>`;
     the cluster id is the one its nodes were formatted with, or a new one."""
@@ -472,7 +632,7 @@ def local_cluster(settings: Settings, brokers: int) -> LocalKafkaCluster:
         for line in meta.read_text().splitlines():
             if line.startswith("cluster.id="):
                 cluster_id = line.split("=", 1)[1].strip()
-    return LocalKafkaCluster(settings, quorum, cluster_id or new_cluster_id())
+    return LocalKafkaCluster(settings, quorum, cluster_id or new_cluster_id(), scram=scram)
 
 
 def _runs_config(config: Path) -> Callable[[list[str]], bool]:
@@ -505,12 +665,19 @@ class Topology:
     brokers: int = 1
     spark_workers: int = 0
     airflow_db: str = "sqlite"
+    # Clients log in with SCRAM-SHA-512 (the user and password of the settings).
+    sasl: bool = False
 
     def __post_init__(self) -> None:
         if self.brokers < 1:
             raise UsageError(f"--brokers {self.brokers}: a stack needs at least one broker")
         if self.spark_workers < 0:
             raise UsageError(f"--spark-workers {self.spark_workers}: use 0 (local mode) or more")
+
+
+# What `duality up --brokers 3 --spark-workers 2 --airflow-db postgres` runs: docker-compose.yml's
+# topology (tests/unit/test_compose.py compares them).
+PRODUCTION = Topology(brokers=3, spark_workers=2, airflow_db="postgres")
 
 
 def recorded_stack(settings: Settings) -> Topology | None:
@@ -534,12 +701,22 @@ def forget_stack(settings: Settings) -> None:
 
 
 @contextlib.contextmanager
-def ephemeral_cluster(settings: Settings, brokers: int = 3) -> Iterator[LocalKafkaCluster]:
+def ephemeral_cluster(
+    settings: Settings,
+    brokers: int = 3,
+    *,
+    scram: Scram | None = None,
+    user: str | None = None,
+) -> Iterator[LocalKafkaCluster]:
     """A throw-away KRaft cluster of `brokers` nodes on free ports in a temporary folder, for
-    tests: `.settings` reach the whole cluster, `.node(i)` is one node to stop and start."""
+    tests: `.settings` reach the whole cluster (with `scram`, logged in as `user`, default the
+    first of its users), `.node(i)` is one node to stop and start."""
     root = Path(tempfile.mkdtemp(prefix="duality-cluster-"))
     quorum = tuple(QuorumNode(i + 1, free_port(), free_port()) for i in range(brokers))
-    cluster = LocalKafkaCluster(settings.replace(local_dir=root), quorum, new_cluster_id())
+    scoped = settings.replace(local_dir=root)
+    if scram is not None:
+        scoped = scram.login(scoped, user or next(iter(scram.users)))
+    cluster = LocalKafkaCluster(scoped, quorum, new_cluster_id(), scram=scram)
     try:
         cluster.start()
         yield cluster
@@ -908,8 +1085,9 @@ class LocalAirflow:
     """Airflow standalone (SQLite, LocalExecutor) with this checkout's `dags/` and `plugins/`.
 
     Its home is `<local_dir>/airflow`. The connections `kafka_default` and `spark_default` are
-    given as `AIRFLOW_CONN_*` variables built from the settings, and every `DUALITY_*` setting is
-    passed on, so tasks see the same stack as the command that started Airflow.
+    given as `AIRFLOW_CONN_*` variables built from the settings (`kafka_default` with the SASL
+    login, if any), and every `DUALITY_*` setting is passed on, so tasks see the same stack as
+    the command that started Airflow.
     """
 
     def __init__(self, settings: Settings):
@@ -935,11 +1113,9 @@ class LocalAirflow:
     def environment(self) -> dict[str, str]:
         """The environment Airflow and its tasks run with."""
         settings = self.settings
-        kafka_extra = {
-            key: value
-            for key, value in settings.kafka_client_config().items()
-            if key in ("bootstrap.servers", "security.protocol", "sasl.mechanism")
-        }
+        # The Kafka provider's form: librdkafka properties in the extra, the login included.
+        # Airflow masks `sasl.password` in task logs (a key with "password" in its name).
+        kafka_extra = settings.kafka_client_config()
         secret_file = self.home / "jwt_secret"
         if not secret_file.is_file():
             self.home.mkdir(parents=True, exist_ok=True)

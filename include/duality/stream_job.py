@@ -220,6 +220,11 @@ class StreamDriver:
                 except DualityError:
                     raise
                 except Exception as error:
+                    # A refused login does not heal by itself: end with it, no restart loop.
+                    refused = kafka.refused_login_in(settings, error)
+                    if refused is not None:
+                        heartbeat.publish("failed", error=str(refused))
+                        raise refused from None
                     log.warning(
                         "%s: stream failed (%s); restarting in %.0fs",
                         spec.name,

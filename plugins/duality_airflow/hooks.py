@@ -51,7 +51,11 @@ def overrides(
 
 
 def settings(kafka_conn_id: str = KAFKA_CONN_ID, spark_conn_id: str = SPARK_CONN_ID) -> Settings:
-    """`Settings.from_env()` with the Airflow connections applied (missing ones are skipped)."""
+    """`Settings.from_env()` with the Airflow connections applied (missing ones are skipped).
+
+    Reading the Kafka connection's extra registers its `sasl.password` with Airflow's secrets
+    masker, so a task log shows it as `***`.
+    """
     from airflow.sdk import BaseHook
 
     def connection(conn_id: str) -> Any:
@@ -60,13 +64,16 @@ def settings(kafka_conn_id: str = KAFKA_CONN_ID, spark_conn_id: str = SPARK_CONN
         except Exception:  # not defined: the environment's settings stand
             return None
 
-    return _with_connections(connection(kafka_conn_id), connection(spark_conn_id))
+    kafka_conn, spark_conn = connection(kafka_conn_id), connection(spark_conn_id)
+    return _with_connections(
+        kafka_conn.extra_dejson if kafka_conn is not None else None, spark_conn
+    )
 
 
 async def asettings(
     kafka_conn_id: str = KAFKA_CONN_ID, spark_conn_id: str = SPARK_CONN_ID
 ) -> Settings:
-    """`settings()` for the triggerer's event loop."""
+    """`settings()` for the triggerer's event loop (the masker is told without blocking it)."""
     from airflow.sdk import BaseHook
 
     async def connection(conn_id: str) -> Any:
@@ -75,15 +82,17 @@ async def asettings(
         except Exception:  # not defined: the environment's settings stand
             return None
 
-    return _with_connections(await connection(kafka_conn_id), await connection(spark_conn_id))
+    kafka_conn, spark_conn = await connection(kafka_conn_id), await connection(spark_conn_id)
+    return _with_connections(
+        await kafka_conn.aextra_dejson() if kafka_conn is not None else None, spark_conn
+    )
 
 
-def _with_connections(kafka_conn: Any, spark_conn: Any) -> Settings:
+def _with_connections(kafka_extra: dict[str, Any] | None, spark_conn: Any) -> Settings:
     from duality.config import Settings
 
     changes = overrides(
-        kafka_conn.extra_dejson if kafka_conn is not None else None,
-        (spark_conn.host, spark_conn.port) if spark_conn is not None else None,
+        kafka_extra, (spark_conn.host, spark_conn.port) if spark_conn is not None else None
     )
     return Settings.from_env().replace(**changes)
 

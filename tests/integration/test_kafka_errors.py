@@ -1,5 +1,5 @@
 """The Kafka module against real brokers: one admin client per command, and what a command says
-when a broker with SASL/PLAIN logins and ACLs refuses a login or denies an operation."""
+when a broker with SCRAM-SHA-512 logins and ACLs refuses a login or denies an operation."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from confluent_kafka.admin import (
 from duality import cli, kafka, workload
 from duality.config import Settings
 from duality.errors import UsageError
-from duality.local import LocalBroker, free_port
+from duality.local import Scram, ephemeral_broker
 from tests.harness import make_pipeline
 
 ADMIN_PASSWORD = "admin-secret"
@@ -26,62 +26,15 @@ ALICE_PASSWORD = "alice-secret"
 WRONG_PASSWORD = "not-alices-password"
 
 
-class _SaslBroker(LocalBroker):
-    """The dev broker with a SASL/PLAIN listener and ACLs (StandardAuthorizer): `admin` is a
-    super user, `alice` logs in but has no ACL."""
-
-    def _check_can_start(self) -> None:  # the dev broker refuses anything but PLAINTEXT
-        pass
-
-    def _write_config(self) -> None:
-        super()._write_config()
-        host, port = self.settings.first_bootstrap
-        controller = f"CONTROLLER://{host}:{self.settings.controller_port}"
-        jaas = (
-            "org.apache.kafka.common.security.plain.PlainLoginModule required "
-            f'username="admin" password="{ADMIN_PASSWORD}" '
-            f'user_admin="{ADMIN_PASSWORD}" user_alice="{ALICE_PASSWORD}";'
-        )
-        config = dict(line.split("=", 1) for line in self.config_file.read_text().splitlines())
-        config.update(
-            {
-                "listeners": f"SASL_PLAINTEXT://{host}:{port},{controller}",
-                "advertised.listeners": f"SASL_PLAINTEXT://{host}:{port}",
-                "inter.broker.listener.name": "SASL_PLAINTEXT",
-                "listener.security.protocol.map": "SASL_PLAINTEXT:SASL_PLAINTEXT,"
-                "CONTROLLER:PLAINTEXT",
-                "sasl.enabled.mechanisms": "PLAIN",
-                "sasl.mechanism.inter.broker.protocol": "PLAIN",
-                "listener.name.sasl_plaintext.plain.sasl.jaas.config": jaas,
-                "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
-                # The controller listener is PLAINTEXT: its principal is ANONYMOUS.
-                "super.users": "User:admin;User:ANONYMOUS",
-            }
-        )
-        self.config_file.write_text("".join(f"{k}={v}\n" for k, v in config.items()))
-
-
 @pytest.fixture(scope="module")
-def secured(
-    base_settings: Settings, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Settings]:
-    """Settings of the super user on a broker of its own with SASL logins and ACLs."""
-    admin = base_settings.replace(
-        bootstrap_servers=f"localhost:{free_port()}",
-        controller_port=free_port(),
-        local_dir=tmp_path_factory.mktemp("sasl-broker"),
-        security_protocol="SASL_PLAINTEXT",
-        sasl_mechanism="PLAIN",
-        sasl_username="admin",
-        sasl_password=ADMIN_PASSWORD,
-        connect_timeout_s=5.0,
+def secured(base_settings: Settings) -> Iterator[Settings]:
+    """Settings of the super user `admin` on a broker of its own with SCRAM-SHA-512 logins and
+    ACLs (StandardAuthorizer); `alice` logs in but has no ACL."""
+    scram = Scram(
+        {"admin": ADMIN_PASSWORD, "alice": ALICE_PASSWORD}, acls=True, super_users=("admin",)
     )
-    broker = _SaslBroker(admin)
-    broker.start()  # waits until the super user's admin client gets an answer
-    try:
+    with ephemeral_broker(base_settings.replace(connect_timeout_s=5.0), scram=scram) as admin:
         yield admin
-    finally:
-        broker.stop()
 
 
 def _as(monkeypatch: pytest.MonkeyPatch, settings: Settings, user: str, password: str) -> None:
@@ -105,9 +58,10 @@ def test_a_refused_login_says_so_naming_mechanism_and_user_never_the_password(
     assert cli.main(["skew", topic]) == 2
     err = capsys.readouterr().err.replace("\n", " ")
     assert (
-        f"Kafka at {secured.bootstrap_servers} refused the SASL PLAIN login of user 'alice'" in err
+        f"Kafka at {secured.bootstrap_servers} refused the SASL SCRAM-SHA-512 login of user "
+        "'alice'" in err
     )
-    assert "Invalid username or password" in err
+    assert "invalid credentials" in err
     assert WRONG_PASSWORD not in err and "timed out" not in err
 
 

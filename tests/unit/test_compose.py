@@ -723,3 +723,28 @@ def test_published_ports_do_not_collide():
     collisions = {port: names for port, names in owners.items() if len(names) > 1}
     assert not collisions, f"host ports published twice: {collisions}"
     assert 8080 in _published_ports("airflow-apiserver"), "the Airflow UI is not published"
+
+
+# -- the same topology as local processes (`duality up`, decision 16) ------------------------
+
+
+def _option(command: list[str], flag: str) -> str:
+    assert flag in command, f"{command} has no {flag}"
+    return command[command.index(flag) + 1]
+
+
+def test_local_topology_has_compose_brokers_and_workers():
+    from duality.local import PRODUCTION, local_cluster, local_spark
+
+    settings = Settings.from_env({"DUALITY_LOCAL_DIR": "/nonexistent/duality-compose-test"})
+    assert len(KAFKA) == PRODUCTION.brokers
+    assert [n.node_id for n in local_cluster(settings, PRODUCTION.brokers).nodes] == [
+        int(_env(name)["KAFKA_NODE_ID"]) for name in KAFKA
+    ]
+    assert len(SPARK_WORKERS) == PRODUCTION.spark_workers
+    spark = local_spark(settings, PRODUCTION.spark_workers)
+    for worker in SPARK_WORKERS:
+        command = _command(worker)
+        assert int(_option(command, "--cores")) == spark.cores, worker
+        assert _option(command, "--memory") == spark.memory, worker
+    assert PRODUCTION.airflow_db == POSTGRES

@@ -87,7 +87,10 @@ def test_a_denied_operation_names_the_user_and_the_operation(sasl: Settings, cod
     assert isinstance(error, UsageError)
     assert "does not allow user 'bob' to describe topic 'orders' (denied)" in str(error)
     assert PASSWORD not in str(error)
-    anonymous = kafka.failure(sasl.replace(sasl_username=None), "x", _exception(code, "denied"))
+    tls = sasl.replace(
+        security_protocol="SSL", sasl_mechanism=None, sasl_username=None, sasl_password=None
+    )
+    anonymous = kafka.failure(tls, "x", _exception(code, "denied"))
     assert "no DUALITY_SASL_USERNAME" in str(anonymous)
 
 
