@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -211,7 +212,8 @@ class LocalBroker:
             return None
         for line in self.config_file.read_text().splitlines():
             if line.startswith("advertised.listeners="):
-                return line.split("://", 1)[1]
+                # Written by `java_properties`: ':' and '=' escaped with a backslash.
+                return re.sub(r"\\(.)", r"\1", line).split("://", 1)[1]
         return None
 
     def status(self) -> dict[str, Any]:

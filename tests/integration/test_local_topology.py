@@ -1,0 +1,149 @@
+"""The production topology as `duality up` runs it on one machine (decision 16): three KRaft
+brokers, a Spark master and two workers, Airflow; later commands find it through the stack
+record alone, a pipeline runs on it, and `duality down` leaves no process.
+
+Free ports in a temporary folder; the commands run as a user runs them, in child processes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from duality import kafka
+from duality.config import Settings
+from duality.local import _port_in_use, free_port, local_spark
+from duality.spec import find_spec
+from tests.harness import ROOT, assert_eventually
+from tests.integration.test_stream import _verify
+from tests.stack import stack_env
+
+BROKERS, WORKERS = 3, 2
+EVENTS = 3_000
+
+
+def _duality(env: dict[str, str], *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "duality.cli", *args, "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _ok(env: dict[str, str], *args: str) -> dict:
+    done = _duality(env, *args)
+    assert done.returncode == 0, f"duality {' '.join(args)}:\n{done.stderr[-3000:]}"
+    return dict(json.loads(done.stdout))
+
+
+def _free_ports(count: int) -> int:
+    """The first of `count` consecutive free ports (node i listens on base + 2(i-1))."""
+    while True:
+        base = free_port()
+        if base + count < 65536 and not any(
+            _port_in_use("localhost", base + i) for i in range(count)
+        ):
+            return base
+
+
+def _ours(root: Path) -> list[psutil.Process]:
+    """Every process of the stack in `root`: its command line, its folder or its settings
+    name `root` (brokers, Spark daemons and executors, Airflow and its database, streams)."""
+    found = []
+    for process in psutil.process_iter(["cmdline", "cwd"]):
+        try:
+            named = " ".join(process.info["cmdline"] or []) + " " + (process.info["cwd"] or "")
+            named += " " + process.environ().get("DUALITY_LOCAL_DIR", "")
+        except psutil.Error:
+            continue
+        if str(root) in named:
+            found.append(process)
+    return found
+
+
+@pytest.fixture(scope="module")
+def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """`duality up --brokers 3 --spark-workers 2` in a folder of its own; yields the
+    environment of later commands, which names no address: the stack record supplies them."""
+    root = tmp_path_factory.mktemp("topology")
+    env = stack_env(root)
+    base = _free_ports(2 * BROKERS)
+    env["DUALITY_BOOTSTRAP_SERVERS"] = f"localhost:{base}"
+    env["DUALITY_CONTROLLER_PORT"] = str(base + 1)
+    shutil.copy(ROOT / "include" / "pipelines" / "product_sales.yaml", root / "pipelines")
+    later = {
+        k: v
+        for k, v in env.items()
+        if k not in ("DUALITY_BOOTSTRAP_SERVERS", "DUALITY_CONTROLLER_PORT")
+    }
+    try:
+        up = _ok(env, "up", "--brokers", str(BROKERS), "--spark-workers", str(WORKERS))
+        assert [n["state"] for n in up["broker"]["nodes"]] == ["running"] * BROKERS
+        assert up["spark"]["state"] == "running"
+        yield later
+    finally:
+        down = _duality(later, "down")
+        assert down.returncode == 0, down.stderr[-3000:]
+        assert_eventually(lambda: _ours(root) == [], timeout=60, message="processes left")
+    stopped = json.loads(down.stdout)
+    assert len(stopped["brokers"]) == BROKERS and stopped["spark"]["was_running"] is True
+    assert not (root / "local" / "stack.json").exists()
+
+
+def test_later_commands_find_the_whole_stack(topology: dict[str, str]):
+    status = _ok(topology, "status")
+    assert status["topology"]["brokers"] == BROKERS
+    nodes = status["broker"]["nodes"]
+    assert [(n["node_id"], n["state"], n["reachable"]) for n in nodes] == [
+        (i + 1, "running", True) for i in range(BROKERS)
+    ]
+    assert status["broker"]["brokers"] == BROKERS  # what the cluster itself answers
+    assert status["broker"]["durability"]["replication_factor"] == 3
+    assert status["broker"]["durability"]["min_insync_replicas"] == 2
+    spark = status["spark"]
+    assert spark["state"] == "running" and all(w["registered"] for w in spark["workers"])
+
+    # The same stack again: reported, not started twice; another topology is refused.
+    again = _ok(topology, "up")
+    assert [n["pid"] for n in again["broker"]["nodes"]] == [n["pid"] for n in nodes]
+    other = _duality(topology, "up", "--brokers", "1")
+    assert other.returncode == 2 and "duality down" in other.stderr, other.stderr
+
+
+def test_a_pipeline_runs_on_the_brokers_and_the_workers(topology: dict[str, str]):
+    settings = Settings.from_env(topology)
+    assert len(settings.bootstrap_servers.split(",")) == BROKERS  # from the record
+    assert settings.spark_master.startswith("spark://")
+    spec = find_spec(settings, "product_sales")
+    produced = _ok(topology, "produce", spec.name, "--events", str(EVENTS), "--seed", "9")
+    assert produced["produced"] == EVENTS
+    try:
+        started = _ok(topology, "stream", "start", spec.name)
+        assert started["heartbeat"]["state"] == "running"
+
+        def caught_up() -> bool:
+            ends = kafka.end_offsets(settings, spec.source.topic)
+            done = kafka.committed_offsets(settings, spec.consumer_group, spec.source.topic)
+            return all(done.get(p, (0, None))[0] >= end for p, end in ends.items())
+
+        assert_eventually(caught_up, timeout=240, interval=1.0, message="the stream lags")
+        cluster = local_spark(settings, WORKERS)
+        apps = (cluster.master_state() or {}).get("activeapps", [])
+        assert len(apps) == 1, apps
+        for worker in range(WORKERS):
+            assert list((cluster.work_dir(worker) / apps[0]["id"]).glob("*")), worker
+    finally:
+        stopped = _ok(topology, "stream", "stop", spec.name)
+    assert stopped["was_running"] is True
+    _verify(settings, spec, EVENTS)
+    info = kafka.describe_topic(settings, spec.changelog_topic)
+    assert info.replication_factor == 3 and info.config["min.insync.replicas"] == "2"
