@@ -17,6 +17,8 @@ from duality.errors import UsageError
 PREFIX = "DUALITY_"
 
 _SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+# What the local stack runs Airflow on: standalone on SQLite, or its components on PostgreSQL.
+AIRFLOW_DBS = ("sqlite", "postgres")
 
 
 def _checkout_root() -> Path:
@@ -56,6 +58,8 @@ class Settings:
     local_dir: Path = Path(".local")
     reports: Path = Path(".local/reports")
     airflow_url: str = "http://localhost:8080"
+    # The local stack's Airflow: `sqlite` (standalone) or `postgres` (components on PostgreSQL).
+    airflow_db: str = "sqlite"
     # How long a command waits for the broker before it gives up with a clear error.
     connect_timeout_s: float = 10.0
     # Airflow: the execution timeout of each kind of task (DAG files read these when parsed).
@@ -74,6 +78,13 @@ class Settings:
             raise UsageError(
                 f"{PREFIX}SECURITY_PROTOCOL={self.security_protocol!r} is not a Kafka security "
                 f"protocol: use one of {', '.join(_SECURITY_PROTOCOLS)}"
+            )
+        if self.airflow_db not in AIRFLOW_DBS:
+            raise UsageError(
+                f"{PREFIX}AIRFLOW_DB={self.airflow_db!r} is not a database the local stack runs "
+                "Airflow on: use sqlite (Airflow standalone, the default) or postgres "
+                "(PostgreSQL, with Airflow's api-server, scheduler, dag-processor and triggerer "
+                "as separate processes)"
             )
         if not self.bootstrap_servers.strip():
             raise UsageError(f"{PREFIX}BOOTSTRAP_SERVERS is empty: set it to host:port[,host:port]")
@@ -223,6 +234,9 @@ def describe() -> list[tuple[str, str, str]]:
         "local_dir": "data, logs and pid files of the local stack",
         "reports": "validation reports: JSON and Great Expectations Data Docs per pipeline",
         "airflow_url": "Airflow UI and API address",
+        "airflow_db": "what `duality up` runs Airflow on: `sqlite` (Airflow standalone) or "
+        "`postgres` (a PostgreSQL server of its own, and the api-server, scheduler, dag-processor "
+        "and triggerer as separate processes)",
         "connect_timeout_s": "seconds a command waits for the broker before it gives up",
         "supervise_timeout_s": "Airflow: execution timeout (s) of a stream DAG task (one look of "
         "the supervisor; waiting for the stream to report running)",
