@@ -348,13 +348,32 @@ def stop_group(pid: int, grace: float, first: signal.Signals = signal.SIGTERM) -
         process.send_signal(first)
     except (ProcessLookupError, psutil.NoSuchProcess):
         return
-    with contextlib.suppress(psutil.TimeoutExpired):
-        process.wait(timeout=grace)
+    wait_exited([process], grace)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(group, signal.SIGKILL)
-    # Reaps it when it is our child; a SIGKILLed process is gone within moments.
-    with contextlib.suppress(psutil.Error):
-        process.wait(timeout=10)
+    # A SIGKILLed process is gone within moments.
+    wait_exited([process], 10)
+
+
+def wait_exited(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait up to `timeout` seconds until `processes` have exited; returns those still alive.
+    Our own children are reaped; a zombie counts as exited, since its parent (the command that
+    started it, gone since) may never reap it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for process in processes:
+            try:
+                with contextlib.suppress(psutil.TimeoutExpired):
+                    process.wait(0)
+                if process.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(process)
+            except psutil.Error:
+                continue
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        processes = alive
+        time.sleep(0.1)
 
 
 def _port_in_use(host: str, port: int) -> bool:
@@ -1377,11 +1396,10 @@ class LocalAirflow:
         for process in idle:
             with contextlib.suppress(psutil.Error):
                 process.terminate()
-        _, alive = psutil.wait_procs(idle, timeout=self.settings.kill_grace_s)
-        for process in alive:
+        for process in wait_exited(idle, self.settings.kill_grace_s):
             with contextlib.suppress(psutil.Error):
                 process.kill()
-        psutil.wait_procs(alive, timeout=10)
+                wait_exited([process], 10)
 
     def _wait_healthy(
         self, launched: dict[str, tuple[subprocess.Popen[bytes], Path]], since: float = 0.0
@@ -1421,7 +1439,7 @@ class LocalAirflow:
                 process = psutil.Process(pid)
                 process.send_signal(signal.SIGINT if name == "standalone" else signal.SIGTERM)
                 processes.append(process)
-        psutil.wait_procs(processes, timeout=_STOP_TIMEOUT_S)
+        wait_exited(processes, _STOP_TIMEOUT_S)
         for pid in running.values():  # each leads its own group (start_new_session)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
@@ -1429,11 +1447,10 @@ class LocalAirflow:
         for process in left:
             with contextlib.suppress(psutil.Error):
                 process.terminate()
-        _, alive = psutil.wait_procs(left, timeout=self.settings.kill_grace_s)
-        for process in alive:
+        for process in wait_exited(left, self.settings.kill_grace_s):
             with contextlib.suppress(psutil.Error):
                 process.kill()
-        psutil.wait_procs(alive, timeout=10)
+                wait_exited([process], 10)
         database = self.postgres.stop()
         for name in pids:
             (self.home / f"{name}.pid").unlink(missing_ok=True)
