@@ -514,7 +514,7 @@ def test_image_installs_the_lock_then_reinstalls_its_pyspark():
     )
     pins = _lock_pins()
     for driver in ("psycopg2-binary", "asyncpg"):  # Airflow's sync and async engines
-        assert driver in pins, f"requirements.lock must pin {driver}, a driver of Airflow's database"
+        assert driver in pins, f"requirements.lock must pin {driver}, a driver of Airflow's DB"
     assert "import" in run and "psycopg2, asyncpg" in run, "the image does not import the drivers"
 
 
