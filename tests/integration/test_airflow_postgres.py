@@ -22,12 +22,13 @@ from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 
 from duality import changelog, kafka, snapshot, workload
 from duality.airflow_api import AirflowClient
 from duality.config import Settings
 from duality.local import AIRFLOW_COMPONENTS, AIRFLOW_USER, LocalAirflow, free_port
-from duality.spec import PipelineSpec
+from duality.spec import PipelineSpec, load_spec
 from tests.harness import assert_eventually, make_pipeline
 
 
@@ -88,7 +89,7 @@ def test_scheduler_killed_mid_snapshot_publishes_once_and_runs_one_stream(
         airflow_url=f"http://localhost:{free_port()}",
         airflow_db="postgres",
     )
-    spec = make_pipeline(scoped, scoped.pipelines, "product_sales")
+    spec = _pipeline(scoped)
     workload.produce(scoped, spec, events=2000, keys=200, seed=3)
     airflow = LocalAirflow(scoped)
     try:
@@ -142,14 +143,14 @@ def _stream_and_snapshot(
         committed = kafka.committed_offsets(settings, spec.consumer_group, spec.source.topic)
         return all(committed.get(p, (0, None))[0] >= end for p, end in ends.items())
 
-    assert_eventually(caught_up, timeout=150, interval=1.0, message="the stream did not catch up")
+    assert_eventually(caught_up, timeout=240, interval=1.0, message="the stream did not catch up")
 
     client.wait_for_dag(snapshot_dag)
-    client.set_paused(snapshot_dag, False)  # the latest interval runs at once
-    run_id = assert_eventually(lambda: _only_run(client, snapshot_dag), timeout=60)
+    client.set_paused(snapshot_dag, False)
+    run_id = client.trigger(snapshot_dag)
     assert_eventually(
         lambda: _task_state(client, snapshot_dag, run_id, "snapshot") == "running",
-        timeout=60,
+        timeout=120,
         message="the snapshot task did not start",
     )
     before = {name: airflow.component_pid(name) for name in AIRFLOW_COMPONENTS}
@@ -186,9 +187,15 @@ def _stream_and_snapshot(
     assert streams.now()["stream_aggregate.py"], "the stream is not running any more"
 
 
-def _only_run(client: AirflowClient, dag_id: str) -> str | None:
-    runs = client.runs(dag_id)
-    return str(runs[0]["dag_run_id"]) if runs else None
+def _pipeline(settings: Settings) -> PipelineSpec:
+    """A demo pipeline whose snapshot DAG runs only when triggered: its schedule's last time
+    (29 February 2024) lies before the DAG's start, its next one years ahead."""
+    spec = make_pipeline(settings, settings.pipelines, "product_sales")
+    path = settings.pipelines / f"{spec.name}.yaml"
+    data = yaml.safe_load(path.read_text())
+    data["snapshot"] = {"schedule": "0 0 29 2 *"}
+    path.write_text(yaml.safe_dump(data))
+    return load_spec(path)
 
 
 def _task_state(client: AirflowClient, dag_id: str, run_id: str, task_id: str) -> str | None:
