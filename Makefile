@@ -11,7 +11,7 @@ PY_STAMP := $(VENV)/.duality-installed
 JAR_STAMP := $(JAR_CACHE)/.duality-fetched
 PYTEST_ARGS ?=
 
-.PHONY: help setup browser demo test test-unit test-integration bench up down status lint lock clean
+.PHONY: help setup browser postgres demo test test-unit test-integration bench up down status lint lock clean
 
 help:
 	@echo "make demo    run the demo on the local stack (sets itself up)"
@@ -59,17 +59,30 @@ browser:
 	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
 	    chromium chromium-driver; }
 
+# PostgreSQL's server programs from Debian, for Airflow on PostgreSQL (DUALITY_AIRFLOW_DB=postgres,
+# tests/integration/test_airflow_postgres.py). duality runs a server of its own under .local/
+# from them; no cluster of the system's is made or started.
+postgres:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null || { \
+	  SUDO=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
+	  $$SUDO mkdir -p /etc/postgresql-common/createcluster.d && \
+	  echo "create_main_cluster = false" | \
+	    $$SUDO tee /etc/postgresql-common/createcluster.d/duality.conf >/dev/null && \
+	  $$SUDO apt-get update && \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+	    postgresql; }
+
 demo: setup
 	$(VENV)/bin/duality up
 	$(VENV)/bin/duality demo
 
-test: setup browser
+test: setup browser postgres
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-unit: setup
 	$(PY) -m pytest -m unit $(PYTEST_ARGS)
 
-test-integration: setup browser
+test-integration: setup browser postgres
 	$(PY) -m pytest -m "integration or e2e" $(PYTEST_ARGS)
 
 bench: setup

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from duality import kafka, spec
-from duality.config import Settings
+from duality.config import AIRFLOW_DBS, Settings
 from duality.errors import BrokerUnavailable, CheckFailed, DualityError, UsageError
 from duality.local import (
     LocalAirflow,
@@ -54,7 +54,7 @@ class _Parser(argparse.ArgumentParser):
 def _topology(settings: Settings, args: argparse.Namespace) -> Topology:
     """What `up` should run: the options given, else what runs already, else the defaults."""
     recorded = recorded_stack(settings)
-    base = recorded or Topology()
+    base = recorded or Topology(airflow_db=settings.airflow_db)
     wanted = Topology(
         brokers=base.brokers if args.brokers is None else args.brokers,
         spark_workers=base.spark_workers if args.spark_workers is None else args.spark_workers,
@@ -126,8 +126,7 @@ def _cmd_up(settings: Settings, args: argparse.Namespace, console: Console) -> d
             f"Spark master at [bold]{spark.master_url}[/] with {topology.spark_workers} workers "
             f"(UI {spark.master_ui}); logs in {spark.root}"
         )
-    if topology.airflow_db != "sqlite":
-        chosen["DUALITY_AIRFLOW_DB"] = topology.airflow_db
+    chosen["DUALITY_AIRFLOW_DB"] = topology.airflow_db
     # Later commands (and Airflow's tasks) find the stack through the record.
     record_stack(settings, topology, chosen)
     stacked = Settings.from_env({**settings.as_env(), **chosen})
@@ -146,8 +145,9 @@ def _cmd_up(settings: Settings, args: argparse.Namespace, console: Console) -> d
 def _cmd_down(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
     from duality import stream_control
 
-    streams = stream_control.stop_all(settings)
+    # Airflow first: a supervisor run in between could start a stream again.
     airflow = LocalAirflow(settings).stop()
+    streams = stream_control.stop_all(settings)
     topology = recorded_stack(settings) or Topology()
     workers = max(
         topology.spark_workers, len(list((settings.local_dir / "spark").glob("worker-*")))
@@ -857,7 +857,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument(
         "--airflow-db",
-        choices=("sqlite", "postgres"),
+        choices=AIRFLOW_DBS,
         help="Airflow's metadata database: standalone on SQLite (default), or its components "
         "as separate processes on a local PostgreSQL",
     )

@@ -24,6 +24,8 @@ LOGIN_MODULES = {
     "SCRAM-SHA-256": "org.apache.kafka.common.security.scram.ScramLoginModule",
     "SCRAM-SHA-512": "org.apache.kafka.common.security.scram.ScramLoginModule",
 }
+# What the local stack runs Airflow on: standalone on SQLite, or its components on PostgreSQL.
+AIRFLOW_DBS = ("sqlite", "postgres")
 
 
 def _checkout_root() -> Path:
@@ -67,6 +69,8 @@ class Settings:
     local_dir: Path = Path(".local")
     reports: Path = Path(".local/reports")
     airflow_url: str = "http://localhost:8080"
+    # The local stack's Airflow: `sqlite` (standalone) or `postgres` (components on PostgreSQL).
+    airflow_db: str = "sqlite"
     # How long a command waits for the broker before it gives up with a clear error.
     connect_timeout_s: float = 10.0
     # Airflow: the execution timeout of each kind of task (DAG files read these when parsed).
@@ -87,6 +91,13 @@ class Settings:
                 f"protocol: use one of {', '.join(_SECURITY_PROTOCOLS)}"
             )
         self._check_sasl()
+        if self.airflow_db not in AIRFLOW_DBS:
+            raise UsageError(
+                f"{PREFIX}AIRFLOW_DB={self.airflow_db!r} is not a database the local stack runs "
+                "Airflow on: use sqlite (Airflow standalone, the default) or postgres "
+                "(PostgreSQL, with Airflow's api-server, scheduler, dag-processor and triggerer "
+                "as separate processes)"
+            )
         if not self.bootstrap_servers.strip():
             raise UsageError(f"{PREFIX}BOOTSTRAP_SERVERS is empty: set it to host:port[,host:port]")
         for server in self.bootstrap_servers.split(","):
@@ -337,6 +348,9 @@ def describe() -> list[tuple[str, str, str]]:
         "local_dir": "data, logs and pid files of the local stack",
         "reports": "validation reports: JSON and Great Expectations Data Docs per pipeline",
         "airflow_url": "Airflow UI and API address",
+        "airflow_db": "what `duality up` runs Airflow on: `sqlite` (Airflow standalone) or "
+        "`postgres` (a PostgreSQL server of its own, and the api-server, scheduler, dag-processor "
+        "and triggerer as separate processes)",
         "connect_timeout_s": "seconds a command waits for the broker before it gives up",
         "supervise_timeout_s": "Airflow: execution timeout (s) of a stream DAG task (one look of "
         "the supervisor; waiting for the stream to report running)",

@@ -1,10 +1,11 @@
 """The local stack: a single-node KRaft Kafka broker run from the Maven-fetched jars, a Spark
-standalone cluster from pyspark's own scripts, and Airflow standalone.
+standalone cluster from pyspark's own scripts, and Airflow: standalone on SQLite, or its
+components as separate processes on a PostgreSQL server of the stack's own.
 
 `LocalBroker` formats its storage on first start, starts `kafka.Kafka` detached with its data,
 logs and pid file under `<local_dir>/kafka`, waits until the broker answers, and stops it without
 leaving a process behind. Starting a running broker reports it instead of starting another.
-`LocalSparkCluster` and `LocalAirflow` follow the same pattern.
+`LocalSparkCluster`, `LocalPostgres` and `LocalAirflow` follow the same pattern.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -479,22 +481,42 @@ def live_pid(pid_file: Path, matches: Callable[[list[str]], bool]) -> int | None
     return pid if matches(cmdline) else None
 
 
-def stop_group(pid: int, grace: float) -> None:
-    """SIGTERM `pid`, wait up to `grace` seconds, then SIGKILL its whole process group, so
-    whatever it spawned in its session (a Spark worker's executors) goes with it."""
+def stop_group(pid: int, grace: float, first: signal.Signals = signal.SIGTERM) -> None:
+    """Send `first` (SIGTERM) to `pid`, wait up to `grace` seconds, then SIGKILL its whole
+    process group, so whatever it spawned in its session (a Spark worker's executors) goes
+    with it."""
     try:
         process = psutil.Process(pid)
         group = os.getpgid(pid)
-        process.terminate()
+        process.send_signal(first)
     except (ProcessLookupError, psutil.NoSuchProcess):
         return
-    with contextlib.suppress(psutil.TimeoutExpired):
-        process.wait(timeout=grace)
+    wait_exited([process], grace)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(group, signal.SIGKILL)
-    # Reaps it when it is our child; a SIGKILLed process is gone within moments.
-    with contextlib.suppress(psutil.Error):
-        process.wait(timeout=10)
+    # A SIGKILLed process is gone within moments.
+    wait_exited([process], 10)
+
+
+def wait_exited(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait up to `timeout` seconds until `processes` have exited; returns those still alive.
+    Our own children are reaped; a zombie counts as exited, since its parent (the command that
+    started it, gone since) may never reap it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for process in processes:
+            try:
+                with contextlib.suppress(psutil.TimeoutExpired):
+                    process.wait(0)
+                if process.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(process)
+            except psutil.Error:
+                continue
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        processes = alive
+        time.sleep(0.1)
 
 
 def _port_in_use(host: str, port: int) -> bool:
@@ -1077,19 +1099,289 @@ def local_spark(settings: Settings, workers: int) -> LocalSparkCluster:
     return LocalSparkCluster(settings, workers, cores=2, memory="2g")
 
 
+# -- PostgreSQL, the metadata database of Airflow's components ----------------------------
+
+_POSTGRES_START_TIMEOUT_S = 60.0
+# The role and database Airflow uses: the same names as docker-compose.yml's postgres service.
+AIRFLOW_DB_USER = "airflow"
+AIRFLOW_DB_NAME = "airflow"
+# Airflow's SQLAlchemy driver; Airflow derives its async engine's (asyncpg) from it.
+AIRFLOW_DB_DRIVER = "postgresql+psycopg2"
+# PostgreSQL refuses to run as root; then its programs run as Debian's user of the server.
+POSTGRES_OS_USER = "postgres"
+
+
+def postgres_programs() -> Path:
+    """The folder of PostgreSQL's server programs (`initdb`, `postgres`): Debian's newest
+    /usr/lib/postgresql/<major>/bin, else the folder `initdb` on PATH lives in."""
+    folders = sorted(
+        (p.parent for p in Path("/usr/lib/postgresql").glob("*/bin/initdb")),
+        key=lambda folder: int(folder.parent.name) if folder.parent.name.isdigit() else 0,
+    )
+    on_path = shutil.which("initdb")
+    if on_path:
+        folders.insert(0, Path(on_path).resolve().parent)
+    for folder in reversed(folders):
+        if (folder / "postgres").is_file():
+            return folder
+    raise LocalStackError(
+        "PostgreSQL's server programs (initdb, postgres) are not installed: install Debian's "
+        "postgresql package (apt-get install postgresql; `make test` does it), or run Airflow "
+        "standalone with DUALITY_AIRFLOW_DB=sqlite"
+    )
+
+
+def _server_user() -> tuple[int, int] | None:
+    """(uid, gid) to run PostgreSQL's programs as when we are root, else None (run as we are)."""
+    if os.geteuid() != 0:
+        return None
+    import pwd
+
+    try:
+        user = pwd.getpwnam(POSTGRES_OS_USER)
+    except KeyError:
+        raise LocalStackError(
+            f"PostgreSQL refuses to run as root, and there is no user {POSTGRES_OS_USER!r} to run "
+            "it as: install Debian's postgresql package (it makes the user), or run duality as "
+            "a user other than root"
+        ) from None
+    return user.pw_uid, user.pw_gid
+
+
+class LocalPostgres:
+    """The PostgreSQL server of the local stack, holding Airflow's metadata database.
+
+    Everything is under `<local_dir>/postgres`: the data folder `data/`, the socket folder
+    `run/`, the server's log, its pid file, the generated password of the `airflow` role (a 0600
+    file) and the port, chosen free on the first start and kept in `port`. It listens on
+    127.0.0.1 only and asks for the password (SCRAM). Run as root, the server and `initdb` run
+    as Debian's `postgres` user, who owns `data/`, `run/` and the password file, and who must be
+    able to reach `<local_dir>` (its folders must let others through).
+    """
+
+    def __init__(self, settings: Settings):
+        self.root = settings.local_dir / "postgres"
+        self.data_dir = self.root / "data"
+        self.socket_dir = self.root / "run"
+        self.password_file = self.root / "password"
+        self.port_file = self.root / "port"
+        self.pid_file = self.root / "postgres.pid"
+        self.log_file = self.root / "postgres.log"
+
+    def pid(self) -> int | None:
+        data = str(self.data_dir)
+        return live_pid(self.pid_file, lambda cmdline: "-D" in cmdline and data in cmdline)
+
+    def port(self) -> int | None:
+        try:
+            return int(self.port_file.read_text().strip())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def url(self) -> str:
+        """Airflow's `sql_alchemy_conn` for this server."""
+        from urllib.parse import quote
+
+        port = self.port()
+        if port is None or not self.password_file.is_file():
+            raise LocalStackError(
+                f"the PostgreSQL server in {self.root} was never started: start the stack with "
+                "`duality up` (DUALITY_AIRFLOW_DB=postgres)"
+            )
+        secret = quote(self.password_file.read_text().strip(), safe="")
+        return (
+            f"{AIRFLOW_DB_DRIVER}://{AIRFLOW_DB_USER}:{secret}@127.0.0.1:{port}/{AIRFLOW_DB_NAME}"
+        )
+
+    def _connect(self, database: str = AIRFLOW_DB_NAME, timeout: int = 3) -> Any:
+        import psycopg2
+
+        return psycopg2.connect(
+            host="127.0.0.1",
+            port=self.port(),
+            user=AIRFLOW_DB_USER,
+            password=self.password_file.read_text().strip(),
+            dbname=database,
+            connect_timeout=timeout,
+        )
+
+    def _answers(self, database: str = AIRFLOW_DB_NAME) -> bool:
+        import psycopg2
+
+        try:
+            self._connect(database).close()
+            return True
+        except psycopg2.OperationalError:
+            return False
+
+    def status(self) -> dict[str, Any]:
+        pid = self.pid()
+        return {
+            "state": "running" if pid is not None else "stopped",
+            "pid": pid,
+            "port": self.port(),
+            "reachable": pid is not None and self._answers(),
+            "data_dir": str(self.data_dir),
+            "log": str(self.log_file),
+        }
+
+    def start(self) -> dict[str, Any]:
+        """Start the server unless it runs (`initdb` on the first start); wait until it answers
+        and the `airflow` database exists. Returns its status plus `already_running`."""
+        if self.pid() is not None:
+            return {**self.status(), "already_running": True}
+        programs = postgres_programs()
+        owner = _server_user()
+        as_owner: dict[str, Any] = (
+            {} if owner is None else {"user": owner[0], "group": owner[1], "extra_groups": []}
+        )
+        self.root.mkdir(parents=True, exist_ok=True)
+        if not (self.data_dir / "PG_VERSION").is_file():
+            self._initdb(programs, owner, as_owner)
+        port = self.port()
+        if port is None or _port_in_use("127.0.0.1", port):
+            port = free_port()
+            self.port_file.write_text(f"{port}\n")
+        command = [
+            str(programs / "postgres"),
+            "-D",
+            str(self.data_dir),
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(port),
+            "-k",
+            str(self.socket_dir),
+        ]
+        with open(self.log_file, "ab") as out:
+            process = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=self.root,
+                env=_server_env(),
+                **as_owner,
+            )
+        self.pid_file.write_text(f"{process.pid}\n")
+        deadline = time.monotonic() + _POSTGRES_START_TIMEOUT_S
+        while not self._answers("postgres"):
+            if process.poll() is not None:
+                self.pid_file.unlink(missing_ok=True)
+                raise LocalStackError(
+                    f"PostgreSQL exited with code {process.returncode} while starting; last "
+                    f"lines of {self.log_file}:\n{_tail(self.log_file)}"
+                )
+            if time.monotonic() > deadline:
+                self.stop()
+                raise LocalStackError(
+                    f"PostgreSQL did not answer on 127.0.0.1:{port} within "
+                    f"{_POSTGRES_START_TIMEOUT_S:g}s; last lines of {self.log_file}:\n"
+                    f"{_tail(self.log_file)}"
+                )
+            time.sleep(0.2)
+        self._create_database()
+        return {**self.status(), "already_running": False}
+
+    def _initdb(
+        self, programs: Path, owner: tuple[int, int] | None, as_owner: dict[str, Any]
+    ) -> None:
+        shutil.rmtree(self.data_dir, ignore_errors=True)  # what a failed first start left
+        for folder in (self.data_dir, self.socket_dir):
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not self.password_file.is_file():
+            self.password_file.write_text(base64.urlsafe_b64encode(os.urandom(18)).decode())
+        self.password_file.chmod(0o600)
+        if owner is not None:
+            self.root.chmod(0o711)  # the server's user passes through to its folders
+            for path in (self.data_dir, self.socket_dir, self.password_file):
+                os.chown(path, *owner)
+            reach = subprocess.run(["test", "-w", str(self.data_dir)], check=False, **as_owner)
+            if reach.returncode != 0:
+                raise LocalStackError(
+                    f"PostgreSQL refuses to run as root, and its user {POSTGRES_OS_USER!r} cannot "
+                    f"reach {self.data_dir}: let others pass through the folders above it "
+                    "(chmod o+x), or set DUALITY_LOCAL_DIR to a folder they can reach"
+                )
+        command = [
+            str(programs / "initdb"),
+            "-D",
+            str(self.data_dir),
+            "-U",
+            AIRFLOW_DB_USER,
+            f"--pwfile={self.password_file}",
+            "--auth=scram-sha-256",
+            "--encoding=UTF8",
+            "--no-locale",
+            "--no-instructions",
+        ]
+        result = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=self.root,
+            env=_server_env(),
+            check=False,
+            **as_owner,
+        )
+        if result.returncode != 0:
+            raise LocalStackError(
+                f"initdb of {self.data_dir} failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}"
+            )
+
+    def _create_database(self) -> None:
+        connection = self._connect("postgres")
+        try:
+            connection.autocommit = True  # CREATE DATABASE runs outside a transaction
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT 1 FROM pg_database WHERE datname = %s", (AIRFLOW_DB_NAME,))
+                if cursor.fetchone() is None:
+                    cursor.execute(f'CREATE DATABASE "{AIRFLOW_DB_NAME}"')
+        finally:
+            connection.close()
+
+    def stop(self) -> dict[str, Any]:
+        """Fast shutdown (SIGINT: clients disconnected, a clean checkpoint), SIGKILL of its
+        group after the grace period; idempotent."""
+        pid = self.pid()
+        if pid is None:
+            self.pid_file.unlink(missing_ok=True)
+            return {"state": "stopped", "was_running": False}
+        stop_group(pid, _STOP_TIMEOUT_S, signal.SIGINT)
+        self.pid_file.unlink(missing_ok=True)
+        return {"state": "stopped", "was_running": True, "pid": pid}
+
+
+def _server_env() -> dict[str, str]:
+    """A clean environment for PostgreSQL's programs: no PG* variables of the caller's."""
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C"}
+
+
 # -- Airflow ------------------------------------------------------------------------------
 
 _AIRFLOW_START_TIMEOUT_S = 300.0
 AIRFLOW_USER = "admin"
+# Airflow's long-running components, each `airflow <name>` in a process of its own on
+# PostgreSQL, after `airflow db migrate`: the commands of docker-compose.yml's Airflow services.
+AIRFLOW_COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
+AIRFLOW_MIGRATE = ("db", "migrate")
 
 
 class LocalAirflow:
-    """Airflow standalone (SQLite, LocalExecutor) with this checkout's `dags/` and `plugins/`.
+    """Airflow with this checkout's `dags/` and `plugins/`, on what `DUALITY_AIRFLOW_DB` says:
+
+    - `sqlite` (default): `airflow standalone` (SQLite, LocalExecutor), one process tree.
+    - `postgres`: a `LocalPostgres` server, `airflow db migrate`, then each of
+      `AIRFLOW_COMPONENTS` as its own process (group, pid file `<name>.pid`, log `<name>.log`),
+      as in docker-compose.yml. Starting again starts the components that do not run.
 
     Its home is `<local_dir>/airflow`. The connections `kafka_default` and `spark_default` are
     given as `AIRFLOW_CONN_*` variables built from the settings (`kafka_default` with the SASL
     login, if any), and every `DUALITY_*` setting is passed on, so tasks see the same stack as
-    the command that started Airflow.
+    the command that started Airflow. `stop()` stops
+    whichever of the two runs, whatever the setting says now.
     """
 
     def __init__(self, settings: Settings):
@@ -1098,6 +1390,7 @@ class LocalAirflow:
         self.pid_file = self.home / "standalone.pid"
         self.log_file = self.home / "standalone.log"
         self.password_file = self.home / "passwords.json"
+        self.postgres = LocalPostgres(settings)
 
     @property
     def port(self) -> int:
@@ -1150,15 +1443,60 @@ class LocalAirflow:
             "SCARF_ANALYTICS": "false",
             "GX_ANALYTICS_ENABLED": "False",
         }
+        if settings.airflow_db == "postgres":
+            airflow["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = self.postgres.url()
+            # The scheduler's and triggerer's servers (task logs, health) listen on fixed ports
+            # by default: ports of this stack's own, so that two stacks on a machine never meet.
+            ports = self._server_ports()
+            airflow |= {
+                "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(ports["worker_log_server"]),
+                "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(ports["trigger_log_server"]),
+                "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_SERVER_HOST": "127.0.0.1",
+                "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_SERVER_PORT": str(ports["health"]),
+            }
         # Standalone runs its components as `airflow ...` from PATH: this interpreter's one.
         path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
         return {**os.environ, **settings.as_env(), **airflow, "PATH": path}
 
+    def _server_ports(self) -> dict[str, int]:
+        """The ports of the components' side servers: chosen free while no component runs,
+        kept in `ports.json` for the components started later (a restarted scheduler)."""
+        saved = self.home / "ports.json"
+        if saved.is_file() and any(map(self.component_pid, AIRFLOW_COMPONENTS)):
+            return dict(json.loads(saved.read_text()))
+        ports = {
+            name: free_port() for name in ("worker_log_server", "trigger_log_server", "health")
+        }
+        saved.write_text(json.dumps(ports))
+        return ports
+
+    # -- what runs -------------------------------------------------------------------------
+
     def pid(self) -> int | None:
+        """The pid of `airflow standalone`, when that runs."""
         return live_pid(
             self.pid_file,
             lambda cmdline: "standalone" in cmdline and any(p.endswith("airflow") for p in cmdline),
         )
+
+    def component_log(self, name: str) -> Path:
+        return self.home / f"{name}.log"
+
+    def component_pid(self, name: str) -> int | None:
+        """The pid of component `name` (one of `AIRFLOW_COMPONENTS`), when it runs."""
+        # The API server's process title says `airflow api_server -- ...`.
+        return live_pid(
+            self.home / f"{name}.pid",
+            lambda cmdline: f"airflow {name}" in " ".join(cmdline).replace("_", "-"),
+        )
+
+    def running_db(self) -> str | None:
+        """What the Airflow of this home runs on now (`sqlite`, `postgres`), or None."""
+        if self.pid() is not None:
+            return "sqlite"
+        if self.postgres.pid() is not None or any(map(self.component_pid, AIRFLOW_COMPONENTS)):
+            return "postgres"
+        return None
 
     def health(self, timeout: float = 3.0) -> dict[str, Any] | None:
         """Airflow's own health document, or None when the API server does not answer."""
@@ -1172,39 +1510,76 @@ class LocalAirflow:
             return None
 
     def status(self) -> dict[str, Any]:
-        pid = self.pid()
-        health = self.health() if pid is not None else None
-        return {
-            "state": "running" if pid is not None else "stopped",
-            "pid": pid,
+        db = self.running_db() or self.settings.airflow_db
+        result: dict[str, Any] = {
+            "db": db,
             "url": self.settings.airflow_url,
-            "healthy": _healthy(health),
             "user": AIRFLOW_USER,
             "password_file": str(self.password_file),
             "home": str(self.home),
-            "log": str(self.log_file),
         }
+        if db == "sqlite":
+            pid = self.pid()
+            result.update(
+                state="running" if pid is not None else "stopped",
+                pid=pid,
+                log=str(self.log_file),
+                components={"standalone": {"pid": pid, "log": str(self.log_file)}},
+            )
+        else:
+            components = {
+                name: {"pid": self.component_pid(name), "log": str(self.component_log(name))}
+                for name in AIRFLOW_COMPONENTS
+            }
+            database = self.postgres.status()
+            up = [c["pid"] is not None for c in components.values()] + [database["pid"] is not None]
+            result.update(
+                state="running" if all(up) else "degraded" if any(up) else "stopped",
+                pid=components["api-server"]["pid"],
+                log=str(self.component_log("api-server")),
+                components=components,
+                postgres=database,
+            )
+        result["healthy"] = result["state"] != "stopped" and _healthy(self.health())
+        return result
+
+    # -- start -----------------------------------------------------------------------------
 
     def start(self, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-        """Start Airflow standalone unless it runs; wait until every component is healthy."""
-        if self.pid() is not None:
-            return {**self.status(), "already_running": True, "password": self.password()}
-        if _port_in_use("127.0.0.1", self.port):
-            raise LocalStackError(
-                f"port {self.port} is taken by another process: stop it, or point "
-                "DUALITY_AIRFLOW_URL at a free port (http://localhost:<port>)"
+        """Start Airflow on `DUALITY_AIRFLOW_DB`'s database unless it runs; wait until every
+        component is healthy. Returns the status plus `already_running` and the password."""
+        wanted = self.settings.airflow_db
+        running = self.running_db()
+        if running is not None and running != wanted:
+            raise UsageError(
+                f"the Airflow of {self.home} runs on {running}, and DUALITY_AIRFLOW_DB={wanted}: "
+                "stop it first with `duality down`, or start it with the database it runs on"
             )
         for folder in ("dags", "plugins"):
             if not (self.settings.home / folder).is_dir():
                 raise LocalStackError(
                     f"{self.settings.home / folder} is missing: set DUALITY_HOME to the checkout"
                 )
+        if wanted == "sqlite":
+            return self._start_standalone(progress)
+        return self._start_components(progress)
+
+    def _check_port(self) -> None:
+        if _port_in_use("127.0.0.1", self.port):
+            raise LocalStackError(
+                f"port {self.port} is taken by another process: stop it, or point "
+                "DUALITY_AIRFLOW_URL at a free port (http://localhost:<port>)"
+            )
+
+    def _start_standalone(self, progress: Callable[[str], None]) -> dict[str, Any]:
+        if self.pid() is not None:
+            return {**self.status(), "already_running": True, "password": self.password()}
+        self._check_port()
         self.home.mkdir(parents=True, exist_ok=True)
         password = self.password()
-        airflow = Path(sys.executable).with_name("airflow")
         with open(self.log_file, "ab") as out:
             process = subprocess.Popen(
-                [str(airflow), "standalone"],
+                [str(_airflow()), "standalone"],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -1213,40 +1588,202 @@ class LocalAirflow:
                 env=self.environment(),
             )
         self.pid_file.write_text(f"{process.pid}\n")
-        deadline = time.monotonic() + _AIRFLOW_START_TIMEOUT_S
         progress("starting Airflow (database, scheduler, DAG processor, triggerer, API server)")
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                self.pid_file.unlink(missing_ok=True)
-                raise LocalStackError(
-                    f"Airflow exited with code {process.returncode} while starting; last lines "
-                    f"of {self.log_file}:\n{_tail(self.log_file)}"
+        self._wait_healthy({"standalone": (process, self.log_file)})
+        return {**self.status(), "already_running": False, "password": password}
+
+    def _start_components(self, progress: Callable[[str], None]) -> dict[str, Any]:
+        missing = [name for name in AIRFLOW_COMPONENTS if self.component_pid(name) is None]
+        if not missing and self.postgres.pid() is not None:
+            return {**self.status(), "already_running": True, "password": self.password()}
+        if "api-server" in missing:
+            self._check_port()
+        self.home.mkdir(parents=True, exist_ok=True)
+        password = self.password()
+        progress("starting PostgreSQL")
+        self.postgres.start()
+        environment = self.environment()
+        if len(missing) == len(AIRFLOW_COMPONENTS):
+            progress("migrating Airflow's database (airflow db migrate)")
+            self._migrate(environment)
+        launched = {}
+        since = time.time()
+        for name in missing:
+            self._clear_predecessor(name)
+            log = self.component_log(name)
+            with open(log, "ab") as out:
+                process = subprocess.Popen(
+                    [str(_airflow()), name],
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    cwd=self.home,
+                    env=environment,
                 )
-            if _healthy(self.health()):
-                return {**self.status(), "already_running": False, "password": password}
+            (self.home / f"{name}.pid").write_text(f"{process.pid}\n")
+            launched[name] = (process, log)
+        progress(f"starting Airflow's {', '.join(missing)} on PostgreSQL")
+        self._wait_healthy(launched, since)
+        return {**self.status(), "already_running": False, "password": password}
+
+    def _migrate(self, environment: dict[str, str]) -> None:
+        log = self.home / "db-migrate.log"
+        with open(log, "ab") as out:
+            done = subprocess.run(
+                [str(_airflow()), *AIRFLOW_MIGRATE],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=self.home,
+                env=environment,
+                timeout=_AIRFLOW_START_TIMEOUT_S,
+                check=False,
+            )
+        if done.returncode != 0:
+            raise LocalStackError(
+                f"`airflow {' '.join(AIRFLOW_MIGRATE)}` failed with code {done.returncode}; "
+                f"last lines of {log}:\n{_tail(log)}"
+            )
+
+    def _clear_predecessor(self, name: str) -> None:
+        """Before component `name` starts again: end what its killed predecessor left in its
+        session (side servers on the ports the new one needs, idle LocalExecutor workers), but
+        not the workers still running a task, nor their tasks: those finish, and report to the
+        API server, and `stop()` ends them later."""
+        try:
+            session = int((self.home / f"{name}.pid").read_text().strip())
+        except (FileNotFoundError, ValueError):
+            return
+        members = []
+        for process in psutil.process_iter():
+            with contextlib.suppress(OSError, psutil.Error):
+                if os.getsid(process.pid) == session and self._ours(process):
+                    members.append(process)
+        busy: set[int] = set()
+        for process in members:
+            with contextlib.suppress(psutil.Error):
+                title = " ".join(process.cmdline()).strip()  # a title pads with ''
+                if title.startswith("airflow worker") and not title.endswith("<idle>"):
+                    busy.add(process.pid)
+                    busy.update(child.pid for child in process.children(recursive=True))
+        idle = [process for process in members if process.pid not in busy]
+        for process in idle:
+            with contextlib.suppress(psutil.Error):
+                process.terminate()
+        for process in wait_exited(idle, self.settings.kill_grace_s):
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+                wait_exited([process], 10)
+
+    def _wait_healthy(
+        self, launched: dict[str, tuple[subprocess.Popen[bytes], Path]], since: float = 0.0
+    ) -> None:
+        """Wait until Airflow reports every part healthy and each launched component has
+        beaten since `since` (a predecessor's last heartbeat still counts as healthy)."""
+        deadline = time.monotonic() + _AIRFLOW_START_TIMEOUT_S
+        while not _healthy(self.health(), {name: since for name in launched}):
+            for name, (process, log) in launched.items():
+                if process.poll() is not None:
+                    self.stop()
+                    raise LocalStackError(
+                        f"Airflow's {name} exited with code {process.returncode} while starting; "
+                        f"last lines of {log}:\n{_tail(log)}"
+                    )
+            if time.monotonic() > deadline:
+                self.stop()
+                logs = "\n".join(f"--- {log}:\n{_tail(log)}" for _, log in launched.values())
+                raise LocalStackError(
+                    f"Airflow did not become healthy on {self.settings.airflow_url} within "
+                    f"{_AIRFLOW_START_TIMEOUT_S:g}s; last lines of the logs:\n{logs}"
+                )
             time.sleep(1)
-        self.stop()
-        raise LocalStackError(
-            f"Airflow did not become healthy on {self.settings.airflow_url} within "
-            f"{_AIRFLOW_START_TIMEOUT_S:g}s; last lines of {self.log_file}:\n"
-            f"{_tail(self.log_file)}"
-        )
+
+    # -- stop ------------------------------------------------------------------------------
 
     def stop(self) -> dict[str, Any]:
-        """Stop standalone and its components (SIGINT is its own shutdown), then the group."""
-        pid = self.pid()
-        if pid is None:
-            self.pid_file.unlink(missing_ok=True)
-            return {"state": "stopped", "was_running": False}
-        group = os.getpgid(pid)
-        process = psutil.Process(pid)
-        process.send_signal(signal.SIGINT)
-        with contextlib.suppress(psutil.TimeoutExpired):
-            process.wait(timeout=_STOP_TIMEOUT_S)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(group, signal.SIGKILL)
-        self.pid_file.unlink(missing_ok=True)
-        return {"state": "stopped", "was_running": True, "pid": pid}
+        """Stop whatever of this Airflow runs, whatever DUALITY_AIRFLOW_DB says now: standalone
+        (SIGINT, its own shutdown) or the components (SIGTERM), each process group after the
+        grace period, then what Airflow started and left behind (`leftovers`), then
+        PostgreSQL. Idempotent; no process of it is left."""
+        pids = {"standalone": self.pid()} | {n: self.component_pid(n) for n in AIRFLOW_COMPONENTS}
+        running = {name: pid for name, pid in pids.items() if pid is not None}
+        processes = []
+        for name, pid in running.items():
+            with contextlib.suppress(psutil.Error):
+                process = psutil.Process(pid)
+                process.send_signal(signal.SIGINT if name == "standalone" else signal.SIGTERM)
+                processes.append(process)
+        wait_exited(processes, _STOP_TIMEOUT_S)
+        for pid in running.values():  # each leads its own group (start_new_session)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        left = self.leftovers()
+        for process in left:
+            with contextlib.suppress(psutil.Error):
+                process.terminate()
+        for process in wait_exited(left, self.settings.kill_grace_s):
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+                wait_exited([process], 10)
+        database = self.postgres.stop()
+        for name in pids:
+            (self.home / f"{name}.pid").unlink(missing_ok=True)
+        return {
+            "state": "stopped",
+            "was_running": bool(running) or database["was_running"],
+            "pid": running.get("standalone") or running.get("api-server"),
+            "pids": running,
+            "leftovers": [process.pid for process in left],
+            "postgres": database,
+        }
+
+    def leftovers(self) -> list[psutil.Process]:
+        """Live processes that this Airflow started and whose component is gone: the
+        LocalExecutor workers and tasks of a scheduler that was killed, for instance. They run
+        with this `AIRFLOW_HOME`. Streams, which tasks start detached on purpose, are not among
+        them (`duality down` stops them first, gracefully)."""
+        me = psutil.Process()
+        spared = {me.pid, *(parent.pid for parent in me.parents())}
+        return [
+            process
+            for process in psutil.process_iter(["status"])
+            if process.pid not in spared
+            and process.info["status"] != psutil.STATUS_ZOMBIE
+            and self._ours(process)
+            and not _in_a_stream(process.pid)
+        ]
+
+    def _ours(self, process: psutil.Process) -> bool:
+        """Whether this Airflow started `process`: it has the environment `environment()`
+        gives, or, where Airflow's process title overwrote that (workers, log servers), an
+        `airflow ...` title and its working folder in this home."""
+        home = str(self.home)
+        try:
+            env = process.environ()
+            if env.get("AIRFLOW_HOME") == home and "AIRFLOW__API_AUTH__JWT_SECRET" in env:
+                return True
+            cwd = process.cwd()
+            title = " ".join(process.cmdline()).strip()
+        except psutil.Error:
+            return False
+        in_home = cwd == home or cwd.startswith(home + os.sep)
+        return in_home and title.startswith(("airflow ", "[airflow"))
+
+
+def _in_a_stream(pid: int) -> bool:
+    """Whether `pid` belongs to the session of a stream driver (`jobs/stream_aggregate.py`,
+    started in a session of its own, with its JVM and Python workers)."""
+    try:
+        leader = psutil.Process(os.getsid(pid))
+        return any(part.endswith("stream_aggregate.py") for part in leader.cmdline())
+    except (OSError, psutil.Error):
+        return False
+
+
+def _airflow() -> Path:
+    """The `airflow` command of this interpreter's environment."""
+    return Path(sys.executable).with_name("airflow")
 
 
 def airflow_port(url: str) -> int:
@@ -1260,11 +1797,20 @@ def airflow_port(url: str) -> int:
     return parts.port or (443 if parts.scheme == "https" else 80)
 
 
-def _healthy(health: dict[str, Any] | None) -> bool:
+def _healthy(health: dict[str, Any] | None, beaten_since: dict[str, float] | None = None) -> bool:
+    """Whether Airflow's health document says every part is healthy and each component in
+    `beaten_since` has a heartbeat from that time (seconds since the epoch) on."""
     if not health:
         return False
     parts = ("metadatabase", "scheduler", "triggerer", "dag_processor")
-    return all((health.get(part) or {}).get("status") == "healthy" for part in parts)
+    if not all((health.get(part) or {}).get("status") == "healthy" for part in parts):
+        return False
+    for component, since in (beaten_since or {}).items():
+        part = component.replace("-", "_")
+        beat = (health.get(part) or {}).get(f"latest_{part}_heartbeat")
+        if part in parts and (not beat or datetime.fromisoformat(beat).timestamp() < since):
+            return False
+    return True
 
 
 def _tail(path: Path, lines: int = 25) -> str:

@@ -1,6 +1,7 @@
 """The production topology as `duality up` runs it on one machine (decision 16): three KRaft
-brokers, a Spark master and two workers, Airflow; later commands find it through the stack
-record alone, a pipeline runs on it, and `duality down` leaves no process.
+brokers, a Spark master and two workers, Airflow's components on PostgreSQL; later commands
+find it through the stack record alone, a pipeline runs on it, and `duality down` leaves no
+process.
 
 Free ports in a temporary folder; the commands run as a user runs them, in child processes.
 """
@@ -11,6 +12,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +21,7 @@ import pytest
 
 from duality import kafka
 from duality.config import Settings
-from duality.local import _port_in_use, free_port, local_spark
+from duality.local import AIRFLOW_COMPONENTS, _port_in_use, free_port, local_spark
 from duality.spec import find_spec
 from tests.harness import ROOT, assert_eventually
 from tests.integration.test_stream import _verify
@@ -71,10 +73,13 @@ def _ours(root: Path) -> list[psutil.Process]:
 
 
 @pytest.fixture(scope="module")
-def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """`duality up --brokers 3 --spark-workers 2` in a folder of its own; yields the
-    environment of later commands, which names no address: the stack record supplies them."""
-    root = tmp_path_factory.mktemp("topology")
+def topology() -> Iterator[dict[str, str]]:
+    """`duality up --brokers 3 --spark-workers 2 --airflow-db postgres` in a folder of its own;
+    yields the environment of later commands, which names no address: the stack record
+    supplies them."""
+    # PostgreSQL's own user must pass through the folder (not pytest's 0700 one).
+    root = Path(tempfile.mkdtemp(prefix="duality-topology-"))
+    root.chmod(0o755)
     env = stack_env(root)
     base = _free_ports(2 * BROKERS)
     env["DUALITY_BOOTSTRAP_SERVERS"] = f"localhost:{base}"
@@ -86,9 +91,19 @@ def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str
         if k not in ("DUALITY_BOOTSTRAP_SERVERS", "DUALITY_CONTROLLER_PORT")
     }
     try:
-        up = _ok(env, "up", "--brokers", str(BROKERS), "--spark-workers", str(WORKERS))
+        up = _ok(
+            env,
+            "up",
+            "--brokers",
+            str(BROKERS),
+            "--spark-workers",
+            str(WORKERS),
+            "--airflow-db",
+            "postgres",
+        )
         assert [n["state"] for n in up["broker"]["nodes"]] == ["running"] * BROKERS
         assert up["spark"]["state"] == "running"
+        assert up["airflow"]["db"] == "postgres"
         yield later
     finally:
         down = _duality(later, "down")
@@ -97,6 +112,7 @@ def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str
     stopped = json.loads(down.stdout)
     assert len(stopped["brokers"]) == BROKERS and stopped["spark"]["was_running"] is True
     assert not (root / "local" / "stack.json").exists()
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def test_later_commands_find_the_whole_stack(topology: dict[str, str]):
@@ -111,6 +127,9 @@ def test_later_commands_find_the_whole_stack(topology: dict[str, str]):
     assert status["broker"]["durability"]["min_insync_replicas"] == 2
     spark = status["spark"]
     assert spark["state"] == "running" and all(w["registered"] for w in spark["workers"])
+    airflow = status["airflow"]
+    assert airflow["db"] == "postgres" and airflow["healthy"] is True, airflow
+    assert set(airflow["components"]) == set(AIRFLOW_COMPONENTS)
 
     # The same stack again: reported, not started twice; another topology is refused.
     again = _ok(topology, "up")

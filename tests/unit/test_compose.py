@@ -22,6 +22,13 @@ import pytest
 import yaml
 
 from duality.config import PREFIX, Settings
+from duality.local import (
+    AIRFLOW_COMPONENTS,
+    AIRFLOW_DB_DRIVER,
+    AIRFLOW_DB_NAME,
+    AIRFLOW_DB_USER,
+    AIRFLOW_MIGRATE,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -266,6 +273,14 @@ def test_each_airflow_service_runs_its_airflow_command(name: str):
     )
 
 
+def test_airflow_services_run_the_local_components():
+    """One list of Airflow's components, in duality.local: the Airflow services of compose run
+    the commands that `duality up` runs on PostgreSQL (the migration and each component)."""
+    compose = sorted(tuple(_command(name)[1:]) for name in AIRFLOW)
+    local = sorted([AIRFLOW_MIGRATE, *((component,) for component in AIRFLOW_COMPONENTS)])
+    assert compose == local, f"compose runs airflow {compose}, duality up airflow {local}"
+
+
 def test_spark_services_run_master_and_workers_from_pyspark():
     spark_class = _image_env()["SPARK_HOME"] + "/bin/spark-class"
     assert _command(SPARK_MASTER)[:2] == [spark_class, "org.apache.spark.deploy.master.Master"], (
@@ -497,9 +512,10 @@ def test_image_installs_the_lock_then_reinstalls_its_pyspark():
     assert re.search(r"pip install --no-deps (-e )?\.(\s|;|$)", run), (
         "the image must install duality itself (pip install --no-deps -e .)"
     )
-    assert re.search(r"psycopg2-binary==\d+\.\d+\.\d+", run), (
-        "the image must pin psycopg2-binary, the driver of Airflow's PostgreSQL database"
-    )
+    pins = _lock_pins()
+    for driver in ("psycopg2-binary", "asyncpg"):  # Airflow's sync and async engines
+        assert driver in pins, f"requirements.lock must pin {driver}, a driver of Airflow's DB"
+    assert "import" in run and "psycopg2, asyncpg" in run, "the image does not import the drivers"
 
 
 def test_image_holds_the_code_at_duality_home():
@@ -661,9 +677,13 @@ def test_workers_register_with_the_master():
 def test_airflow_uses_the_postgres_service():
     postgres = _env(POSTGRES)
     assert not _published_ports(POSTGRES), "postgres need not be published on the host"
+    assert (postgres["POSTGRES_USER"], postgres["POSTGRES_DB"]) == (
+        AIRFLOW_DB_USER,
+        AIRFLOW_DB_NAME,
+    ), "the postgres service's role and database are not those of `duality up` (duality.local)"
     for name in AIRFLOW:
         url = urlsplit(_env(name)["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"])
-        assert url.scheme == "postgresql+psycopg2", f"{name}: {url.scheme}"
+        assert url.scheme == AIRFLOW_DB_DRIVER, f"{name}: {url.scheme}, locally {AIRFLOW_DB_DRIVER}"
         assert (url.username, url.password, url.hostname, url.path.lstrip("/")) == (
             postgres["POSTGRES_USER"],
             postgres["POSTGRES_PASSWORD"],

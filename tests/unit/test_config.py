@@ -54,6 +54,8 @@ def test_environment_overrides(tmp_path: Path):
         ("DUALITY_BOOTSTRAP_SERVERS", "localhost:abc", "host:port"),
         ("DUALITY_SECURITY_PROTOCOL", "TLS", "PLAINTEXT"),
         ("DUALITY_CONTROLLER_PORT", "ninety", "number"),
+        ("DUALITY_AIRFLOW_DB", "postgresql", "use sqlite"),
+        ("DUALITY_AIRFLOW_DB", "mysql", "or postgres"),
     ],
 )
 def test_bad_settings_name_the_variable_and_the_fix(variable: str, value: str, named: str):
@@ -61,6 +63,11 @@ def test_bad_settings_name_the_variable_and_the_fix(variable: str, value: str, n
         Settings.from_env({variable: value})
     assert variable in str(error.value)
     assert named in str(error.value)
+
+
+def test_airflow_runs_on_sqlite_unless_postgres_is_asked_for():
+    assert Settings.from_env({}).airflow_db == "sqlite"
+    assert Settings.from_env({"DUALITY_AIRFLOW_DB": "postgres"}).airflow_db == "postgres"
 
 
 def test_every_setting_is_described():
