@@ -498,6 +498,17 @@ def stop_group(pid: int, grace: float, first: signal.Signals = signal.SIGTERM) -
     wait_exited([process], 10)
 
 
+def end_processes(processes: list[psutil.Process], grace: float) -> None:
+    """SIGTERM each process, and SIGKILL those still alive after `grace` seconds."""
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            process.terminate()
+    for process in wait_exited(processes, grace):
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+            wait_exited([process], 10)
+
+
 def wait_exited(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
     """Wait up to `timeout` seconds until `processes` have exited; returns those still alive.
     Our own children are reaped; a zombie counts as exited, since its parent (the command that
@@ -1667,14 +1678,7 @@ class LocalAirflow:
                 if title.startswith("airflow worker") and not title.endswith("<idle>"):
                     busy.add(process.pid)
                     busy.update(child.pid for child in process.children(recursive=True))
-        idle = [process for process in members if process.pid not in busy]
-        for process in idle:
-            with contextlib.suppress(psutil.Error):
-                process.terminate()
-        for process in wait_exited(idle, self.settings.kill_grace_s):
-            with contextlib.suppress(psutil.Error):
-                process.kill()
-                wait_exited([process], 10)
+        end_processes([p for p in members if p.pid not in busy], self.settings.kill_grace_s)
 
     def _wait_healthy(
         self, launched: dict[str, tuple[subprocess.Popen[bytes], Path]], since: float = 0.0
@@ -1719,13 +1723,7 @@ class LocalAirflow:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
         left = self.leftovers()
-        for process in left:
-            with contextlib.suppress(psutil.Error):
-                process.terminate()
-        for process in wait_exited(left, self.settings.kill_grace_s):
-            with contextlib.suppress(psutil.Error):
-                process.kill()
-                wait_exited([process], 10)
+        end_processes(left, self.settings.kill_grace_s)
         database = self.postgres.stop()
         for name in pids:
             (self.home / f"{name}.pid").unlink(missing_ok=True)

@@ -27,8 +27,9 @@ from duality import kafka, repartition, snapshot, status, stream_control, stream
 from duality.config import Settings
 from duality.local import LocalKafkaCluster, ephemeral_cluster
 from duality.spec import PipelineSpec
-from tests.harness import ROOT, assert_eventually, make_pipeline, read_topic
+from tests.harness import ROOT, assert_eventually, make_pipeline
 from tests.integration.test_repartition import _assert_exact_copy
+from tests.integration.test_snapshot import _truth
 from tests.integration.test_stream import _verify
 
 DOWN_S = 60  # the issue's fault: the broker comes back a minute after it was killed
@@ -98,23 +99,6 @@ def _job(settings: Settings, log: Path, job: str, *args: str) -> subprocess.Pope
         )
 
 
-def _changelog_truth(
-    settings: Settings, spec: PipelineSpec, below: dict[int, int] | None = None
-) -> dict[str, dict]:
-    """Latest live value per key of the changelog (below the given offsets), read apart."""
-    latest: dict[str, dict] = {}
-    for partition, offset, key, value in read_topic(settings, spec.changelog_topic):
-        assert key is not None
-        if below is not None and offset >= below[partition]:
-            continue
-        if value is None:
-            latest.pop(key.decode(), None)
-        else:
-            document = json.loads(value)
-            latest[key.decode()] = {c: document[c] for c in spec.aggregates}
-    return latest
-
-
 def _table(spark, settings: Settings, spec: PipelineSpec, version: int) -> dict[str, dict]:  # type: ignore[no-untyped-def]
     rows = snapshot.load(spark, settings.warehouse / spec.name, version).collect()
     table = {row["product"]: {c: row[c] for c in spec.aggregates} for row in rows}
@@ -125,7 +109,7 @@ def _table(spark, settings: Settings, spec: PipelineSpec, version: int) -> dict[
 def _assert_snapshot_exact(spark, settings: Settings, spec: PipelineSpec, version: int) -> None:  # type: ignore[no-untyped-def]
     coverage = snapshot.version_coverage(snapshot.history(settings.warehouse / spec.name), version)
     assert coverage is not None, f"version {version} records no coverage"
-    wanted = _changelog_truth(settings, spec, coverage.changelog)
+    wanted = _truth(settings, spec, coverage.changelog)
     actual = _table(spark, settings, spec, version)
     assert actual.keys() == wanted.keys()
     for key, row in wanted.items():
@@ -258,4 +242,4 @@ def test_leader_killed_mid_stream_repartition_and_snapshot(
     version = snapshot.build(settings, spec, "auto", spark=spark).version
     assert version is not None and version > latest
     _assert_snapshot_exact(spark, settings, spec, version)
-    assert _table(spark, settings, spec, version).keys() == _changelog_truth(settings, spec).keys()
+    assert _table(spark, settings, spec, version).keys() == _truth(settings, spec).keys()

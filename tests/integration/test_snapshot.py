@@ -71,10 +71,15 @@ def _write(
         producer.commit_transaction(30)
 
 
-def _truth(settings: Settings, spec: PipelineSpec) -> dict[str, dict[str, Any]]:
+def _truth(
+    settings: Settings, spec: PipelineSpec, below: dict[int, int] | None = None
+) -> dict[str, dict[str, Any]]:
+    """The latest live value per key of the changelog (of its records below `below`)."""
     latest: dict[str, dict[str, Any]] = {}
-    for _, _, key, value in read_topic(settings, spec.changelog_topic):
+    for partition, offset, key, value in read_topic(settings, spec.changelog_topic):
         assert key is not None
+        if below is not None and offset >= below[partition]:
+            continue
         if value is None:
             latest.pop(key.decode(), None)
         else:
