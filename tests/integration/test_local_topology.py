@@ -18,27 +18,36 @@ from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 
 from duality import kafka
+from duality.airflow_api import AirflowClient
 from duality.config import Settings
 from duality.local import AIRFLOW_COMPONENTS, _port_in_use, free_port, local_spark
 from duality.spec import find_spec
 from tests.harness import ROOT, assert_eventually
+from tests.integration.test_sasl import PASSWORD, USER, _leaks
 from tests.integration.test_stream import _verify
-from tests.stack import stack_env
+from tests.stack import Stack, stack_env
 
 BROKERS, WORKERS = 3, 2
 EVENTS = 3_000
 
 
+# Everything the commands printed, searched for the password at the end.
+OUTPUTS: list[str] = []
+
+
 def _duality(env: dict[str, str], *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    done = subprocess.run(
         [sys.executable, "-m", "duality.cli", *args, "--json"],
         env=env,
         capture_output=True,
         text=True,
         timeout=timeout,
     )
+    OUTPUTS.extend((done.stdout, done.stderr))
+    return done
 
 
 def _ok(env: dict[str, str], *args: str) -> dict:
@@ -73,10 +82,10 @@ def _ours(root: Path) -> list[psutil.Process]:
 
 
 @pytest.fixture(scope="module")
-def topology() -> Iterator[dict[str, str]]:
-    """`duality up --brokers 3 --spark-workers 2 --airflow-db postgres` in a folder of its own;
-    yields the environment of later commands, which names no address: the stack record
-    supplies them."""
+def topology() -> Iterator[Stack]:
+    """`duality up --brokers 3 --spark-workers 2 --airflow-db postgres --sasl` in a folder of its
+    own; yields the stack with the environment of later commands, which names no address (the
+    stack record supplies them) and holds the SCRAM login."""
     # PostgreSQL's own user must pass through the folder (not pytest's 0700 one).
     root = Path(tempfile.mkdtemp(prefix="duality-topology-"))
     root.chmod(0o755)
@@ -84,7 +93,19 @@ def topology() -> Iterator[dict[str, str]]:
     base = _free_ports(2 * BROKERS)
     env["DUALITY_BOOTSTRAP_SERVERS"] = f"localhost:{base}"
     env["DUALITY_CONTROLLER_PORT"] = str(base + 1)
-    shutil.copy(ROOT / "include" / "pipelines" / "product_sales.yaml", root / "pipelines")
+    env.update(
+        {
+            "DUALITY_SECURITY_PROTOCOL": "SASL_PLAINTEXT",
+            "DUALITY_SASL_MECHANISM": "SCRAM-SHA-512",
+            "DUALITY_SASL_USERNAME": USER,
+            "DUALITY_SASL_PASSWORD": PASSWORD,
+        }
+    )
+    # The demo pipeline, its snapshot DAG run only when triggered (the schedule's next time is
+    # years ahead), so that the test's run is the only one.
+    spec = yaml.safe_load((ROOT / "include" / "pipelines" / "product_sales.yaml").read_text())
+    spec["snapshot"] = {**spec.get("snapshot", {}), "schedule": "0 0 29 2 *"}
+    (root / "pipelines" / "product_sales.yaml").write_text(yaml.safe_dump(spec))
     later = {
         k: v
         for k, v in env.items()
@@ -100,11 +121,14 @@ def topology() -> Iterator[dict[str, str]]:
             str(WORKERS),
             "--airflow-db",
             "postgres",
+            "--sasl",
         )
         assert [n["state"] for n in up["broker"]["nodes"]] == ["running"] * BROKERS
         assert up["spark"]["state"] == "running"
         assert up["airflow"]["db"] == "postgres"
-        yield later
+        web = up["airflow"]
+        client = AirflowClient(Settings.from_env(later).airflow_url, web["user"], web["password"])
+        yield Stack(root, later, Settings.from_env(later), client, web["password"])
     finally:
         down = _duality(later, "down")
         assert down.returncode == 0, down.stderr[-3000:]
@@ -115,8 +139,8 @@ def topology() -> Iterator[dict[str, str]]:
     shutil.rmtree(root, ignore_errors=True)
 
 
-def test_later_commands_find_the_whole_stack(topology: dict[str, str]):
-    status = _ok(topology, "status")
+def test_later_commands_find_the_whole_stack(topology: Stack):
+    status = _ok(topology.env, "status")
     assert status["topology"]["brokers"] == BROKERS
     nodes = status["broker"]["nodes"]
     assert [(n["node_id"], n["state"], n["reachable"]) for n in nodes] == [
@@ -132,21 +156,21 @@ def test_later_commands_find_the_whole_stack(topology: dict[str, str]):
     assert set(airflow["components"]) == set(AIRFLOW_COMPONENTS)
 
     # The same stack again: reported, not started twice; another topology is refused.
-    again = _ok(topology, "up")
+    again = _ok(topology.env, "up")
     assert [n["pid"] for n in again["broker"]["nodes"]] == [n["pid"] for n in nodes]
-    other = _duality(topology, "up", "--brokers", "1")
+    other = _duality(topology.env, "up", "--brokers", "1")
     assert other.returncode == 2 and "duality down" in other.stderr, other.stderr
 
 
-def test_a_pipeline_runs_on_the_brokers_and_the_workers(topology: dict[str, str]):
-    settings = Settings.from_env(topology)
+def test_a_pipeline_runs_on_the_brokers_and_the_workers(topology: Stack):
+    settings = topology.settings
     assert len(settings.bootstrap_servers.split(",")) == BROKERS  # from the record
     assert settings.spark_master.startswith("spark://")
     spec = find_spec(settings, "product_sales")
-    produced = _ok(topology, "produce", spec.name, "--events", str(EVENTS), "--seed", "9")
+    produced = _ok(topology.env, "produce", spec.name, "--events", str(EVENTS), "--seed", "9")
     assert produced["produced"] == EVENTS
     try:
-        started = _ok(topology, "stream", "start", spec.name)
+        started = _ok(topology.env, "stream", "start", spec.name)
         assert started["heartbeat"]["state"] == "running"
 
         def caught_up() -> bool:
@@ -161,8 +185,31 @@ def test_a_pipeline_runs_on_the_brokers_and_the_workers(topology: dict[str, str]
         for worker in range(WORKERS):
             assert list((cluster.work_dir(worker) / apps[0]["id"]).glob("*")), worker
     finally:
-        stopped = _ok(topology, "stream", "stop", spec.name)
+        stopped = _ok(topology.env, "stream", "stop", spec.name)
     assert stopped["was_running"] is True
     _verify(settings, spec, EVENTS)
     info = kafka.describe_topic(settings, spec.changelog_topic)
     assert info.replication_factor == 3 and info.config["min.insync.replicas"] == "2"
+
+
+def test_the_snapshot_dag_publishes_and_nothing_shows_the_password(topology: Stack):
+    """Airflow's tasks log in through `kafka_default` (SCRAM-SHA-512) and run Spark on the
+    workers; no file of the stack, task log, XCom or command output holds the password."""
+    settings, client = topology.settings, topology.client
+    spec = find_spec(settings, "product_sales")
+    dag = f"duality_{spec.name}_snapshot"
+    client.wait_for_dag(dag)
+    run_id = client.trigger(dag)
+    client.set_paused(dag, False)
+    run = client.wait_run(dag, run_id, timeout=600)
+    assert run["state"] == "success", client.task_instances(dag, run_id)
+    published = _ok(topology.env, "read", spec.name)
+    assert published["version"] == client.xcom(dag, run_id, "snapshot")["version"]
+
+    texts = [*OUTPUTS]
+    for task in client.task_instances(dag, run_id):
+        texts.append(client.task_log(dag, run_id, task["task_id"], task["try_number"]))
+        texts.append(json.dumps(client.xcom(dag, run_id, task["task_id"])))
+    texts.append(json.dumps(_ok(topology.env, "status")))
+    assert any("duality." in text for text in texts[-4:]), "task logs were read"
+    assert not _leaks([topology.root], texts)
