@@ -203,6 +203,7 @@ def test_snapshot_and_repartition_run_on_the_workers(
     from tests.integration.test_repartition import _assert_exact_copy
     from tests.integration.test_snapshot import _create_changelog, _history, _truth, _write
 
+    cluster.start()  # both workers again, if an earlier test killed one
     on_cluster = settings.replace(
         spark_master=cluster.master_url,
         pipelines=tmp_path / "pipelines",
