@@ -250,14 +250,11 @@ def failure(
     reason = _reason(cause)
     if code in _NO_ANSWER:
         # A refused login looks like no answer to the call; librdkafka reports it apart.
-        connection = _connection(settings)
-        if connection in _admins:
-            _admins[connection].poll(0)
-        refused = _refused_logins.pop(connection, None)
+        refused = _refused_login(settings, since=float("-inf"))
         if refused is None:
             waited = settings.connect_timeout_s if timeout is None else timeout
             return _timed_out(settings, doing, waited, reason)
-        code, reason = KafkaError._AUTHENTICATION, refused[1]
+        return refused
     user = repr(settings.sasl_username) if settings.sasl_username else None
     if code in _LOGIN_REFUSED:
         return _login_refused(settings, reason)

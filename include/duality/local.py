@@ -572,12 +572,19 @@ def ephemeral_broker(
     )
     if scram is not None:
         scoped = scram.login(scoped, user or next(iter(scram.users)))
-    broker = LocalBroker(scoped, scram=scram)
-    try:
-        broker.start()
+    with _running(LocalBroker(scoped, scram=scram), root):
         yield scoped
+
+
+@contextlib.contextmanager
+def _running(kafka_nodes: LocalBroker | LocalKafkaCluster, root: Path) -> Iterator[None]:
+    """Start a throw-away broker or cluster; stop it after, and delete its folder `root`
+    unless the block failed (then its logs are kept)."""
+    try:
+        kafka_nodes.start()
+        yield
     finally:
-        broker.stop()
+        kafka_nodes.stop()
         if sys.exc_info()[0] is None:
             shutil.rmtree(root, ignore_errors=True)
 
@@ -752,13 +759,8 @@ def ephemeral_cluster(
     if scram is not None:
         scoped = scram.login(scoped, user or next(iter(scram.users)))
     cluster = LocalKafkaCluster(scoped, quorum, new_cluster_id(), scram=scram)
-    try:
-        cluster.start()
+    with _running(cluster, root):
         yield cluster
-    finally:
-        cluster.stop()
-        if sys.exc_info()[0] is None:
-            shutil.rmtree(root, ignore_errors=True)
 
 
 # -- Spark standalone ---------------------------------------------------------------------

@@ -29,7 +29,7 @@ from duality.local import LocalKafkaCluster, ephemeral_cluster
 from duality.spec import PipelineSpec
 from tests.harness import ROOT, assert_eventually, make_pipeline
 from tests.integration.test_repartition import _assert_exact_copy
-from tests.integration.test_snapshot import _truth
+from tests.integration.test_snapshot import _table, _truth
 from tests.integration.test_stream import _verify
 
 DOWN_S = 60  # the fault: the broker comes back a minute after it was killed
@@ -99,18 +99,15 @@ def _job(settings: Settings, log: Path, job: str, *args: str) -> subprocess.Pope
         )
 
 
-def _table(spark, settings: Settings, spec: PipelineSpec, version: int) -> dict[str, dict]:  # type: ignore[no-untyped-def]
-    rows = snapshot.load(spark, settings.warehouse / spec.name, version).collect()
-    table = {row["product"]: {c: row[c] for c in spec.aggregates} for row in rows}
-    assert len(table) == len(rows), "a key appears twice in the snapshot"
-    return table
+def _version(spark, settings: Settings, spec: PipelineSpec, version: int) -> dict[str, dict]:  # type: ignore[no-untyped-def]
+    return _table(snapshot.load(spark, spec.snapshot_path(settings), version), spec)
 
 
 def _assert_snapshot_exact(spark, settings: Settings, spec: PipelineSpec, version: int) -> None:  # type: ignore[no-untyped-def]
-    coverage = snapshot.version_coverage(snapshot.history(settings.warehouse / spec.name), version)
+    coverage = snapshot.version_coverage(snapshot.history(spec.snapshot_path(settings)), version)
     assert coverage is not None, f"version {version} records no coverage"
     wanted = _truth(settings, spec, coverage.changelog)
-    actual = _table(spark, settings, spec, version)
+    actual = _version(spark, settings, spec, version)
     assert actual.keys() == wanted.keys()
     for key, row in wanted.items():
         for column, value in row.items():
@@ -187,17 +184,21 @@ def test_leader_killed_mid_stream_repartition_and_snapshot(
             timeout=120,
             message=f"the copy never got going; see {copy_log}",
         )
+        victim = _leaders(settings, status.STATUS_TOPIC)[0]
+        for topic in (spec.source.topic, spec.changelog_topic, source, target):
+            assert victim in _leaders(settings, topic).values(), (topic, victim)
+        node = cluster.node(victim)
         assert_eventually(
             lambda: merging.done.is_set() or any("merging" in m for m in merging.said),
             timeout=120,
             message=f"the snapshot never started merging: {merging.said}",
         )
-        victim = _leaders(settings, status.STATUS_TOPIC)[0]
-        for topic in (spec.source.topic, spec.changelog_topic, source, target):
-            assert victim in _leaders(settings, topic).values(), (topic, victim)
-        node = cluster.node(victim)
+        merged_before_the_kill = merging.done.is_set()
+        copy_ended = copier.poll()
         os.kill(node.pid() or 0, signal.SIGKILL)
         killed_at = time.monotonic()
+        assert not merged_before_the_kill, f"the snapshot ended before the kill: {merging.said}"
+        assert copy_ended is None, f"the copy ended before the kill; see {copy_log}"
 
         # While it is down, the commands and the supervisor answer with what they see.
         seen = _cli(settings, "stream", "status", spec.name)
@@ -233,7 +234,7 @@ def test_leader_killed_mid_stream_repartition_and_snapshot(
     _assert_exact_copy(settings, source, target)
 
     # The snapshot run committed a correct version or left the previous one; the next is exact.
-    latest = snapshot.latest_data_version(snapshot.history(settings.warehouse / spec.name))
+    latest = snapshot.latest_data_version(snapshot.history(spec.snapshot_path(settings)))
     if merging.error is None:
         assert latest > before, merging.said
     else:
@@ -242,4 +243,4 @@ def test_leader_killed_mid_stream_repartition_and_snapshot(
     version = snapshot.build(settings, spec, "auto", spark=spark).version
     assert version is not None and version > latest
     _assert_snapshot_exact(spark, settings, spec, version)
-    assert _table(spark, settings, spec, version).keys() == _truth(settings, spec).keys()
+    assert _version(spark, settings, spec, version).keys() == _truth(settings, spec).keys()

@@ -201,7 +201,13 @@ def test_snapshot_and_repartition_run_on_the_workers(
     """The batch jobs, unchanged, on the cluster: executors on both workers, and the results
     local mode gives (a snapshot equal to the changelog, an exact copy)."""
     from tests.integration.test_repartition import _assert_exact_copy
-    from tests.integration.test_snapshot import _create_changelog, _history, _truth, _write
+    from tests.integration.test_snapshot import (
+        _create_changelog,
+        _history,
+        _table,
+        _truth,
+        _write,
+    )
 
     cluster.start()  # both workers again, if an earlier test killed one
     on_cluster = settings.replace(
@@ -219,9 +225,8 @@ def test_snapshot_and_repartition_run_on_the_workers(
 
     built = _job(on_cluster, str(ROOT / "jobs" / "rebuild_snapshot.py"), spec.name)
     _ran_on_both_workers(cluster, f"duality-snapshot-{spec.name}")
-    table = snapshot.load(spark, spec.snapshot_path(on_cluster), built["version"]).collect()
-    rows = {r["product"]: {c: r[c] for c in spec.aggregates} for r in table}
-    assert len(rows) == len(table) == 570
+    rows = _table(snapshot.load(spark, spec.snapshot_path(on_cluster), built["version"]), spec)
+    assert len(rows) == 570
     assert rows == _truth(on_cluster, spec)
 
     target = f"{spec.source.topic}-6p"
