@@ -177,13 +177,13 @@ def test_leader_killed_mid_stream_repartition_and_snapshot(
             timeout=120,
             message="the stream did not take in the load",
         )
-        # Changes since the first version: this run merges them when the broker dies.
-        merging.start()
         assert_eventually(
             lambda: copier.poll() is None and covered(source, plan.group) >= 3_000,
             timeout=120,
             message=f"the copy never got going; see {copy_log}",
         )
+        # Changes since the first version: this run merges them when the broker dies.
+        merging.start()
         victim = _leaders(settings, status.STATUS_TOPIC)[0]
         for topic in (spec.source.topic, spec.changelog_topic, source, target):
             assert victim in _leaders(settings, topic).values(), (topic, victim)
