@@ -32,12 +32,16 @@ def assert_eventually(
     interval: float = 0.25,
     message: str = "",
 ) -> T:
-    """Call `probe` until it returns `expected` (or anything truthy when expected is None)."""
+    """Call `probe` until it returns `expected` (anything truthy when expected is None; a value
+    for which `expected(value)` is true when it is callable)."""
     deadline = time.monotonic() + timeout
     last: Any = None
     while True:
         last = probe()
-        if (expected is None and last) or (expected is not None and last == expected):
+        if callable(expected):
+            if expected(last):
+                return last
+        elif (expected is None and last) or (expected is not None and last == expected):
             return last
         if time.monotonic() >= deadline:
             raise AssertionError(

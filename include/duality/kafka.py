@@ -135,6 +135,14 @@ def admin(settings: Settings) -> AdminClient:
     return client
 
 
+def forget(settings: Settings) -> None:
+    """Drop the process's admin client for the connection `settings` name: a cluster that was
+    stopped for good would otherwise keep it reconnecting (and logging) for the process's life."""
+    connection = _connection(settings)
+    _admins.pop(connection, None)
+    _refused_logins.pop(connection, None)
+
+
 def _note_error(connection: _Connection, error: KafkaError) -> None:
     if error.code() in _LOGIN_REFUSED:
         _refused_logins[connection] = (time.monotonic(), error.str())

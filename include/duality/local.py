@@ -585,6 +585,7 @@ def _running(kafka_nodes: LocalBroker | LocalKafkaCluster, root: Path) -> Iterat
         yield
     finally:
         kafka_nodes.stop()
+        kafka.forget(kafka_nodes.settings)
         if sys.exc_info()[0] is None:
             shutil.rmtree(root, ignore_errors=True)
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,7 +18,7 @@ from duality import kafka, status, stream_job
 from duality.config import Settings
 from duality.local import LocalKafkaCluster, ephemeral_cluster
 from duality.spec import PipelineSpec
-from tests.harness import make_pipeline
+from tests.harness import assert_eventually, make_pipeline
 
 
 @pytest.fixture(scope="module")
@@ -54,42 +55,66 @@ def _pipeline(settings: Settings, folder: Path) -> PipelineSpec:
     return spec
 
 
+def _status(env: dict[str, str]) -> tuple[int, dict[str, Any], str]:
+    result = _duality(env, "status")
+    report = json.loads(result.stdout) if result.stdout.strip() else {}
+    return result.returncode, report, result.stderr
+
+
+def _listed(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {t["topic"]: t for t in report.get("broker", {}).get("topics", [])}
+
+
 def test_every_topic_is_replicated_as_configured(cluster: LocalKafkaCluster, tmp_path: Path):
     settings = cluster.settings
     spec = _pipeline(settings, tmp_path / "pipelines")
     topics = [spec.source.topic, spec.changelog_topic, spec.dlq_topic, status.STATUS_TOPIC]
-    rows = kafka.replication(settings, topics)
-    assert [(r.topic, r.replication_factor, r.min_insync_replicas) for r in rows] == [
-        (t, 3, 2) for t in topics
-    ]
+    # A new topic reaches each broker's metadata in its own time, and a request may go to any.
+    assert_eventually(
+        lambda: [
+            (r.topic, r.replication_factor, r.min_insync_replicas)
+            for r in kafka.replication(settings, topics)
+        ],
+        [(t, 3, 2) for t in topics],
+        timeout=30,
+    )
 
     env = _env(settings, tmp_path / "pipelines")
-    result = _duality(env, "status")
-    assert result.returncode == 0, result.stderr[-2000:]
-    report = json.loads(result.stdout)["broker"]
-    assert report["durability"] == {
+    ours = {spec.changelog_topic, spec.dlq_topic, status.STATUS_TOPIC}
+    code, report, stderr = assert_eventually(
+        lambda: _status(env),
+        lambda seen: seen[0] == 0 and set(_listed(seen[1])) == ours,
+        timeout=60,
+        message="status exits 0 and lists the pipeline's and the heartbeats' topics",
+    )
+    assert report["broker"]["durability"] == {
         "replication_factor": 3,
         "min_insync_replicas": 2,
         "brokers": 3,
         "chosen_by": "cluster size",
     }
-    listed = {t["topic"]: t for t in report["topics"]}
-    assert set(listed) == {spec.changelog_topic, spec.dlq_topic, status.STATUS_TOPIC}
-    assert not any(t["below_configured"] for t in listed.values())
+    assert not any(t["below_configured"] for t in _listed(report).values())
 
     # A pipeline whose changelog was made with one replica, as duality did before it read the
     # replication factor from the settings.
     short = make_pipeline(settings, tmp_path / "pipelines", "product_sales")
     kafka.create_topic(settings.replace(replication_factor=1), short.changelog_topic, 3)
-    result = _duality(env, "status")
-    assert result.returncode == 1, result.stdout[-2000:]
-    assert short.changelog_topic in result.stderr and "kafka-reassign-partitions" in result.stderr
-    listed = {t["topic"]: t for t in json.loads(result.stdout)["broker"]["topics"]}
+    code, report, stderr = assert_eventually(
+        lambda: _status(env),
+        lambda seen: short.changelog_topic in _listed(seen[1]),
+        timeout=60,
+        message="status lists the changelog made with one replica",
+    )
+    assert code == 1, stderr[-2000:]
+    assert short.changelog_topic in stderr and "kafka-reassign-partitions" in stderr
+    listed = _listed(report)
     assert listed[short.changelog_topic]["replication_factor"] == 1
     assert listed[short.changelog_topic]["below_configured"] is True
     assert listed[spec.changelog_topic]["below_configured"] is False
 
     # More replicas than brokers is a bad setting, named before any topic is made.
     result = _duality({**env, "DUALITY_REPLICATION_FACTOR": "4"}, "status")
-    assert result.returncode == 2
-    assert "DUALITY_REPLICATION_FACTOR=4" in result.stderr and "3 brokers" in result.stderr
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "DUALITY_REPLICATION_FACTOR=4" in result.stderr and "3 brokers" in result.stderr, (
+        result.stderr[-2000:]
+    )
