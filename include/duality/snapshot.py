@@ -24,7 +24,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -44,6 +44,8 @@ PUBLISHED_VERSION = "duality.published.version"
 PUBLISHED_COVERAGE = "duality.published.coverage"
 VALIDATION = "duality.validation"  # the latest verdict, for people reading the properties
 # Commits that do not change the table's rows; an incremental run may build on top of them.
+# An incremental run that reads at most this many changelog records brings them to the driver.
+SMALL_CHANGE = 200_000
 _ROW_PRESERVING = {"OPTIMIZE", "VACUUM START", "VACUUM END", "SET TBLPROPERTIES"}
 
 
@@ -314,14 +316,25 @@ def current(versions: list[Version]) -> tuple[Coverage | None, str | None]:
 
 
 @contextmanager
-def commit_metadata(spark: SparkSession, metadata: dict[str, Any]) -> Iterator[None]:
-    """Every Delta commit made inside carries `metadata` as its userMetadata."""
-    key = "spark.databricks.delta.commitInfo.userMetadata"
-    spark.conf.set(key, json.dumps({METADATA_KEY: metadata}, separators=(",", ":")))
+def session_conf(spark: SparkSession, values: dict[str, str]) -> Iterator[None]:
+    """The Spark session's `values` inside, what they were before after."""
+    before = {key: spark.conf.get(key, None) for key in values}
+    for key, value in values.items():
+        spark.conf.set(key, value)
     try:
         yield
     finally:
-        spark.conf.unset(key)
+        for key, old in before.items():
+            if old is None:
+                spark.conf.unset(key)
+            else:
+                spark.conf.set(key, old)
+
+
+def commit_metadata(spark: SparkSession, metadata: dict[str, Any]) -> AbstractContextManager[None]:
+    """Every Delta commit made inside carries `metadata` as its userMetadata."""
+    text = json.dumps({METADATA_KEY: metadata}, separators=(",", ":"))
+    return session_conf(spark, {"spark.databricks.delta.commitInfo.userMetadata": text})
 
 
 # -- building a version -------------------------------------------------------------------
@@ -441,30 +454,27 @@ def build(
         for p, end in sorted(coverage.changelog.items())
         if end > (start or {}).get(p, 0)
     }
-    latest = _latest_per_key(raw).persist()
-    try:
-        counts = latest.selectExpr("count(*) AS keys", "coalesce(sum(_records), 0) AS records")
-        first = counts.first()
-        keys_read, records_read = (first[0], first[1]) if first is not None else (0, 0)
-        rows = _changelog_rows(spec, latest)
-        columns = list(column_types(spec))
-        if base is None:
-            with commit_metadata(spark, metadata):
-                (
-                    rows.where("NOT _deleted")
-                    .select(*columns)
-                    .write.format("delta")
-                    .mode("overwrite")
-                    .option("overwriteSchema", "true")
-                    # Set when the table is created: a MERGE then marks changed rows in
-                    # deletion vectors instead of rewriting every file a change touches.
-                    .option("delta.enableDeletionVectors", "true")
-                    .save(str(path))
-                )
-        else:
-            _merge(spark, spec, path, rows, metadata)
-    finally:
-        latest.unpersist()
+    if base is not None and sum(end - first for first, end in ranges.values()) <= SMALL_CHANGE:
+        # A small change comes to the driver in one job; the MERGE's source is then a local
+        # relation, which it neither reads from Kafka again nor materializes first.
+        changes = _latest_per_key(raw).toArrow()
+        keys_read = changes.num_rows
+        records_read = sum(changes.column("_records").to_pylist())
+        source = _changelog_rows(spec, spark.createDataFrame(changes))
+        _merge(spark, spec, path, source, metadata, materialize=False)
+    else:
+        latest = _latest_per_key(raw).persist()
+        try:
+            counts = latest.selectExpr("count(*) AS keys", "coalesce(sum(_records), 0) AS records")
+            first = counts.first()
+            keys_read, records_read = (first[0], first[1]) if first is not None else (0, 0)
+            rows = _changelog_rows(spec, latest)
+            if base is None:
+                _overwrite(spark, spec, path, rows, metadata)
+            else:
+                _merge(spark, spec, path, rows, metadata)
+        finally:
+            latest.unpersist()
     written = history(path)[0]
     progress(f"version {written.version} of {path} written ({ran})")
     if written.operation == "MERGE":
@@ -524,20 +534,44 @@ def _incremental_blocker(
     return None
 
 
+def _overwrite(
+    spark: SparkSession, spec: PipelineSpec, path: Path, rows: DataFrame, metadata: dict[str, Any]
+) -> None:
+    """The whole table replaced by the live rows, in one commit."""
+    with commit_metadata(spark, metadata):
+        (
+            rows.where("NOT _deleted")
+            .select(*column_types(spec))
+            .write.format("delta")
+            .mode("overwrite")
+            .option("overwriteSchema", "true")
+            # Set when the table is created: a MERGE then marks changed rows in deletion
+            # vectors instead of rewriting every file a change touches.
+            .option("delta.enableDeletionVectors", "true")
+            .save(str(path))
+        )
+
+
 def _merge(
     spark: SparkSession,
     spec: PipelineSpec,
     path: Path,
     rows: DataFrame,
     metadata: dict[str, Any],
+    *,
+    materialize: bool = True,
 ) -> None:
+    """The changed keys' rows updated, inserted or deleted, in one commit. Delta materializes
+    a source that could change between the MERGE's two passes over it; a local relation
+    (`materialize=False`) cannot."""
     from delta.tables import DeltaTable
 
     columns = list(column_types(spec))
     on = " AND ".join(f"t.`{c}` = s.`{c}`" for c in spec.key_columns)
     values: dict[str, str | Column] = {f"`{c}`": f"s.`{c}`" for c in columns}
     changed = {k: v for k, v in values.items() if k.strip("`") not in spec.key_columns}
-    with commit_metadata(spark, metadata):
+    local = {} if materialize else {"spark.databricks.delta.merge.materializeSource": "none"}
+    with session_conf(spark, local), commit_metadata(spark, metadata):
         (
             DeltaTable.forPath(spark, str(path))
             .alias("t")
