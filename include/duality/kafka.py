@@ -772,18 +772,22 @@ def read_to_end(
     *,
     isolation: Isolation = "read_committed",
     last: int | None = None,
+    start: Mapping[int, int] | None = None,
+    end: Mapping[int, int] | None = None,
     timeout: float = 300.0,
 ) -> Iterator[Message]:
-    """Every record of `topic` from its beginning (or only the `last` ones of each partition) up
-    to the end offsets of the moment of the call.
+    """Every record of `topic` from its beginning (or only the `last` ones of each partition,
+    or from the offsets `start`) up to the end offsets of the moment of the call (or `end`).
 
     Under read_committed, records of aborted transactions are skipped by the client.
     """
-    ends = end_offsets(settings, topic, isolation)
+    ends = dict(end) if end is not None else end_offsets(settings, topic, isolation)
     starts = beginning_offsets(settings, topic)
+    if start is not None:
+        starts = {p: max(first, start.get(p, first)) for p, first in starts.items()}
     if last is not None:
-        starts = {p: max(start, ends[p] - last) for p, start in starts.items()}
-    pending = {p for p, end in ends.items() if end > starts[p]}
+        starts = {p: max(first, ends[p] - last) for p, first in starts.items()}
+    pending = {p for p, stop in ends.items() if stop > starts.get(p, 0)}
     if not pending:
         return
     reader = consumer(settings, f"duality-reader-{uuid.uuid4().hex}", isolation_level=isolation)

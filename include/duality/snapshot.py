@@ -34,6 +34,7 @@ from duality.errors import CheckFailed, UsageError
 from duality.spec import SQL_TYPES, PipelineSpec
 
 if TYPE_CHECKING:
+    import pyarrow as pa
     from pyspark.sql import Column, DataFrame, SparkSession
 
 Mode = Literal["auto", "full", "incremental"]
@@ -210,6 +211,28 @@ def _read_changelog(
         .option("failOnDataLoss", "false")
         .load()
         .select("key", "value", "partition", "offset")
+    )
+
+
+def _latest_changes(
+    settings: Settings, topic: str, start: dict[int, int], coverage: Coverage
+) -> pa.Table:
+    """What `_latest_per_key` computes, for the changelog's records from `start` up to the
+    coverage's offsets, read in this process (read_committed): a key lives in one partition,
+    so its last record read is its latest."""
+    import pyarrow as pa
+
+    latest: dict[bytes, tuple[bytes | None, int]] = {}
+    for message in kafka.read_to_end(settings, topic, start=start, end=coverage.changelog):
+        key = message.key()
+        if key is not None:
+            latest[key] = (message.value(), latest.get(key, (None, 0))[1] + 1)
+    return pa.table(
+        {
+            "key": pa.array(list(latest), pa.binary()),
+            "value": pa.array([value for value, _ in latest.values()], pa.binary()),
+            "_records": pa.array([count for _, count in latest.values()], pa.int64()),
+        }
     )
 
 
@@ -448,21 +471,21 @@ def build(
         "base_version": previous if base is not None else None,
     }
     progress(f"{'merging changes from' if base else 'rebuilding from'} {spec.changelog_topic}")
-    raw = _read_changelog(spark, settings, spec.changelog_topic, start, coverage.changelog)
     ranges = {
         str(p): [(start or {}).get(p, 0), end]
         for p, end in sorted(coverage.changelog.items())
         if end > (start or {}).get(p, 0)
     }
     if base is not None and sum(end - first for first, end in ranges.values()) <= SMALL_CHANGE:
-        # A small change comes to the driver in one job; the MERGE's source is then a local
-        # relation, which it neither reads from Kafka again nor materializes first.
-        changes = _latest_per_key(raw).toArrow()
+        # A small change is read by a plain consumer, without a Spark job; the MERGE's source is
+        # then a local relation, which it need not materialize first.
+        changes = _latest_changes(settings, spec.changelog_topic, base.changelog, coverage)
         keys_read = changes.num_rows
         records_read = sum(changes.column("_records").to_pylist())
         source = _changelog_rows(spec, spark.createDataFrame(changes))
         _merge(spark, spec, path, source, metadata, materialize=False)
     else:
+        raw = _read_changelog(spark, settings, spec.changelog_topic, start, coverage.changelog)
         latest = _latest_per_key(raw).persist()
         try:
             counts = latest.selectExpr("count(*) AS keys", "coalesce(sum(_records), 0) AS records")
