@@ -52,6 +52,19 @@ def assert_eventually(
         time.sleep(interval)
 
 
+def run_duality(
+    env: dict[str, str], *args: str, timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
+    """The `duality` command line run as users run it, in a process of its own."""
+    return subprocess.run(
+        [sys.executable, "-m", "duality.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def unique_name(label: str) -> str:
     """A topic or group name no other test uses."""
     clean = re.sub(r"[^a-zA-Z0-9._-]+", "-", label)[:60].strip("-")

@@ -255,9 +255,7 @@ class LocalBroker:
         self._write_config()
         if not (self.data_dir / "meta.properties").is_file():
             self._format_storage()
-        process = self._launch()
-        self.pid_file.write_text(f"{process.pid}\n")
-        return process
+        return self._launch()
 
     def _check_can_start(self) -> None:
         host = self.settings.first_bootstrap[0]
@@ -409,18 +407,12 @@ class LocalBroker:
         ]
 
     def _launch(self) -> subprocess.Popen[bytes]:
-        stdout = open(self.logs_dir / "stdout.log", "ab")  # noqa: SIM115 - handed to the child
-        try:
-            return subprocess.Popen(
-                self._java(_MAIN_CLASS, str(self.config_file), heap="1g"),
-                stdin=subprocess.DEVNULL,
-                stdout=stdout,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # survives the command that started it
-                cwd=self.root,
-            )
-        finally:
-            stdout.close()
+        return start_daemon(
+            self._java(_MAIN_CLASS, str(self.config_file), heap="1g"),
+            self.logs_dir / "stdout.log",
+            self.pid_file,
+            cwd=self.root,
+        )
 
     def _wait_until_ready(self, process: subprocess.Popen[bytes]) -> None:
         deadline = time.monotonic() + _START_TIMEOUT_S
@@ -479,6 +471,32 @@ def live_pid(pid_file: Path, matches: Callable[[list[str]], bool]) -> int | None
     except (FileNotFoundError, ValueError, psutil.Error):
         return None
     return pid if matches(cmdline) else None
+
+
+def start_daemon(
+    command: list[str],
+    log: Path,
+    pid_file: Path,
+    *,
+    cwd: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    **popen: Any,
+) -> subprocess.Popen[bytes]:
+    """Start `command` in a session of its own (it outlives the command that started it), its
+    output appended to `log`, its pid written to `pid_file`."""
+    with open(log, "ab") as out:
+        process = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=cwd,
+            env=env,
+            **popen,
+        )
+    pid_file.write_text(f"{process.pid}\n")
+    return process
 
 
 def stop_group(pid: int, grace: float, first: signal.Signals = signal.SIGTERM) -> None:
@@ -1039,17 +1057,7 @@ class LocalSparkCluster:
             "SPARK_DAEMON_MEMORY": "256m",
             **env,
         }
-        with open(log, "ab") as out:
-            process = subprocess.Popen(
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                cwd=folder,
-                env=environment,
-            )
-        (folder / f"{name}.pid").write_text(f"{process.pid}\n")
+        process = start_daemon(command, log, folder / f"{name}.pid", cwd=folder, env=environment)
         return process, log
 
     def _wait(
@@ -1267,18 +1275,9 @@ class LocalPostgres:
             "-k",
             str(self.socket_dir),
         ]
-        with open(self.log_file, "ab") as out:
-            process = subprocess.Popen(
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                cwd=self.root,
-                env=_server_env(),
-                **as_owner,
-            )
-        self.pid_file.write_text(f"{process.pid}\n")
+        process = start_daemon(
+            command, self.log_file, self.pid_file, cwd=self.root, env=_server_env(), **as_owner
+        )
         deadline = time.monotonic() + _POSTGRES_START_TIMEOUT_S
         while not self._answers("postgres"):
             if process.poll() is not None:
@@ -1591,17 +1590,13 @@ class LocalAirflow:
         self._check_port()
         self.home.mkdir(parents=True, exist_ok=True)
         password = self.password()
-        with open(self.log_file, "ab") as out:
-            process = subprocess.Popen(
-                [str(_airflow()), "standalone"],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                cwd=self.home,
-                env=self.environment(),
-            )
-        self.pid_file.write_text(f"{process.pid}\n")
+        process = start_daemon(
+            [str(_airflow()), "standalone"],
+            self.log_file,
+            self.pid_file,
+            cwd=self.home,
+            env=self.environment(),
+        )
         progress("starting Airflow (database, scheduler, DAG processor, triggerer, API server)")
         self._wait_healthy({"standalone": (process, self.log_file)})
         return {**self.status(), "already_running": False, "password": password}
@@ -1625,17 +1620,10 @@ class LocalAirflow:
         for name in missing:
             self._clear_predecessor(name)
             log = self.component_log(name)
-            with open(log, "ab") as out:
-                process = subprocess.Popen(
-                    [str(_airflow()), name],
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    cwd=self.home,
-                    env=environment,
-                )
-            (self.home / f"{name}.pid").write_text(f"{process.pid}\n")
+            pid_file = self.home / f"{name}.pid"
+            process = start_daemon(
+                [str(_airflow()), name], log, pid_file, cwd=self.home, env=environment
+            )
             launched[name] = (process, log)
         progress(f"starting Airflow's {', '.join(missing)} on PostgreSQL")
         self._wait_healthy(launched, since)

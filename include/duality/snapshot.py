@@ -44,9 +44,9 @@ METADATA_KEY = "duality"
 PUBLISHED_VERSION = "duality.published.version"
 PUBLISHED_COVERAGE = "duality.published.coverage"
 VALIDATION = "duality.validation"  # the latest verdict, for people reading the properties
-# Commits that do not change the table's rows; an incremental run may build on top of them.
-# An incremental run that reads at most this many changelog records brings them to the driver.
+# An incremental run that reads at most this many changelog records reads them in the driver.
 SMALL_CHANGE = 200_000
+# Commits that do not change the table's rows; an incremental run may build on top of them.
 _ROW_PRESERVING = {"OPTIMIZE", "VACUUM START", "VACUUM END", "SET TBLPROPERTIES"}
 
 
@@ -215,15 +215,15 @@ def _read_changelog(
 
 
 def _latest_changes(
-    settings: Settings, topic: str, start: dict[int, int], coverage: Coverage
+    settings: Settings, topic: str, start: dict[int, int], end: dict[int, int]
 ) -> pa.Table:
-    """What `_latest_per_key` computes, for the changelog's records from `start` up to the
-    coverage's offsets, read in this process (read_committed): a key lives in one partition,
-    so its last record read is its latest."""
+    """What `_latest_per_key` computes, for the changelog's records from `start` up to `end`,
+    read in this process (read_committed): a key lives in one partition, so its last record
+    read is its latest."""
     import pyarrow as pa
 
     latest: dict[bytes, tuple[bytes | None, int]] = {}
-    for message in kafka.read_to_end(settings, topic, start=start, end=coverage.changelog):
+    for message in kafka.read_to_end(settings, topic, start=start, end=end):
         key = message.key()
         if key is not None:
             latest[key] = (message.value(), latest.get(key, (None, 0))[1] + 1)
@@ -479,7 +479,9 @@ def build(
     if base is not None and sum(end - first for first, end in ranges.values()) <= SMALL_CHANGE:
         # A small change is read by a plain consumer, without a Spark job; the MERGE's source is
         # then a local relation, which it need not materialize first.
-        changes = _latest_changes(settings, spec.changelog_topic, base.changelog, coverage)
+        changes = _latest_changes(
+            settings, spec.changelog_topic, base.changelog, coverage.changelog
+        )
         keys_read = changes.num_rows
         records_read = sum(changes.column("_records").to_pylist())
         source = _changelog_rows(spec, spark.createDataFrame(changes))

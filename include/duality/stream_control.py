@@ -29,7 +29,7 @@ import psutil
 from duality import kafka, status
 from duality.config import Settings
 from duality.errors import LocalStackError, UsageError
-from duality.local import live_pid
+from duality.local import live_pid, start_daemon
 from duality.spec import PipelineSpec
 
 _STOP_GRACE_S = 90.0
@@ -105,17 +105,13 @@ def start(
         )
     _folder(settings).mkdir(parents=True, exist_ok=True)
     log = log_file(settings, spec)
-    with open(log, "ab") as out:
-        process = subprocess.Popen(
-            [sys.executable, str(job_path(settings)), spec.name, *job_args],
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            # The settings this command runs with (Airflow connections included) go along.
-            env={**os.environ, **settings.as_env()},
-        )
-    pid_file(settings, spec).write_text(f"{process.pid}\n")
+    process = start_daemon(
+        [sys.executable, str(job_path(settings)), spec.name, *job_args],
+        log,
+        pid_file(settings, spec),
+        # The settings this command runs with (Airflow connections included) go along.
+        env={**os.environ, **settings.as_env()},
+    )
     if wait:
         _wait_running(settings, spec, process, log)
     return {**describe(settings, spec), "already_running": False}

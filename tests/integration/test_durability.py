@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from duality import kafka, status, stream_job
 from duality.config import Settings
 from duality.local import LocalKafkaCluster, ephemeral_cluster
 from duality.spec import PipelineSpec
-from tests.harness import assert_eventually, make_pipeline
+from tests.harness import assert_eventually, make_pipeline, run_duality
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +38,7 @@ def _env(settings: Settings, pipelines: Path) -> dict[str, str]:
 
 
 def _duality(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "duality.cli", *args, "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_duality(env, *args, "--json", timeout=120)
 
 
 def _pipeline(settings: Settings, folder: Path) -> PipelineSpec:

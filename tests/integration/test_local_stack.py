@@ -4,23 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import psutil
 
 from duality.local import free_port
-
-
-def _duality(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "duality.cli", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+from tests.harness import run_duality
 
 
 def _kafka_processes(marker: str) -> list[psutil.Process]:
@@ -41,19 +30,19 @@ def test_up_twice_status_down(tmp_path: Path):
         "DUALITY_CONTROLLER_PORT": str(free_port()),
     }
     try:
-        first = _duality(env, "up", "--json")
+        first = run_duality(env, "up", "--json")
         assert first.returncode == 0, first.stderr
         started = json.loads(first.stdout)["broker"]
         assert started["already_running"] is False
 
-        second = _duality(env, "up", "--json")
+        second = run_duality(env, "up", "--json")
         assert second.returncode == 0, second.stderr
         again = json.loads(second.stdout)["broker"]
         assert again["already_running"] is True
         assert again["pid"] == started["pid"]
         assert len(_kafka_processes(str(tmp_path))) == 1
 
-        status = _duality(env, "status", "--json")
+        status = run_duality(env, "status", "--json")
         assert status.returncode == 0, status.stderr
         broker = json.loads(status.stdout)["broker"]
         assert broker["state"] == "running"
@@ -61,12 +50,12 @@ def test_up_twice_status_down(tmp_path: Path):
         assert broker["bootstrap_servers"] == f"localhost:{port}"
         assert Path(broker["log"]).is_file()
     finally:
-        down = _duality(env, "down", "--json")
+        down = run_duality(env, "down", "--json")
     assert down.returncode == 0, down.stderr
     assert [node["pid"] for node in json.loads(down.stdout)["brokers"]] == [started["pid"]]
     assert _kafka_processes(str(tmp_path)) == []
 
-    stopped = _duality(env, "status", "--json")
+    stopped = run_duality(env, "status", "--json")
     assert stopped.returncode == 1  # the broker the settings name does not answer
     after = json.loads(stopped.stdout)["broker"]
     assert after["state"] == "stopped"

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +24,7 @@ from duality.airflow_api import AirflowClient
 from duality.config import Settings
 from duality.local import AIRFLOW_COMPONENTS, _port_in_use, free_port, local_spark
 from duality.spec import find_spec
-from tests.harness import ROOT, assert_eventually
+from tests.harness import ROOT, assert_eventually, run_duality
 from tests.integration.test_sasl import PASSWORD, USER, _leaks
 from tests.integration.test_stream import _verify
 from tests.stack import Stack, stack_env
@@ -39,13 +38,7 @@ OUTPUTS: list[str] = []
 
 
 def _duality(env: dict[str, str], *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    done = subprocess.run(
-        [sys.executable, "-m", "duality.cli", *args, "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    done = run_duality(env, *args, "--json", timeout=timeout)
     OUTPUTS.extend((done.stdout, done.stderr))
     return done
 

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import psutil
 
 from duality import kafka
 from duality.config import Settings
-from tests.harness import make_pipeline
+from tests.harness import make_pipeline, run_duality
 
 
 def _kafka_env(settings: Settings, pipelines: Path) -> dict[str, str]:
@@ -26,13 +24,7 @@ def _kafka_env(settings: Settings, pipelines: Path) -> dict[str, str]:
 
 
 def _duality(env: dict[str, str], *args: str, timeout: float = 240) -> dict:
-    result = subprocess.run(
-        [sys.executable, "-m", "duality.cli", *args, "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    result = run_duality(env, *args, "--json", timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout)
 
