@@ -250,6 +250,13 @@ class Settings:
         """The same connection as options of Spark's Kafka source and sink (Java client names)."""
         return {f"kafka.{key}": value for key, value in self.java_client_config().items()}
 
+    def spark_kafka_source_options(self) -> dict[str, str]:
+        """`spark_kafka_options` for reading: a task's consumer that reaches the end of a
+        partition is answered within 10 ms instead of the broker holding its fetch for Kafka's
+        default 500 ms, which a micro-batch or a read to the end paid once per partition wave
+        (docs/decisions/0018-stream-latency.md)."""
+        return {**self.spark_kafka_options(), "kafka.fetch.max.wait.ms": "10"}
+
 
 def jaas_quote(value: str) -> str:
     """`value` as a quoted JAAS option value. Kafka reads `sasl.jaas.config` with Java's

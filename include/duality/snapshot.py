@@ -201,7 +201,7 @@ def _read_changelog(
     ending = {str(p): end[p] for p in wanted}
     return (
         spark.read.format("kafka")
-        .options(**settings.spark_kafka_options())
+        .options(**settings.spark_kafka_source_options())
         .option("assign", json.dumps({topic: wanted}))
         .option("startingOffsets", json.dumps({topic: starting}))
         .option("endingOffsets", json.dumps({topic: ending}))

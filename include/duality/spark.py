@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import sys
 import tempfile
 import time
@@ -93,6 +94,18 @@ def _master_hosts(master: str) -> list[str]:
     return [address.rpartition(":")[0].strip("[]") for address in addresses]
 
 
+def local_cores(master: str) -> int:
+    """The cores of a `local`, `local[N]` or `local[*]` master (`local[N, retries]` too)."""
+    match = re.fullmatch(r"local(?:\[(\*|\d+)(?:\s*,\s*\d+)?\])?", master.strip())
+    if match is None:
+        raise UsageError(
+            f"DUALITY_SPARK_MASTER={master!r} is not a local master: use local, local[N] or "
+            "local[*], or spark://host:port"
+        )
+    cores = match.group(1) or "1"
+    return os.cpu_count() or 1 if cores == "*" else max(1, int(cores))
+
+
 def session_config(settings: Settings, app_name: str) -> dict[str, str]:
     """Every setting the builder applies; also what the compose stack's jobs are given."""
     local = settings.spark_master.startswith("local")
@@ -118,10 +131,14 @@ def session_config(settings: Settings, app_name: str) -> dict[str, str]:
         "spark.sql.shuffle.partitions": "4",
     }
     if local:
-        # Modest defaults for a laptop-sized local mode: few partitions, no UI port.
+        # In local mode one partition per core: each partition of a micro-batch costs a task and
+        # a state store commit, and more partitions than cores only queue
+        # (docs/decisions/0018-stream-latency.md).
+        cores = str(local_cores(settings.spark_master))
         config.update(
             {
-                "spark.default.parallelism": "4",
+                "spark.sql.shuffle.partitions": cores,
+                "spark.default.parallelism": cores,
                 "spark.ui.enabled": "false",
                 "spark.sql.adaptive.enabled": "true",
                 # Delta rebuilds a table's state from its log in this many tasks (default 50).

@@ -414,7 +414,7 @@ def write_seed(
     shutil.rmtree(folder, ignore_errors=True)
     raw = (
         spark.read.format("kafka")
-        .options(**settings.spark_kafka_options())
+        .options(**settings.spark_kafka_source_options())
         .option("subscribe", spec.changelog_topic)
         .option("startingOffsets", "earliest")
         .option("endingOffsets", "latest")

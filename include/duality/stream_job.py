@@ -272,7 +272,7 @@ class StreamDriver:
         spark.streams.addListener(listener)
         source = (
             spark.readStream.format("kafka")
-            .options(**settings.spark_kafka_options())
+            .options(**settings.spark_kafka_source_options())
             .option("subscribe", spec.source.topic)
             .option("startingOffsets", writer.starting_offsets())
             .option("maxOffsetsPerTrigger", str(self.max_offsets_per_trigger))

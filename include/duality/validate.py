@@ -219,7 +219,7 @@ def recompute(
         return spark.createDataFrame([], empty_schema)
     raw = (
         spark.read.format("kafka")
-        .options(**settings.spark_kafka_options())
+        .options(**settings.spark_kafka_source_options())
         .option("assign", json.dumps({topic: sorted(wanted)}))
         .option("startingOffsets", json.dumps({topic: {str(p): -2 for p in wanted}}))
         .option("endingOffsets", json.dumps({topic: {str(p): o for p, o in wanted.items()}}))

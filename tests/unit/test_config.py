@@ -45,6 +45,9 @@ def test_environment_overrides(tmp_path: Path):
     assert options["kafka.bootstrap.servers"] == "k1:9092,k2:9092"
     assert "PlainLoginModule" in options["kafka.sasl.jaas.config"]
     assert 'username="me"' in options["kafka.sasl.jaas.config"]
+    # Spark's reads: the same connection, and a consumer at a partition's end is not held 500 ms.
+    reading = settings.spark_kafka_source_options()
+    assert reading == {**options, "kafka.fetch.max.wait.ms": "10"}
 
 
 @pytest.mark.parametrize(

@@ -94,6 +94,24 @@ def test_a_cluster_session_ships_duality_as_a_zip(tmp_path: Path):
     assert "spark.submit.pyFiles" not in local
 
 
+@pytest.mark.parametrize(
+    ("master", "partitions"),
+    [("local", "1"), ("local[2]", "2"), ("local[3, 4]", "3"), ("spark://127.0.0.1:7077", "4")],
+)
+def test_one_partition_per_local_core(master: str, partitions: str, tmp_path: Path):
+    # Each partition of a micro-batch is a task and a state store commit: in local mode no more
+    # of them than cores; a cluster's streams keep 4 state partitions to spread over workers.
+    config = session_config(
+        Settings.from_env().replace(spark_master=master, local_dir=tmp_path), "app"
+    )
+    assert config["spark.sql.shuffle.partitions"] == partitions
+
+
+def test_a_bad_local_master_names_the_fix():
+    with pytest.raises(UsageError, match=r"local\[N\]"):
+        session_config(Settings.from_env().replace(spark_master="local[two]"), "app")
+
+
 def test_missing_jar_cache_names_the_fix(tmp_path: Path):
     settings = Settings.from_env().replace(jar_cache=tmp_path)
     with pytest.raises(UsageError, match="make setup"):
