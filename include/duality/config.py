@@ -58,6 +58,9 @@ class Settings:
     controller_port: int = 9093
     spark_master: str = "local[2]"
     spark_driver_memory: str = "2g"
+    # A stream's driver holds no keys (they are in RocksDB, off the heap) and only a micro-batch's
+    # output, so its heap is kept small: the JVM grows to whatever heap it is allowed.
+    stream_driver_memory: str = "1g"
     # Cores one application takes on a Spark cluster (`spark.cores.max`); unset, all free ones,
     # which leaves none for a batch job beside a stream.
     spark_cores_max: int | None = None
@@ -344,7 +347,10 @@ def describe() -> list[tuple[str, str, str]]:
         "when the replication factor is 3 or more, else 1)",
         "controller_port": "KRaft controller port of the dev broker started by `duality up`",
         "spark_master": "Spark master URL (`local[N]`, `spark://host:7077`)",
-        "spark_driver_memory": "memory of the Spark driver",
+        "spark_driver_memory": "memory of the Spark driver of batch jobs (snapshot, validate, "
+        "repartition, reset)",
+        "stream_driver_memory": "memory of a stream's Spark driver (its state is in RocksDB, off "
+        "this heap)",
         "spark_cores_max": "cores each application may take on a Spark cluster (unset: all free "
         "ones; `duality up --spark-workers N` sets N, so streams and batch jobs fit side by side)",
         "warehouse": "folder of Delta tables",

@@ -120,7 +120,7 @@ def session_config(settings: Settings, app_name: str) -> dict[str, str]:
         # All RocksDB instances of an executor share one memory budget (block cache and
         # memtables), so the state's memory does not grow with its keys; the rest is on disk.
         "spark.sql.streaming.stateStore.rocksdb.boundedMemoryUsage": "true",
-        "spark.sql.streaming.stateStore.rocksdb.maxMemoryUsageMB": "256",
+        "spark.sql.streaming.stateStore.rocksdb.maxMemoryUsageMB": "128",
         "spark.sql.warehouse.dir": str(settings.warehouse),
         "spark.sql.session.timeZone": "UTC",
         "spark.driver.memory": settings.spark_driver_memory,

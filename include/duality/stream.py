@@ -22,9 +22,9 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from duality import changelog, kafka
 from duality.config import Settings
@@ -532,7 +532,6 @@ class BatchResult:
     updated_keys: int
     replayed: bool = False  # its offsets were committed already: a replay, or no new records
     seconds: float = 0.0  # the whole batch in the driver
-    spark_s: float = 0.0  # Spark: read, classify, aggregate, state store, fetch the output
 
 
 class ChangelogWriter:
@@ -550,6 +549,9 @@ class ChangelogWriter:
             f"duality-{spec.name}",
             transaction_timeout_ms=300_000,
             queue_buffering_max_messages=1_000_000,
+            # A micro-batch's records wait for room rather than all sit in the producer's queue
+            # (1 GB by default): the driver's memory does not follow the keys a batch changes.
+            queue_buffering_max_kbytes=32_768,
             linger_ms=20,
             message_max_bytes=self.dead_letter_limit + _DEAD_LETTER_MARGIN,
         )
@@ -588,11 +590,8 @@ class ChangelogWriter:
         if self.spec.window is not None:
             # Spark drops a windowed row whose window ended at or before the batch's watermark.
             wanted = wanted | (F.col("_window_end") <= F.lit(planned.watermark_ms))
-        output = batch.where(wanted).toArrow()
-        spark_s = time.perf_counter() - started
-        result = self._commit(_rows(output), batch_id, planned)
+        result = self._commit(_rows(batch.where(wanted)), batch_id, planned)
         result.records = records
-        result.spark_s = round(spark_s, 2)
         result.seconds = round(time.perf_counter() - started, 2)
         return result
 
@@ -667,7 +666,32 @@ def _bytes(value: Any) -> bytes | None:
     return None if value is None else bytes(value)
 
 
-def _rows(table: Any) -> Iterable[dict[str, Any]]:
-    """The rows of a micro-batch's output (a pyarrow Table), a chunk at a time."""
-    for chunk in table.to_batches(max_chunksize=10_000):
-        yield from chunk.to_pylist()
+def _rows(output: DataFrame) -> Iterator[dict[str, Any]]:
+    """The rows of a micro-batch's output, one Arrow batch at a time as Spark sends them.
+
+    `toArrow()` reads the same stream of Arrow batches but keeps them all, and the rows' order,
+    for one table; a micro-batch's output has each key once, so its order does not matter, and
+    the driver then holds one Arrow batch (`spark.sql.execution.arrow.maxRecordsPerBatch` rows)
+    however many keys the micro-batch changed. The calls are PySpark's own, of the pinned
+    version, that `toArrow()` makes.
+    """
+    import pyarrow as pa
+    from pyspark.errors.exceptions.captured import unwrap_spark_exception
+    from pyspark.sql.pandas.serializers import ArrowCollectSerializer
+    from pyspark.util import _load_from_socket
+
+    port, secret, server = output._jdf.collectAsArrowToPython()
+    stream = cast(Generator[Any], _load_from_socket((port, secret), ArrowCollectSerializer()))
+    finished = False
+    try:
+        for item in stream:
+            # The last item is the batches' order: not needed.
+            if isinstance(item, pa.RecordBatch):
+                yield from item.to_pylist()
+        finished = True
+    finally:
+        stream.close()
+        if finished:
+            # The JVM's error, if the job failed after sending what it had.
+            with unwrap_spark_exception():
+                server.getResult()

@@ -209,7 +209,14 @@ class StreamDriver:
         # The lock is the supervisor's (supervise()); this process runs one driver.
         kafka.ensure_reachable(settings)
         ensure_topics(settings, spec)
-        spark = session(settings, f"duality-stream-{spec.name}")
+        # glibc gives each thread that allocates its own malloc arena; RocksDB's and the JVM's
+        # native allocations from many threads then keep growing the JVM's resident memory.
+        os.environ.setdefault("MALLOC_ARENA_MAX", "2")
+        spark = session(
+            settings,
+            f"duality-stream-{spec.name}",
+            {"spark.driver.memory": settings.stream_driver_memory},
+        )
         heartbeat = status.Heartbeat(settings, spec.name)
         backoff = 1.0
         try:
