@@ -209,9 +209,10 @@ def main(argv: list[str] | None = None) -> int:
             trigger_seconds=args.trigger_seconds,
         )
         copy_figure = next(f for f in figures if f.scenario == "python-copy")
+        spark_figure = next(f for f in streams if f.scenario == "spark-aggregation")
         for figure in streams:
             if figure.scenario == "stream-throughput" and isinstance(figure, StreamFigure):
-                set_throughput_target(figure, copy_figure)
+                set_throughput_target(figure, copy_figure, spark_figure)
         figures.extend(streams)
         figures.extend(repartitioned)
 
@@ -243,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             "latency_seconds": args.latency_seconds,
             "trigger_seconds": args.trigger_seconds,
         },
-        "baselines": ["kafka-consumer-perf", "python-copy"],
+        "baselines": ["kafka-consumer-perf", "python-copy", "spark-aggregation"],
         "scenarios": [figure.as_dict() for figure in figures],
     }
     args.out.mkdir(parents=True, exist_ok=True)

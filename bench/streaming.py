@@ -5,6 +5,8 @@ a process group of its own, stopped with SIGTERM) and is observed only from outs
 committed offsets of its consumer group `duality-<pipeline>` on the source, its heartbeats on
 `_duality-status`, its changelog topic, and the memory of its process tree.
 
+- `spark-aggregation` (a baseline): Spark's own streaming aggregation of the same backlog
+  (bench/spark_aggregation.py), in a process and JVM of its own like the stream.
 - `stream-throughput`: the stream consuming the baselines' backlog (1M events over 100k keys by
   default), from the query's start (its first `running` heartbeat) until the committed offsets
   cover the whole backlog; compared with `python-copy` (target: at least 0.8x).
@@ -59,6 +61,7 @@ from duality.spec import SQL_TYPES, PipelineSpec, parse_spec
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "include" / "pipelines" / "product_sales.yaml"
 JOB = ROOT / "jobs" / "stream_aggregate.py"
+SPARK_AGGREGATION = Path(__file__).resolve().parent / "spark_aggregation.py"
 PARTITIONS = 6
 
 MAX_OFFSETS_PER_TRIGGER = 500_000
@@ -186,14 +189,61 @@ class StateScaleFigure(StreamFigure):
         return rows
 
 
-def set_throughput_target(figure: StreamFigure, python_copy: Figure) -> None:
-    """`stream-throughput` against `python-copy` on the same topic in the same run."""
+def set_throughput_target(
+    figure: StreamFigure, python_copy: Figure, spark_aggregation: Figure
+) -> None:
+    """`stream-throughput` against `python-copy` on the same topic in the same run, and beside
+    `spark-aggregation` (Spark's own streaming aggregation of the same backlog)."""
     ratio = figure.records_per_s / python_copy.records_per_s if python_copy.records_per_s else 0.0
+    spark = spark_aggregation.records_per_s
+    versus_spark = figure.records_per_s / spark if spark else 0.0
     figure.details["vs_python_copy"] = round(ratio, 3)
+    figure.details["vs_spark_aggregation"] = round(versus_spark, 3)
     figure.targets = [
         target(f"records/s >= {THROUGHPUT_TARGET}x python-copy", ratio, ratio >= THROUGHPUT_TARGET)
     ]
-    figure.note = f"{ratio:.2f}x python-copy (target {THROUGHPUT_TARGET}x)"
+    figure.note = (
+        f"{ratio:.2f}x python-copy (target {THROUGHPUT_TARGET}x), {versus_spark:.2f}x "
+        "spark-aggregation"
+    )
+
+
+def spark_aggregation(bench: Bench, spec: PipelineSpec, megabytes: float) -> Figure:
+    """`spark-aggregation`: bench/spark_aggregation.py over the stream's backlog, in a process
+    (a new JVM) of its own like the stream, timed from its query's start to its end."""
+    settings = bench.settings
+    target_topic = f"{spec.source.topic}-spark-aggregation"
+    kafka.create_topic(settings, target_topic, PARTITIONS)
+    records = sum(kafka.end_offsets(settings, spec.source.topic).values())
+    log = bench.logs / "spark-aggregation.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable,
+        str(SPARK_AGGREGATION),
+        str(bench.pipelines / f"{spec.name}.yaml"),
+        target_topic,
+        str(bench.pipelines.parent / "spark-aggregation-checkpoint"),
+        str(MAX_OFFSETS_PER_TRIGGER),
+    ]
+    env = {**os.environ, **settings.as_env()}
+    with open(log, "ab") as errors:
+        process = subprocess.Popen(
+            command, env=env, stdout=subprocess.PIPE, stderr=errors, start_new_session=True
+        )
+        try:
+            output, _ = process.communicate(timeout=backlog_timeout(records))
+        finally:
+            # The JVM is in the process's group: nothing of it outlives the baseline.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    if process.returncode != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+        raise RuntimeError(f"spark-aggregation exited with {process.returncode}:\n{tail}")
+    result = json.loads(output.decode().strip().splitlines()[-1])
+    if result["records"] != records:
+        raise RuntimeError(f"spark-aggregation read {result['records']:,} of {records:,} records")
+    return Figure("spark-aggregation", result["records"], result["seconds"], megabytes)
 
 
 # -- driving the stream as a black box --------------------------------------------------------
@@ -1014,6 +1064,8 @@ def stream_scenarios(
     settings, progress = bench.settings, bench.progress
 
     spec = bench_spec(f"bench_sales_{bench.stamp}", source, bench.pipelines)
+    progress.console.print("Spark's own streaming aggregation of the backlog (baseline)")
+    baseline = spark_aggregation(bench, spec, megabytes)
     progress.console.print(f"stream over the backlog: {records:,} records, {keys:,} keys")
     small = state_scale_point(
         bench, spec, keys, megabytes, order_events(RESTART_EVENTS, keys, seed=13), distinct_keys
@@ -1047,7 +1099,11 @@ def stream_scenarios(
         large_megabytes,
         unique_events(RESTART_EVENTS, "u", seed=14),
     )
-    figures: list[Figure] = [throughput, state_scale_figure(small, large)]
+    figures: list[Figure] = [
+        baseline,
+        throughput,
+        state_scale_figure(small, large),
+    ]
 
     progress.console.print(f"restore from the changelog versus recompute: {records:,} keys")
     figures.extend(restore_versus_recompute(bench, records))

@@ -38,6 +38,7 @@ def test_bench_writes_baselines(settings: Settings, tmp_path: Path):
     assert set(figures) == {
         "kafka-consumer-perf",
         "python-copy",
+        "spark-aggregation",
         "stream-throughput",
         "state-scale",
         "restore-from-changelog",
@@ -52,7 +53,7 @@ def test_bench_writes_baselines(settings: Settings, tmp_path: Path):
         "validate-3x",
         "latency",
     }
-    for name in ("kafka-consumer-perf", "python-copy", "stream-throughput"):
+    for name in ("kafka-consumer-perf", "python-copy", "spark-aggregation", "stream-throughput"):
         assert figures[name]["records"] == 20000
         assert figures[name]["records_per_s"] > 0 and figures[name]["mb_per_s"] > 0
     _check_stream_scenarios(figures)
@@ -89,7 +90,7 @@ def _targets(figure: dict) -> list[dict]:
 
 def _check_stream_scenarios(figures: dict) -> None:
     throughput = figures["stream-throughput"]
-    assert throughput["vs_python_copy"] > 0
+    assert throughput["vs_python_copy"] > 0 and throughput["vs_spark_aggregation"] > 0
     assert "python-copy" in _targets(throughput)[0]["target"]
 
     # 500 keys (the throughput run) and 20 times as many, one event each.
