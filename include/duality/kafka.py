@@ -590,7 +590,6 @@ def partition_count(settings: Settings, topic: str) -> int:
 def _list_offsets(
     settings: Settings, topic: str, spec: OffsetSpec, isolation: Isolation
 ) -> dict[int, int]:
-    request = {TopicPartition(topic, p): spec for p in range(partition_count(settings, topic))}
     level = (
         IsolationLevel.READ_COMMITTED
         if isolation == "read_committed"
@@ -598,6 +597,9 @@ def _list_offsets(
     )
 
     def ask() -> dict[int, int]:
+        # Each attempt reads the topic's metadata again, so the request goes to the partitions'
+        # current leaders: after a broker dies, the one the controller elected in its place.
+        request = {TopicPartition(topic, p): spec for p in range(partition_count(settings, topic))}
         futures = admin(settings).list_offsets(
             request, isolation_level=level, request_timeout=settings.connect_timeout_s
         )
