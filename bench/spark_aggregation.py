@@ -2,8 +2,8 @@
 
 Run as a process of its own, as the stream is (a new JVM each time), with duality's Spark
 session (RocksDB state store, the same partitions and driver memory as a stream): one
-`from_json`, `groupBy(key).agg()` in Update mode, each changed row written as JSON by Spark's
-Kafka sink, micro-batches of at most `--max-offsets-per-trigger` records until the topic's
+`from_json`, `groupBy(key).agg()` in Update mode (`spec_table`), each changed row written as
+JSON by Spark's Kafka sink, micro-batches of at most MAX_OFFSETS records until the topic's
 backlog is consumed. It classifies nothing, dead-letters nothing and writes no transaction:
 what the stream costs beyond it is what duality adds. Prints one JSON line: the records read and
 the seconds from the query's start to its end.
@@ -17,10 +17,32 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from duality.config import Settings
 from duality.spark import session
-from duality.spec import SQL_TYPES, load_spec
+from duality.spec import SQL_TYPES, PipelineSpec, load_spec
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+
+def spec_table(spec: PipelineSpec, raw: DataFrame) -> DataFrame:
+    """The spec's aggregates per key computed by Spark alone from raw Kafka rows: one
+    `from_json`, records missing a field the pipeline uses left out, `groupBy().agg()`. Also
+    what `recompute-from-source` runs as a batch."""
+    from pyspark.sql import functions as F
+
+    ddl = ", ".join(f"`{name}` {SQL_TYPES[kind]}" for name, kind in spec.source.fields.items())
+    events = raw.select(F.from_json(F.col("value").cast("string"), ddl).alias("e")).select("e.*")
+    for name in [*spec.source.key, *(a.field for a in spec.aggregates.values() if a.field)]:
+        events = events.where(F.col(name).isNotNull())
+    functions = {"sum": F.sum, "min": F.min, "max": F.max, "avg": F.avg}
+    columns = [
+        (F.count(F.lit(1)) if a.function == "count" else functions[a.function](a.field)).alias(c)
+        for c, a in spec.aggregates.items()
+    ]
+    return events.groupBy(*spec.source.key).agg(*columns)
 
 
 def main(spec_file: str, target: str, checkpoint: str, max_offsets: str) -> int:
@@ -33,13 +55,7 @@ def main(spec_file: str, target: str, checkpoint: str, max_offsets: str) -> int:
         "duality-bench-spark-aggregation",
         {"spark.driver.memory": settings.stream_driver_memory},
     )
-    ddl = ", ".join(f"`{name}` {SQL_TYPES[kind]}" for name, kind in spec.source.fields.items())
-    functions = {"count": F.count, "sum": F.sum, "min": F.min, "max": F.max, "avg": F.avg}
-    columns = [
-        (F.count(F.lit(1)) if a.function == "count" else functions[a.function](a.field)).alias(c)
-        for c, a in spec.aggregates.items()
-    ]
-    events = (
+    raw = (
         spark.readStream.format("kafka")
         .options(**settings.spark_kafka_source_options())
         .option("subscribe", spec.source.topic)
@@ -47,13 +63,11 @@ def main(spec_file: str, target: str, checkpoint: str, max_offsets: str) -> int:
         .option("maxOffsetsPerTrigger", max_offsets)
         .option("kafka.isolation.level", "read_committed")
         .load()
-        .select(F.from_json(F.col("value").cast("string"), ddl).alias("e"))
-        .select("e.*")
     )
-    table = events.groupBy(*spec.source.key).agg(*columns)
-    key = F.col(spec.source.key[0]).cast("string") if len(spec.source.key) == 1 else None
-    if key is None:
-        key = F.to_json(F.array(*[F.col(k).cast("string") for k in spec.source.key]))
+    table = spec_table(spec, raw)
+    key = F.to_json(F.array(*[F.col(k).cast("string") for k in spec.source.key]))
+    if len(spec.source.key) == 1:
+        key = F.col(spec.source.key[0]).cast("string")
     output = table.select(key.alias("key"), F.to_json(F.struct(*table.columns)).alias("value"))
     started = time.perf_counter()
     query = (

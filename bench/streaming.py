@@ -52,11 +52,12 @@ import psutil
 import yaml
 from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 from rich.progress import Progress, TaskID
+from spark_aggregation import spec_table
 
 from baselines import Figure, order_events, preload, unique_events
 from duality import kafka, status
 from duality.config import Settings
-from duality.spec import SQL_TYPES, PipelineSpec, parse_spec
+from duality.spec import PipelineSpec, parse_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "include" / "pipelines" / "product_sales.yaml"
@@ -783,8 +784,7 @@ def recompute_from_source(settings: Settings, spec: PipelineSpec) -> tuple[int, 
 
     spark = session(settings, "duality-bench")
     started = time.perf_counter()
-    ddl = ", ".join(f"`{name}` {SQL_TYPES[kind]}" for name, kind in spec.source.fields.items())
-    events = (
+    raw = (
         spark.read.format("kafka")
         .options(**settings.spark_kafka_source_options())
         .option("subscribe", spec.source.topic)
@@ -792,18 +792,8 @@ def recompute_from_source(settings: Settings, spec: PipelineSpec) -> tuple[int, 
         .option("endingOffsets", "latest")
         .option("kafka.isolation.level", "read_committed")
         .load()
-        .select(F.from_json(F.col("value").cast("string"), ddl).alias("e"))
-        .select("e.*")
     )
-    valid = events
-    for name in [*spec.source.key, *(a.field for a in spec.aggregates.values() if a.field)]:
-        valid = valid.where(F.col(name).isNotNull())
-    functions = {"sum": F.sum, "min": F.min, "max": F.max, "avg": F.avg}
-    columns = [
-        (F.count(F.lit(1)) if a.function == "count" else functions[a.function](a.field)).alias(c)
-        for c, a in spec.aggregates.items()
-    ]
-    table = valid.groupBy(*spec.source.key).agg(*columns)
+    table = spec_table(spec, raw)
     # Writing to `noop` computes every column (a count() alone would prune the aggregates).
     observation = Observation("recompute")
     table.observe(observation, F.count(F.lit(1)).alias("rows")).write.format("noop").mode(

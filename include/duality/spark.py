@@ -103,7 +103,9 @@ def local_cores(master: str) -> int:
             "local[*], or spark://host:port"
         )
     cores = match.group(1) or "1"
-    return os.cpu_count() or 1 if cores == "*" else max(1, int(cores))
+    if cores == "*":
+        return os.cpu_count() or 1
+    return max(1, int(cores))
 
 
 def session_config(settings: Settings, app_name: str) -> dict[str, str]:
