@@ -40,6 +40,7 @@ CHANGED = 0.01
 INCREMENTAL_RATIO = 0.25
 NOTHING_NEW_SECONDS = 3.0
 VALIDATE_SECONDS_PER_MILLION = 5.0
+WARM_UP_MERGES = 3
 
 
 def _target(description: str, value: float, met: bool) -> dict[str, Any]:
@@ -122,7 +123,8 @@ def snapshot_scenarios(
 
     spark = session(settings, "duality-bench-snapshots")
     rng = random.Random(12)
-    _warm_up(settings, bench_spec(f"{spec.name}_warmup", spec.source.topic), spark, rng)
+    warm_up = bench_spec(f"{spec.name}_warmup", spec.source.topic)
+    _warm_up(settings, warm_up, spark, rng, max(1_000, keys // 10))
     kafka.create_topic(
         settings, spec.changelog_topic, 6, config={"cleanup.policy": "compact"}, exist_ok=True
     )
@@ -163,20 +165,24 @@ def snapshot_scenarios(
     return list(figures)
 
 
-def _warm_up(settings: Settings, spec: PipelineSpec, spark: Any, rng: random.Random) -> None:
-    """A full run and an incremental one on a table of 1,000 keys, so that both kinds of timed
-    run are measured warm: the JVM's one-time costs of its first Delta write and first MERGE
-    (class loading, code generation: a few seconds each) would otherwise fall on whichever kind
-    runs first in the process."""
+def _warm_up(
+    settings: Settings, spec: PipelineSpec, spark: Any, rng: random.Random, keys: int
+) -> None:
+    """A full run, then incremental ones, on a table of `keys` keys (a tenth of the timed
+    table's), so that both kinds of timed run are measured warm: the JVM's one-time costs of its
+    first Delta writes and MERGEs (class loading, code generation, compiling the hot loops: a
+    few seconds) would otherwise fall on whichever kind runs first in the process."""
     kafka.create_topic(settings, spec.changelog_topic, 6, config={"cleanup.policy": "compact"})
-    products = [f"w{i:04d}" for i in range(1_000)]
+    products = [f"w{i:07d}" for i in range(keys)]
     write_changelog(settings, spec, {p: _row(rng) for p in products})
     snapshot.build(settings, spec, "full", spark=spark)
-    write_changelog(
-        settings, spec, {p: None if i % 10 == 9 else _row(rng) for i, p in enumerate(products[:10])}
-    )
-    result = snapshot.build(settings, spec, "incremental", spark=spark)
-    assert result.mode == "incremental", result.fallback_reason
+    for _ in range(WARM_UP_MERGES):
+        changed = rng.sample(products, max(1, int(keys * CHANGED)))
+        write_changelog(
+            settings, spec, {p: None if i % 10 == 9 else _row(rng) for i, p in enumerate(changed)}
+        )
+        result = snapshot.build(settings, spec, "incremental", spark=spark)
+        assert result.mode == "incremental", result.fallback_reason
 
 
 def _changelog_truth(settings: Settings, spec: PipelineSpec) -> dict[str, tuple[Any, ...]]:

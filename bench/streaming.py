@@ -58,6 +58,7 @@ from baselines import Figure, order_events, preload, unique_events
 from duality import kafka, status
 from duality.config import Settings
 from duality.spec import PipelineSpec, parse_spec
+from duality.stream_job import MAX_OFFSETS_PER_TRIGGER
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "include" / "pipelines" / "product_sales.yaml"
@@ -65,7 +66,6 @@ JOB = ROOT / "jobs" / "stream_aggregate.py"
 SPARK_AGGREGATION = Path(__file__).resolve().parent / "spark_aggregation.py"
 PARTITIONS = 6
 
-MAX_OFFSETS_PER_TRIGGER = 500_000
 # The larger state of `state-scale` has this many times the baselines' keys (2M by default).
 STATE_SCALE_FACTOR = 20
 RESTART_EVENTS = 1_000

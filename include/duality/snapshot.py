@@ -484,8 +484,9 @@ def build(
         )
         keys_read = changes.num_rows
         records_read = sum(changes.column("_records").to_pylist())
-        source = _changelog_rows(spec, spark.createDataFrame(changes))
-        _merge(spark, spec, path, source, metadata, materialize=False)
+        # Typed once here: the MERGE then reads a plain local relation in each of its passes.
+        typed = _changelog_rows(spec, spark.createDataFrame(changes)).toArrow()
+        _merge(spark, spec, path, spark.createDataFrame(typed), metadata, local=True)
     else:
         raw = _read_changelog(spark, settings, spec.changelog_topic, start, coverage.changelog)
         latest = _latest_per_key(raw).persist()
@@ -584,19 +585,24 @@ def _merge(
     rows: DataFrame,
     metadata: dict[str, Any],
     *,
-    materialize: bool = True,
+    local: bool = False,
 ) -> None:
-    """The changed keys' rows updated, inserted or deleted, in one commit. Delta materializes
-    a source that could change between the MERGE's two passes over it; a local relation
-    (`materialize=False`) cannot."""
+    """The changed keys' rows updated, inserted or deleted, in one commit.
+
+    Delta materializes a source that could change between the MERGE's passes over it; a local
+    relation (`local=True`) cannot, and its MERGE runs without adaptive execution, which would
+    plan each of the MERGE's stages as a Spark job of its own for nothing to adapt to."""
     from delta.tables import DeltaTable
 
     columns = list(column_types(spec))
     on = " AND ".join(f"t.`{c}` = s.`{c}`" for c in spec.key_columns)
     values: dict[str, str | Column] = {f"`{c}`": f"s.`{c}`" for c in columns}
     changed = {k: v for k, v in values.items() if k.strip("`") not in spec.key_columns}
-    local = {} if materialize else {"spark.databricks.delta.merge.materializeSource": "none"}
-    with session_conf(spark, local), commit_metadata(spark, metadata):
+    small = {
+        "spark.databricks.delta.merge.materializeSource": "none",
+        "spark.sql.adaptive.enabled": "false",
+    }
+    with session_conf(spark, small if local else {}), commit_metadata(spark, metadata):
         (
             DeltaTable.forPath(spark, str(path))
             .alias("t")

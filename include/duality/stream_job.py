@@ -30,7 +30,9 @@ from duality.spec import PipelineSpec
 
 log = logging.getLogger("duality.stream")
 
-MAX_OFFSETS_PER_TRIGGER = 500_000
+# Each micro-batch has a fixed cost (planning, a task and a state store commit per partition, the
+# transaction): a backlog is read in few large ones (docs/decisions/0019-micro-batch-size.md).
+MAX_OFFSETS_PER_TRIGGER = 1_000_000
 # A micro-batch running longer than this is taken as stalled (a lost broker connection that
 # never recovers): the query is stopped and restarted from the changelog.
 STALL_TIMEOUT_S = 300.0
