@@ -30,13 +30,14 @@ from duality.spec import PipelineSpec
 
 log = logging.getLogger("duality.stream")
 
-# Each micro-batch has a fixed cost (planning, a task and a state store commit per partition, the
-# transaction): a backlog is read in few large ones (docs/decisions/0019-micro-batch-size.md).
-MAX_OFFSETS_PER_TRIGGER = 1_000_000
+MAX_OFFSETS_PER_TRIGGER = 500_000
 # A micro-batch running longer than this is taken as stalled (a lost broker connection that
 # never recovers): the query is stopped and restarted from the changelog.
 STALL_TIMEOUT_S = 300.0
 STALLED_EXIT = 75
+# The driver's JVM is gone (killed, or ended by an OutOfMemoryError): no query can run in this
+# process again, so it exits and the supervisor starts a driver with a new JVM.
+JVM_EXITED = 76
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,6 +235,9 @@ class StreamDriver:
                     if refused is not None:
                         heartbeat.publish("failed", error=str(refused))
                         raise refused from None
+                    jvm_code = _jvm_exit_code(spark)
+                    if jvm_code is not None:
+                        self._end_for_new_jvm(heartbeat, jvm_code)
                     log.warning(
                         "%s: stream failed (%s); restarting in %.0fs",
                         spec.name,
@@ -347,6 +351,21 @@ class StreamDriver:
         heartbeat.close()
         logging.shutdown()
         os._exit(STALLED_EXIT)
+
+    def _end_for_new_jvm(self, heartbeat: status.Heartbeat, code: int) -> None:
+        message = f"the driver's JVM exited with {code}"
+        log.error("%s: %s; exiting for a driver with a new one", self.spec.name, message)
+        heartbeat.publish("restarting", error=message)
+        heartbeat.close()
+        logging.shutdown()
+        # Not a return: PySpark's exit handlers would wait on the JVM that is gone.
+        os._exit(JVM_EXITED)
+
+
+def _jvm_exit_code(spark: Any) -> int | None:
+    """The exit code of the JVM this process launched for `spark`, None while it runs."""
+    process = getattr(spark.sparkContext._gateway, "proc", None)
+    return process.poll() if process is not None else None
 
 
 def _short(error: BaseException) -> str:

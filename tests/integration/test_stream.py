@@ -12,9 +12,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import psutil
 import pytest
 
-from duality import changelog, kafka, status, workload
+from duality import changelog, kafka, status, stream_job, workload
 from duality.config import Settings
 from duality.local import LocalBroker, ephemeral_broker
 from tests import truth
@@ -144,6 +145,34 @@ def test_sigkill_at_three_moments(settings: Settings, pipelines: Path, tmp_path:
     assert set(re.findall(r"restored (\d+) keys", log)) == {"0"}, log[-3000:]
     assert log.count("resuming from the checkpoint") >= 2
     _verify(settings, spec, EVENTS + 5_000)
+
+
+def test_driver_replaced_when_its_jvm_dies(settings: Settings, pipelines: Path, tmp_path: Path):
+    """A JVM that dies under its driver (SIGKILL here; an OutOfMemoryError ends it too) is no
+    query failure the driver can retry in its process: it exits, the supervisor starts a driver
+    with a new JVM, and the changelog stays exact."""
+    spec = make_pipeline(settings, pipelines, "product_sales")
+    kafka.create_topic(settings, spec.source.topic, 4)
+    workload.produce(settings, spec, events=4_000, keys=KEYS, bad_fraction=0.06, seed=21)
+    stream = StreamProcess(
+        settings, spec, pipelines, tmp_path / "stream.log", max_offsets_per_trigger=1_000
+    )
+    try:
+        stream.start()
+        assert_eventually(lambda: stream.covered() >= 1_000, timeout=180)
+        assert stream.process is not None
+        tree = psutil.Process(stream.process.pid).children(recursive=True)
+        jvms = [p for p in tree if p.name() == "java"]
+        assert len(jvms) == 1, [p.name() for p in tree]
+        jvms[0].kill()
+        workload.produce(settings, spec, events=2_000, keys=KEYS, bad_fraction=0.06, seed=22)
+        stream.wait_caught_up()
+    finally:
+        assert stream.stop() == 0, stream.tail()
+    log = stream.log.read_text()
+    assert "the driver's JVM exited with -9" in log, log[-3000:]
+    assert f"driver exited with {stream_job.JVM_EXITED}" in log, log[-3000:]
+    _verify(settings, spec, 6_000)
 
 
 def test_restore_from_changelog_without_checkpoint_or_early_source(
