@@ -1,7 +1,7 @@
 """Snapshot scenarios of `make bench`: full versus incremental rebuild, and validation speed.
 
-A full run and an incremental one on a table of 1,000 keys come first, so that the JVM's
-first Delta write and first MERGE (a few seconds each) fall on none of the timed runs.
+A full run and three incremental ones on a table of a tenth as many keys come first, so that
+the JVM's first Delta writes and MERGEs (a few seconds) fall on none of the timed runs.
 - `snapshot-full`: a Delta snapshot rebuilt from a compacted changelog of `keys` keys
   (1,000,000 by default, written in the changelog's own record format).
 - `snapshot-incremental`: after 1% of the keys changed (nine in ten updated, one in ten
