@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -178,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         MofNCompleteColumn(),
         TimeElapsedColumn(),
     )
+    # SIGTERM unwinds the run as Ctrl-C does: its broker and streams are stopped on the way out.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     with cluster(settings) as scoped, Progress(*columns, console=console) as progress:
         source, copy = f"bench-orders-{run_id}", f"bench-copy-{run_id}"
         kafka.create_topic(scoped, source, PARTITIONS)

@@ -3,13 +3,18 @@ scenario with sane figures (no timing thresholds: a benchmark reports, it does n
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
+
 from duality.config import Settings
+from tests.harness import assert_eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -132,3 +137,53 @@ def _check_stream_scenarios(figures: dict) -> None:
     assert latency["warmup_p99_s"] > 0
     assert latency["rate_achieved"] > 0
     assert _targets(latency)[0]["target"] == "p99 <= 2 s"
+
+
+def test_bench_stops_its_broker_on_sigterm(tmp_path: Path):
+    """A benchmark stopped with SIGTERM (a CI timeout, `kill`) leaves no process behind: the
+    throw-away broker it started (no DUALITY_BOOTSTRAP_SERVERS) is stopped on the way out."""
+    env = {k: v for k, v in os.environ.items() if k != "DUALITY_BOOTSTRAP_SERVERS"}
+    output = tmp_path / "bench.log"
+    with open(output, "wb") as out:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                str(ROOT / "bench" / "run.py"),
+                "--records",
+                "2000",
+                "--keys",
+                "50",
+                "--out",
+                str(tmp_path / "results"),
+            ],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    started: list[psutil.Process] = []
+    try:
+        assert_eventually(
+            lambda: "ConsumerPerformance" in output.read_text(errors="replace"),
+            timeout=120,
+            message=f"the benchmark never reached its first scenario; see {output}",
+        )
+        started.extend(psutil.Process(process.pid).children(recursive=True))
+        assert any(_is_java(p) for p in started), started
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(90) != 0
+        left = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not left, (left, output.read_text(errors="replace")[-2000:])
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        for child in started:
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+
+
+def _is_java(process: psutil.Process) -> bool:
+    with contextlib.suppress(psutil.Error):
+        return process.name() == "java"
+    return False
