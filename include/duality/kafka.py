@@ -314,13 +314,23 @@ def _not_yet(exc: BaseException) -> bool:
 
 
 def retrying(
-    settings: Settings, doing: str, call: Callable[[], T], *, seconds: float | None = None
+    settings: Settings,
+    doing: str,
+    call: Callable[[], T],
+    *,
+    seconds: float | None = None,
+    also: tuple[int, ...] = (),
 ) -> T:
-    """`call()`, which is to `doing`, asked again every 0.2 s while Kafka answers "not yet", for
-    at most `seconds` (default three connect timeouts); its failure goes through `failure`."""
+    """`call()`, which is to `doing`, asked again every 0.2 s while Kafka answers "not yet" (or
+    an error whose code is in `also`), for at most `seconds` (default three connect timeouts);
+    its failure goes through `failure`."""
     seconds = settings.connect_timeout_s * 3 if seconds is None else seconds
+
+    def not_yet(exc: BaseException) -> bool:
+        return _not_yet(exc) or _code(exc) in also
+
     retry = tenacity.Retrying(
-        retry=tenacity.retry_if_exception(_not_yet),
+        retry=tenacity.retry_if_exception(not_yet),
         stop=tenacity.stop_after_delay(seconds),
         wait=tenacity.wait_fixed(0.2),
         reraise=True,
@@ -328,7 +338,7 @@ def retrying(
     try:
         return retry(call)
     except KafkaException as exc:
-        if _not_yet(exc):  # still "not yet" when the time was up
+        if not_yet(exc):  # still "not yet" when the time was up
             raise _timed_out(settings, doing, seconds, _reason(exc)) from None
         raise failure(settings, doing, exc) from None
 
@@ -533,12 +543,26 @@ def replication(settings: Settings, topics: Iterable[str]) -> list[TopicReplicat
     if not present:
         return []
     resources = [ConfigResource(ConfigResource.Type.TOPIC, t) for t in present]
-    futures = admin(settings).describe_configs(
-        resources, request_timeout=settings.connect_timeout_s
+
+    def describe() -> list[dict[str, Any]]:
+        futures = admin(settings).describe_configs(
+            resources, request_timeout=settings.connect_timeout_s
+        )
+        return [
+            _result(futures[resource], settings, f"describe the configs of topic {topic!r}")
+            for topic, resource in zip(present, resources, strict=True)
+        ]
+
+    # The metadata named the topics, but the broker answering for their configs may not know a
+    # new one yet: asked again until it does.
+    answers = retrying(
+        settings,
+        f"describe the configs of topics {present}",
+        describe,
+        also=(KafkaError.UNKNOWN_TOPIC_OR_PART,),
     )
     rows = []
-    for topic, resource in zip(present, resources, strict=True):
-        configs = _result(futures[resource], settings, f"describe the configs of topic {topic!r}")
+    for topic, configs in zip(present, answers, strict=True):
         in_sync = int(configs["min.insync.replicas"].value)
         partitions = list(metadata.topics[topic].partitions.values())
         rows.append(

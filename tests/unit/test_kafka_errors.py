@@ -116,6 +116,27 @@ def test_retrying_asks_again_while_kafka_says_not_yet(sasl: Settings):
     assert answers == []
 
 
+def test_retrying_waits_out_the_codes_a_caller_names(sasl: Settings):
+    """A topic the metadata named but another broker does not know yet: "not yet" for the
+    caller that says so, a real error for every other."""
+    unknown = _exception(KafkaError.UNKNOWN_TOPIC_OR_PART, "unknown topic")
+    answers: list[Any] = [unknown, unknown, "the configs"]
+
+    def call() -> str:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return str(answer)
+
+    also = (KafkaError.UNKNOWN_TOPIC_OR_PART,)
+    assert kafka.retrying(sasl, "describe configs", call, also=also) == "the configs"
+    assert answers == []
+    answers.extend([unknown, "the configs"])
+    with pytest.raises(KafkaException):
+        kafka.retrying(sasl, "describe configs", call)
+    assert answers == ["the configs"]
+
+
 def test_retrying_gives_up_with_a_timeout_and_stops_at_a_real_error(sasl: Settings):
     calls = 0
 
