@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import psutil
 import yaml
 
 from duality import kafka
@@ -63,6 +65,16 @@ def run_duality(
         text=True,
         timeout=timeout,
     )
+
+
+def java_processes(pid: int) -> list[psutil.Process]:
+    """The JVMs among a process's descendants (Python workers come and go meanwhile)."""
+    found = []
+    for child in psutil.Process(pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if child.name() == "java":
+                found.append(child)
+    return found
 
 
 def unique_name(label: str) -> str:

@@ -237,7 +237,8 @@ class StreamDriver:
                         raise refused from None
                     jvm_code = _jvm_exit_code(spark)
                     if jvm_code is not None:
-                        self._end_for_new_jvm(heartbeat, jvm_code)
+                        message = f"the driver's JVM exited with {jvm_code}"
+                        self._exit_for_new_driver(heartbeat, "restarting", message, JVM_EXITED)
                     log.warning(
                         "%s: stream failed (%s); restarting in %.0fs",
                         spec.name,
@@ -346,20 +347,19 @@ class StreamDriver:
         broker that went away): end the process at once; the supervisor starts a new one, which
         aborts the open transaction and restores from the changelog."""
         message = f"a micro-batch ran for more than {self.stall_timeout_s:g}s: stalled"
-        log.error("%s: %s; exiting for a restart", self.spec.name, message)
-        heartbeat.publish("stalled", error=message)
-        heartbeat.close()
-        logging.shutdown()
-        os._exit(STALLED_EXIT)
+        self._exit_for_new_driver(heartbeat, "stalled", message, STALLED_EXIT)
 
-    def _end_for_new_jvm(self, heartbeat: status.Heartbeat, code: int) -> None:
-        message = f"the driver's JVM exited with {code}"
-        log.error("%s: %s; exiting for a driver with a new one", self.spec.name, message)
-        heartbeat.publish("restarting", error=message)
+    def _exit_for_new_driver(
+        self, heartbeat: status.Heartbeat, state: str, message: str, code: int
+    ) -> None:
+        """Say why on the status topic and end this process with `code` at once (not a return:
+        PySpark's exit handlers would wait on a JVM that hangs or is gone); the supervisor
+        starts a new driver."""
+        log.error("%s: %s; exiting for a new driver", self.spec.name, message)
+        heartbeat.publish(state, error=message)
         heartbeat.close()
         logging.shutdown()
-        # Not a return: PySpark's exit handlers would wait on the JVM that is gone.
-        os._exit(JVM_EXITED)
+        os._exit(code)
 
 
 def _jvm_exit_code(spark: Any) -> int | None:

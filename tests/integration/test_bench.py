@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 
 from duality.config import Settings
-from tests.harness import assert_eventually
+from tests.harness import assert_eventually, java_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,16 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_writes_baselines(settings: Settings, tmp_path: Path):
     env = {**os.environ, "DUALITY_BOOTSTRAP_SERVERS": settings.bootstrap_servers}
     result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / "run.py"),
-            "--records",
-            "20000",
-            "--keys",
-            "500",
-            "--out",
-            str(tmp_path),
-        ],
+        _bench_command(records=20_000, keys=500, out=tmp_path),
         env=env,
         capture_output=True,
         text=True,
@@ -146,16 +137,7 @@ def test_bench_stops_its_broker_on_sigterm(tmp_path: Path):
     output = tmp_path / "bench.log"
     with open(output, "wb") as out:
         process = subprocess.Popen(
-            [
-                sys.executable,
-                str(ROOT / "bench" / "run.py"),
-                "--records",
-                "2000",
-                "--keys",
-                "50",
-                "--out",
-                str(tmp_path / "results"),
-            ],
+            _bench_command(records=2_000, keys=50, out=tmp_path / "results"),
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -169,7 +151,7 @@ def test_bench_stops_its_broker_on_sigterm(tmp_path: Path):
             message=f"the benchmark never reached its first scenario; see {output}",
         )
         started.extend(psutil.Process(process.pid).children(recursive=True))
-        assert any(_is_java(p) for p in started), started
+        assert java_processes(process.pid), started
         process.send_signal(signal.SIGTERM)
         assert process.wait(90) != 0
         left = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
@@ -183,7 +165,15 @@ def test_bench_stops_its_broker_on_sigterm(tmp_path: Path):
                 child.kill()
 
 
-def _is_java(process: psutil.Process) -> bool:
-    with contextlib.suppress(psutil.Error):
-        return process.name() == "java"
-    return False
+def _bench_command(*, records: int, keys: int, out: Path) -> list[str]:
+    run = ROOT / "bench" / "run.py"
+    return [
+        sys.executable,
+        str(run),
+        "--records",
+        str(records),
+        "--keys",
+        str(keys),
+        "--out",
+        str(out),
+    ]

@@ -5,7 +5,6 @@ Ground truth comes from tests/truth.py, computed from the source records read ba
 
 from __future__ import annotations
 
-import contextlib
 import re
 import shutil
 import threading
@@ -13,14 +12,19 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import psutil
 import pytest
 
 from duality import changelog, kafka, status, stream_job, workload
 from duality.config import Settings
 from duality.local import LocalBroker, ephemeral_broker
 from tests import truth
-from tests.harness import StreamProcess, assert_eventually, make_pipeline, read_topic
+from tests.harness import (
+    StreamProcess,
+    assert_eventually,
+    java_processes,
+    make_pipeline,
+    read_topic,
+)
 
 EVENTS, KEYS = 20_000, 1_000
 
@@ -162,7 +166,7 @@ def test_driver_replaced_when_its_jvm_dies(settings: Settings, pipelines: Path, 
         stream.start()
         assert_eventually(lambda: stream.covered() >= 1_000, timeout=180)
         assert stream.process is not None
-        jvms = _java_processes(stream.process.pid)
+        jvms = java_processes(stream.process.pid)
         assert len(jvms) == 1, jvms
         jvms[0].kill()
         workload.produce(settings, spec, events=2_000, keys=KEYS, bad_fraction=0.06, seed=22)
@@ -173,16 +177,6 @@ def test_driver_replaced_when_its_jvm_dies(settings: Settings, pipelines: Path, 
     assert "the driver's JVM exited with -9" in log, log[-3000:]
     assert f"driver exited with {stream_job.JVM_EXITED}" in log, log[-3000:]
     _verify(settings, spec, 6_000)
-
-
-def _java_processes(pid: int) -> list[psutil.Process]:
-    """The JVMs among a process's descendants (Python workers come and go meanwhile)."""
-    found = []
-    for child in psutil.Process(pid).children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            if child.name() == "java":
-                found.append(child)
-    return found
 
 
 def test_restore_from_changelog_without_checkpoint_or_early_source(

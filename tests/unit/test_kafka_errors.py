@@ -99,12 +99,8 @@ def test_other_errors_are_passed_on_as_they_are(sasl: Settings):
     assert kafka.failure(sasl, "create topic 't'", cause) is cause
 
 
-def test_retrying_asks_again_while_kafka_says_not_yet(sasl: Settings):
-    answers: list[Any] = [
-        _exception(KafkaError.COORDINATOR_LOAD_IN_PROGRESS, "loading"),
-        _exception(KafkaError.UNSTABLE_OFFSET_COMMIT, "a transaction commits offsets"),
-        "the offsets",
-    ]
+def _answering(answers: list[Any]) -> Callable[[], str]:
+    """A call that raises or returns `answers` in turn."""
 
     def call() -> str:
         answer = answers.pop(0)
@@ -112,7 +108,16 @@ def test_retrying_asks_again_while_kafka_says_not_yet(sasl: Settings):
             raise answer
         return str(answer)
 
-    assert kafka.retrying(sasl, "read offsets", call) == "the offsets"
+    return call
+
+
+def test_retrying_asks_again_while_kafka_says_not_yet(sasl: Settings):
+    answers: list[Any] = [
+        _exception(KafkaError.COORDINATOR_LOAD_IN_PROGRESS, "loading"),
+        _exception(KafkaError.UNSTABLE_OFFSET_COMMIT, "a transaction commits offsets"),
+        "the offsets",
+    ]
+    assert kafka.retrying(sasl, "read offsets", _answering(answers)) == "the offsets"
     assert answers == []
 
 
@@ -121,13 +126,7 @@ def test_retrying_waits_out_the_codes_a_caller_names(sasl: Settings):
     caller that says so, a real error for every other."""
     unknown = _exception(KafkaError.UNKNOWN_TOPIC_OR_PART, "unknown topic")
     answers: list[Any] = [unknown, unknown, "the configs"]
-
-    def call() -> str:
-        answer = answers.pop(0)
-        if isinstance(answer, Exception):
-            raise answer
-        return str(answer)
-
+    call = _answering(answers)
     also = (KafkaError.UNKNOWN_TOPIC_OR_PART,)
     assert kafka.retrying(sasl, "describe configs", call, also=also) == "the configs"
     assert answers == []
