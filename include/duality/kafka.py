@@ -495,28 +495,53 @@ def _missing(settings: Settings, name: str) -> UsageError:
     )
 
 
-def describe_topic(settings: Settings, name: str) -> TopicInfo:
-    """Partitions, replication factor and non-default configs of one topic."""
-    futures = admin(settings).describe_topics(
-        TopicCollection([name]), request_timeout=settings.connect_timeout_s
+# A topic just created reaches each broker's metadata in its own time, and a request may go to
+# any broker (the client cannot choose): a lookup that finds no topic asks again for this long
+# before it says the topic does not exist.
+_NEW_TOPIC_REACHES_BROKERS_S = 5.0
+
+
+def _until_known(settings: Settings, name: str, call: Callable[[], T]) -> T:
+    """`call()`, asked again while it raises UNKNOWN_TOPIC_OR_PART for `name`; `_missing` once
+    that has lasted `_NEW_TOPIC_REACHES_BROKERS_S`."""
+    retry = tenacity.Retrying(
+        retry=tenacity.retry_if_exception(
+            lambda exc: _code(exc) == KafkaError.UNKNOWN_TOPIC_OR_PART
+        ),
+        stop=tenacity.stop_after_delay(_NEW_TOPIC_REACHES_BROKERS_S),
+        wait=tenacity.wait_fixed(0.2),
+        reraise=True,
     )
     try:
-        description = _result(futures[name], settings, f"describe topic {name!r}")
+        return retry(call)
     except KafkaException as exc:
         if _code(exc) == KafkaError.UNKNOWN_TOPIC_OR_PART:
             raise _missing(settings, name) from None
         raise
-    return TopicInfo(
-        name=name,
-        partitions=len(description.partitions),
-        replication_factor=len(description.partitions[0].replicas) if description.partitions else 0,
-        config={
-            key: entry.value
-            for key, entry in _configs(settings, name).items()
-            if not entry.is_default and entry.value is not None
-        },
-        topic_id=str(description.topic_id),
-    )
+
+
+def describe_topic(settings: Settings, name: str) -> TopicInfo:
+    """Partitions, replication factor and non-default configs of one topic."""
+
+    def describe() -> TopicInfo:
+        futures = admin(settings).describe_topics(
+            TopicCollection([name]), request_timeout=settings.connect_timeout_s
+        )
+        description = _result(futures[name], settings, f"describe topic {name!r}")
+        partitions = description.partitions
+        return TopicInfo(
+            name=name,
+            partitions=len(partitions),
+            replication_factor=len(partitions[0].replicas) if partitions else 0,
+            config={
+                key: entry.value
+                for key, entry in _configs(settings, name).items()
+                if not entry.is_default and entry.value is not None
+            },
+            topic_id=str(description.topic_id),
+        )
+
+    return _until_known(settings, name, describe)
 
 
 def _configs(settings: Settings, topic: str) -> dict[str, Any]:
@@ -600,12 +625,16 @@ def topic_exists(settings: Settings, name: str) -> bool:
 
 def partition_count(settings: Settings, topic: str) -> int:
     doing = f"describe topic {topic!r}"
-    entry = _metadata(settings, doing, topic).topics.get(topic)
-    if entry is not None and entry.error is not None and entry.error.code() in _DENIED:
-        raise failure(settings, doing, KafkaException(entry.error))
-    if entry is None or entry.error is not None:
-        raise _missing(settings, topic)
-    return len(entry.partitions)
+
+    def count() -> int:
+        entry = _metadata(settings, doing, topic).topics.get(topic)
+        if entry is not None and entry.error is not None and entry.error.code() in _DENIED:
+            raise failure(settings, doing, KafkaException(entry.error))
+        if entry is None or entry.error is not None:
+            raise KafkaException(KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART))
+        return len(entry.partitions)
+
+    return _until_known(settings, topic, count)
 
 
 # -- offsets -----------------------------------------------------------------------------------

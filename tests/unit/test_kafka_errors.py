@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -134,6 +135,29 @@ def test_retrying_waits_out_the_codes_a_caller_names(sasl: Settings):
     with pytest.raises(KafkaException):
         kafka.retrying(sasl, "describe configs", call)
     assert answers == ["the configs"]
+
+
+def test_a_topic_one_broker_does_not_know_yet_is_asked_for_again(
+    sasl: Settings, monkeypatch: pytest.MonkeyPatch
+):
+    """Right after a topic is created, the broker that answers may not know it yet: a lookup
+    asks again, and says the topic does not exist only once no broker has named it for a while."""
+    known = SimpleNamespace(error=None, partitions={0: None, 1: None, 2: None})
+    unknown = SimpleNamespace(error=KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART), partitions={})
+    answers: list[Any] = [unknown, unknown, known]
+
+    def metadata(settings: Settings, doing: str, topic: str | None = None) -> SimpleNamespace:
+        return SimpleNamespace(topics={topic: answers.pop(0)})
+
+    monkeypatch.setattr(kafka, "_metadata", metadata)
+    assert kafka.partition_count(sasl, "orders") == 3
+    assert answers == []
+
+    monkeypatch.setattr(kafka, "_NEW_TOPIC_REACHES_BROKERS_S", 0.5)
+    answers.extend([unknown] * 100)
+    with pytest.raises(UsageError, match="topic 'orders' does not exist on kafka-1:9092"):
+        kafka.partition_count(sasl, "orders")
+    assert 2 <= 100 - len(answers) < 10
 
 
 def test_retrying_gives_up_with_a_timeout_and_stops_at_a_real_error(sasl: Settings):
