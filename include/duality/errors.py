@@ -15,6 +15,10 @@ class UsageError(DualityError):
     exit_code = 2
 
 
+class TopicMissing(UsageError):
+    """A topic that the command reads does not exist."""
+
+
 class BrokerUnavailable(DualityError):
     """Kafka did not answer at the configured address."""
 

@@ -46,7 +46,7 @@ from confluent_kafka.admin import (
 )
 
 from duality.config import Settings
-from duality.errors import BrokerUnavailable, DualityError, UsageError
+from duality.errors import BrokerUnavailable, DualityError, TopicMissing, UsageError
 
 T = TypeVar("T")
 
@@ -488,8 +488,8 @@ def delete_topic(settings: Settings, name: str) -> None:
     _result(futures[name], settings, f"delete topic {name!r}")
 
 
-def _missing(settings: Settings, name: str) -> UsageError:
-    return UsageError(
+def _missing(settings: Settings, name: str) -> TopicMissing:
+    return TopicMissing(
         f"topic {name!r} does not exist on {settings.bootstrap_servers}: "
         "check the name, or create it first"
     )
@@ -619,8 +619,24 @@ def _source(entry: Any) -> int:
     return int(getattr(entry.source, "value", entry.source))
 
 
-def topic_exists(settings: Settings, name: str) -> bool:
-    return name in _metadata(settings, "list its topics").topics
+def topic_exists(settings: Settings, name: str, *, wait_if_missing: bool = False) -> bool:
+    """Whether topic `name` exists. `wait_if_missing`, for a caller that fails when it does not:
+    a topic not found is looked for again for `_NEW_TOPIC_REACHES_BROKERS_S`, since one just
+    created may not have reached the broker that answers."""
+    if name in _metadata(settings, "list its topics").topics:
+        return True
+    if not wait_if_missing:
+        return False
+
+    def listed() -> None:
+        if name not in _metadata(settings, "list its topics").topics:
+            raise KafkaException(KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART))
+
+    try:
+        _until_known(settings, name, listed)
+    except TopicMissing:
+        return False
+    return True
 
 
 def partition_count(settings: Settings, topic: str) -> int:

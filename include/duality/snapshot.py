@@ -400,7 +400,7 @@ def build(
     a run that finds nothing new starts no Spark session and no Spark job.
     """
     started = time.monotonic()
-    if not kafka.topic_exists(settings, spec.changelog_topic):
+    if not kafka.topic_exists(settings, spec.changelog_topic, wait_if_missing=True):
         raise UsageError(
             f"pipeline {spec.name} has no changelog topic {spec.changelog_topic} yet: start its "
             f"stream first (`duality stream start {spec.name}`)"

@@ -97,7 +97,7 @@ def start(
     if pid is not None:
         return {**describe(settings, spec), "already_running": True}
     kafka.ensure_reachable(settings)
-    if not kafka.topic_exists(settings, spec.source.topic):
+    if not kafka.topic_exists(settings, spec.source.topic, wait_if_missing=True):
         raise LocalStackError(
             f"source topic {spec.source.topic!r} of pipeline {spec.name} does not exist on "
             f"{settings.bootstrap_servers}: create it, or produce to it with "

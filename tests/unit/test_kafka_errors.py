@@ -147,7 +147,10 @@ def test_a_topic_one_broker_does_not_know_yet_is_asked_for_again(
     answers: list[Any] = [unknown, unknown, known]
 
     def metadata(settings: Settings, doing: str, topic: str | None = None) -> SimpleNamespace:
-        return SimpleNamespace(topics={topic: answers.pop(0)})
+        entry = answers.pop(0)
+        if topic is None:  # every topic: one the broker does not know is not listed
+            return SimpleNamespace(topics={} if entry is unknown else {"orders": entry})
+        return SimpleNamespace(topics={topic: entry})
 
     monkeypatch.setattr(kafka, "_metadata", metadata)
     assert kafka.partition_count(sasl, "orders") == 3
@@ -157,6 +160,15 @@ def test_a_topic_one_broker_does_not_know_yet_is_asked_for_again(
     answers.extend([unknown] * 100)
     with pytest.raises(UsageError, match="topic 'orders' does not exist on kafka-1:9092"):
         kafka.partition_count(sasl, "orders")
+    assert 2 <= 100 - len(answers) < 10
+
+    # A caller that fails on a missing topic asks the same way; any other asks once.
+    answers[:] = [unknown, known, unknown]
+    assert kafka.topic_exists(sasl, "orders", wait_if_missing=True)
+    assert answers == [unknown]
+    assert not kafka.topic_exists(sasl, "orders")
+    answers.extend([unknown] * 100)
+    assert not kafka.topic_exists(sasl, "orders", wait_if_missing=True)
     assert 2 <= 100 - len(answers) < 10
 
 
