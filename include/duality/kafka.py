@@ -323,7 +323,8 @@ def retrying(
 ) -> T:
     """`call()`, which is to `doing`, asked again every 0.2 s while Kafka answers "not yet" (or
     an error whose code is in `also`), for at most `seconds` (default three connect timeouts);
-    its failure goes through `failure`."""
+    its failure goes through `failure`, and an error in `also` still there at the end is raised
+    as it is, for the caller to explain."""
     seconds = settings.connect_timeout_s * 3 if seconds is None else seconds
 
     def not_yet(exc: BaseException) -> bool:
@@ -338,7 +339,7 @@ def retrying(
     try:
         return retry(call)
     except KafkaException as exc:
-        if not_yet(exc):  # still "not yet" when the time was up
+        if _not_yet(exc) and _code(exc) not in also:  # still "not yet" when the time was up
             raise _timed_out(settings, doing, seconds, _reason(exc)) from None
         raise failure(settings, doing, exc) from None
 
@@ -502,18 +503,16 @@ _NEW_TOPIC_REACHES_BROKERS_S = 5.0
 
 
 def _until_known(settings: Settings, name: str, call: Callable[[], T]) -> T:
-    """`call()`, asked again while it raises UNKNOWN_TOPIC_OR_PART for `name`; `_missing` once
-    that has lasted `_NEW_TOPIC_REACHES_BROKERS_S`."""
-    retry = tenacity.Retrying(
-        retry=tenacity.retry_if_exception(
-            lambda exc: _code(exc) == KafkaError.UNKNOWN_TOPIC_OR_PART
-        ),
-        stop=tenacity.stop_after_delay(_NEW_TOPIC_REACHES_BROKERS_S),
-        wait=tenacity.wait_fixed(0.2),
-        reraise=True,
-    )
+    """`call()`, asked again while it raises UNKNOWN_TOPIC_OR_PART (or Kafka says "not yet");
+    `_missing` once the topic has been unknown for `_NEW_TOPIC_REACHES_BROKERS_S`."""
     try:
-        return retry(call)
+        return retrying(
+            settings,
+            f"look up topic {name!r}",
+            call,
+            seconds=_NEW_TOPIC_REACHES_BROKERS_S,
+            also=(KafkaError.UNKNOWN_TOPIC_OR_PART,),
+        )
     except KafkaException as exc:
         if _code(exc) == KafkaError.UNKNOWN_TOPIC_OR_PART:
             raise _missing(settings, name) from None
@@ -623,10 +622,8 @@ def topic_exists(settings: Settings, name: str, *, wait_if_missing: bool = False
     """Whether topic `name` exists. `wait_if_missing`, for a caller that fails when it does not:
     a topic not found is looked for again for `_NEW_TOPIC_REACHES_BROKERS_S`, since one just
     created may not have reached the broker that answers."""
-    if name in _metadata(settings, "list its topics").topics:
-        return True
     if not wait_if_missing:
-        return False
+        return name in _metadata(settings, "list its topics").topics
 
     def listed() -> None:
         if name not in _metadata(settings, "list its topics").topics:

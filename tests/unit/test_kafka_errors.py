@@ -135,6 +135,11 @@ def test_retrying_waits_out_the_codes_a_caller_names(sasl: Settings):
     with pytest.raises(KafkaException):
         kafka.retrying(sasl, "describe configs", call)
     assert answers == ["the configs"]
+    # Still unknown when the time is up: raised as it is, for the caller to explain.
+    answers[:] = [unknown] * 100
+    with pytest.raises(KafkaException) as raised:
+        kafka.retrying(sasl, "describe configs", call, seconds=0.3, also=also)
+    assert raised.value.args[0].code() == KafkaError.UNKNOWN_TOPIC_OR_PART
 
 
 def test_a_topic_one_broker_does_not_know_yet_is_asked_for_again(
