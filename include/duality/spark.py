@@ -131,6 +131,10 @@ def session_config(settings: Settings, app_name: str) -> dict[str, str]:
         # A stateful query keeps one state store per shuffle partition, and its first checkpoint
         # fixes their number for good: Spark's 200 would be 200 RocksDB instances per stream.
         "spark.sql.shuffle.partitions": "4",
+        # Spark keeps 100 compiled classes of generated code by default, fewer than one Delta
+        # MERGE and the reads around it generate: every snapshot run compiled all of them
+        # again, and the JIT their new classes (docs/decisions/0020-generated-code-cache.md).
+        "spark.sql.codegen.cache.maxEntries": "1000",
     }
     if local:
         # In local mode one partition per core: each partition of a micro-batch costs a task and

@@ -68,6 +68,8 @@ def test_session_config_uses_local_jars_delta_and_rocksdb():
         "RocksDBStateStoreProvider"
     )
     assert config["spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled"] == "true"
+    # More than a MERGE generates, so a warm snapshot run compiles none (decision 20).
+    assert int(config["spark.sql.codegen.cache.maxEntries"]) >= 1_000
 
 
 def test_a_cluster_session_ships_duality_as_a_zip(tmp_path: Path):
