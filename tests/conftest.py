@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,3 +60,13 @@ def spark(settings: Settings):  # type: ignore[no-untyped-def]
     spark = session(settings, "duality-tests")
     yield spark
     spark.stop()
+    # stop() leaves the JVM running until this process exits, with Spark's cached Kafka
+    # producers calling a broker that is stopped next. The JVM exits when its stdin closes.
+    from pyspark import SparkContext
+
+    process = getattr(SparkContext._gateway, "proc", None)
+    if process is not None and process.stdin is not None:
+        process.stdin.close()
+        process.wait(timeout=60)
+    # py4j logs each connection it closes at INFO, at exit too, when pytest's streams are closed.
+    logging.getLogger("py4j").setLevel(logging.WARNING)
