@@ -67,12 +67,21 @@ FAST_COMPACTION = {
     "delete.retention.ms": "60000",
 }
 
-# Answers that mean "ask again in a moment".
+# Answers that mean "ask again in a moment": a coordinator or a partition leader that is moving,
+# a new leader whose high watermark has not caught up yet. librdkafka flags most retriable errors
+# itself, but not the per-partition errors of an admin result (ListOffsets), so they are named.
 _NOT_YET = (
     KafkaError.NOT_COORDINATOR,
     KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
     KafkaError.COORDINATOR_NOT_AVAILABLE,
     KafkaError.UNSTABLE_OFFSET_COMMIT,
+    KafkaError.LEADER_NOT_AVAILABLE,
+    KafkaError.NOT_LEADER_FOR_PARTITION,
+    KafkaError.FENCED_LEADER_EPOCH,
+    KafkaError.UNKNOWN_LEADER_EPOCH,
+    KafkaError.OFFSET_NOT_AVAILABLE,
+    KafkaError.KAFKA_STORAGE_ERROR,
+    KafkaError.NETWORK_EXCEPTION,
 )
 # No answer: librdkafka's own timeouts, the broker's, and connections that never came up.
 _NO_ANSWER = (

@@ -5,6 +5,7 @@ same against a broker that refuses logins and operations."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -119,6 +120,41 @@ def test_retrying_asks_again_while_kafka_says_not_yet(sasl: Settings):
         "the offsets",
     ]
     assert kafka.retrying(sasl, "read offsets", _answering(answers)) == "the offsets"
+    assert answers == []
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        KafkaError.NOT_LEADER_FOR_PARTITION,
+        KafkaError.LEADER_NOT_AVAILABLE,
+        KafkaError.FENCED_LEADER_EPOCH,
+        KafkaError.OFFSET_NOT_AVAILABLE,
+    ],
+    ids=["not-leader", "no-leader", "fenced-epoch", "new-leader-catching-up"],
+)
+def test_offsets_are_asked_again_while_a_partition_leader_moves(
+    sasl: Settings, monkeypatch: pytest.MonkeyPatch, code: int
+):
+    """While a dead leader's partitions move, ListOffsets answers a partition with an error that
+    librdkafka does not flag retriable: the offsets are asked for again, not raised to the user
+    (`duality stream status` printed a traceback on the CI run of 2026-11-24)."""
+    answers: list[Any] = [code, code, 42]
+    monkeypatch.setattr(kafka, "partition_count", lambda settings, topic: 1)
+
+    def list_offsets(request: dict[Any, Any], **options: Any) -> dict[Any, Future[Any]]:
+        answer = answers.pop(0)
+        future: Future[Any] = Future()
+        if isinstance(answer, int) and answer == code:
+            error = KafkaError(code, "the leader is moving")
+            assert not error.retriable()
+            future.set_exception(KafkaException(error))
+        else:
+            future.set_result(SimpleNamespace(offset=answer))
+        return {tp: future for tp in request}
+
+    monkeypatch.setattr(kafka, "admin", lambda settings: SimpleNamespace(list_offsets=list_offsets))
+    assert kafka.end_offsets(sasl, "orders") == {0: 42}
     assert answers == []
 
 
