@@ -27,9 +27,7 @@ from typing import Any, Literal, TypeVar
 
 import tenacity
 from confluent_kafka import (
-    OFFSET_INVALID,
     Consumer,
-    IsolationLevel,
     KafkaError,
     KafkaException,
     Message,
@@ -42,7 +40,6 @@ from confluent_kafka.admin import (
     ConfigResource,
     ConfigSource,
     NewTopic,
-    OffsetSpec,
 )
 
 from duality.config import Settings
@@ -663,58 +660,67 @@ def partition_count(settings: Settings, topic: str) -> int:
 
 
 def _list_offsets(
-    settings: Settings, topic: str, spec: OffsetSpec, isolation: Isolation
+    settings: Settings, topic: str, at: Literal["earliest", "latest"] | int, isolation: Isolation
 ) -> dict[int, int]:
-    level = (
-        IsolationLevel.READ_COMMITTED
-        if isolation == "read_committed"
-        else IsolationLevel.READ_UNCOMMITTED
-    )
+    """Per partition of `topic`, the first offset still stored, the next to be written, or the
+    first at or after the timestamp `at` (ms; -1 where there is none), asked through a consumer
+    that never subscribes (its group id is never used). Not the admin client's ListOffsets:
+    librdkafka 2.16 keeps a core busy for as long as a dead leader leaves it unanswered, and two
+    such calls starve a small machine's brokers until their controllers cannot fail over."""
+    reader = consumer(settings, "duality-offsets", isolation_level=isolation)
+    timeout = settings.connect_timeout_s
 
     def ask() -> dict[int, int]:
         # Each attempt reads the topic's metadata again, so the request goes to the partitions'
         # current leaders: after a broker dies, the one the controller elected in its place.
-        request = {TopicPartition(topic, p): spec for p in range(partition_count(settings, topic))}
-        futures = admin(settings).list_offsets(
-            request, isolation_level=level, request_timeout=settings.connect_timeout_s
-        )
-        found = {tp.partition: future.result().offset for tp, future in futures.items()}
-        if OFFSET_INVALID in found.values():
-            # What librdkafka answers for a partition whose leader did not answer in time: a
-            # broker that died and still leads until the controller notices (about 9 s).
-            waiting = sorted(p for p, offset in found.items() if offset == OFFSET_INVALID)
+        partitions = [TopicPartition(topic, p) for p in range(partition_count(settings, topic))]
+        try:
+            if isinstance(at, str):
+                marks = {
+                    tp.partition: reader.get_watermark_offsets(tp, timeout=timeout, cached=False)
+                    for tp in partitions
+                }
+                return {p: low if at == "earliest" else high for p, (low, high) in marks.items()}
+            for tp in partitions:
+                tp.offset = at
+            found = reader.offsets_for_times(partitions, timeout)
+            for tp in found:
+                if tp.error is not None:
+                    raise KafkaException(tp.error)
+            return {tp.partition: tp.offset for tp in found}
+        except KafkaException as exc:
+            if _code(exc) not in (KafkaError._TIMED_OUT, KafkaError.REQUEST_TIMED_OUT):
+                raise
+            # No answer in time, from a broker that died and still leads until the controller
+            # notices (about 9 s): asked again, through the leader elected in its place.
             raise KafkaException(
-                KafkaError(
-                    KafkaError.LEADER_NOT_AVAILABLE,
-                    f"no leader answered for partitions {waiting}",
-                    retriable=True,
-                )
-            )
-        return found
+                KafkaError(KafkaError.LEADER_NOT_AVAILABLE, _reason(exc), retriable=True)
+            ) from None
 
-    return retrying(settings, f"list the offsets of topic {topic!r}", ask)
+    try:
+        return retrying(settings, f"list the offsets of topic {topic!r}", ask)
+    finally:
+        reader.close()
 
 
 def end_offsets(
     settings: Settings, topic: str, isolation: Isolation = "read_committed"
 ) -> dict[int, int]:
     """Per partition, the offset the next record will get (read_committed: the stable end)."""
-    return _list_offsets(settings, topic, OffsetSpec.latest(), isolation)
+    return _list_offsets(settings, topic, "latest", isolation)
 
 
 def offsets_for_time(settings: Settings, topic: str, timestamp_ms: int) -> dict[int, int]:
     """Per partition, the first offset whose record timestamp is at or after `timestamp_ms`;
     the end offset where no record is that recent."""
-    found = _list_offsets(
-        settings, topic, OffsetSpec.for_timestamp(timestamp_ms), "read_uncommitted"
-    )
+    found = _list_offsets(settings, topic, timestamp_ms, "read_uncommitted")
     ends = end_offsets(settings, topic, "read_uncommitted")
     return {p: offset if offset >= 0 else ends[p] for p, offset in found.items()}
 
 
 def beginning_offsets(settings: Settings, topic: str) -> dict[int, int]:
     """Per partition, the first offset still stored (after retention and delete-records)."""
-    return _list_offsets(settings, topic, OffsetSpec.earliest(), "read_uncommitted")
+    return _list_offsets(settings, topic, "earliest", "read_uncommitted")
 
 
 def delete_records(settings: Settings, topic: str, before: Mapping[int, int]) -> dict[int, int]:

@@ -5,7 +5,6 @@ same against a broker that refuses logins and operations."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -130,32 +129,35 @@ def test_retrying_asks_again_while_kafka_says_not_yet(sasl: Settings):
         KafkaError.LEADER_NOT_AVAILABLE,
         KafkaError.FENCED_LEADER_EPOCH,
         KafkaError.OFFSET_NOT_AVAILABLE,
+        KafkaError._TIMED_OUT,
     ],
-    ids=["not-leader", "no-leader", "fenced-epoch", "new-leader-catching-up"],
+    ids=["not-leader", "no-leader", "fenced-epoch", "new-leader-catching-up", "dead-leader"],
 )
 def test_offsets_are_asked_again_while_a_partition_leader_moves(
     sasl: Settings, monkeypatch: pytest.MonkeyPatch, code: int
 ):
-    """While a dead leader's partitions move, ListOffsets answers a partition with an error that
-    librdkafka does not flag retriable: the offsets are asked for again, not raised to the user
-    (`duality stream status` printed a traceback on the CI run of 2026-11-24)."""
-    answers: list[Any] = [code, code, 42]
+    """While a dead leader's partitions move, a partition's offsets come back as an error that
+    librdkafka does not flag retriable, or as no answer in time: they are asked for again, not
+    raised to the user (`duality stream status` printed a traceback on the CI run of 2026-11-24)."""
+    answers: list[Any] = [code, code, (3, 42)]
+    closed: list[bool] = []
+
+    class Reader:
+        def get_watermark_offsets(self, tp: Any, **options: Any) -> tuple[int, int]:
+            answer = answers.pop(0)
+            if answer == code:
+                error = KafkaError(code, "the leader is moving")
+                assert not error.retriable()
+                raise KafkaException(error)
+            return answer  # type: ignore[no-any-return]
+
+        def close(self) -> None:
+            closed.append(True)
+
     monkeypatch.setattr(kafka, "partition_count", lambda settings, topic: 1)
-
-    def list_offsets(request: dict[Any, Any], **options: Any) -> dict[Any, Future[Any]]:
-        answer = answers.pop(0)
-        future: Future[Any] = Future()
-        if isinstance(answer, int) and answer == code:
-            error = KafkaError(code, "the leader is moving")
-            assert not error.retriable()
-            future.set_exception(KafkaException(error))
-        else:
-            future.set_result(SimpleNamespace(offset=answer))
-        return {tp: future for tp in request}
-
-    monkeypatch.setattr(kafka, "admin", lambda settings: SimpleNamespace(list_offsets=list_offsets))
+    monkeypatch.setattr(kafka, "consumer", lambda settings, group, **options: Reader())
     assert kafka.end_offsets(sasl, "orders") == {0: 42}
-    assert answers == []
+    assert answers == [] and closed == [True]
 
 
 def test_retrying_waits_out_the_codes_a_caller_names(sasl: Settings):
