@@ -659,6 +659,16 @@ def partition_count(settings: Settings, topic: str) -> int:
 # -- offsets -----------------------------------------------------------------------------------
 
 
+# What a consumer's offset lookup answers for a partition whose leader died: no answer in time, a
+# connection that broke, or (librdkafka's own) a partition with no leader known.
+_LEADER_GONE = (
+    KafkaError._TIMED_OUT,
+    KafkaError.REQUEST_TIMED_OUT,
+    KafkaError._TRANSPORT,
+    KafkaError._UNKNOWN_PARTITION,
+)
+
+
 def _list_offsets(
     settings: Settings, topic: str, at: Literal["earliest", "latest"] | int, isolation: Isolation
 ) -> dict[int, int]:
@@ -689,10 +699,10 @@ def _list_offsets(
                     raise KafkaException(tp.error)
             return {tp.partition: tp.offset for tp in found}
         except KafkaException as exc:
-            if _code(exc) not in (KafkaError._TIMED_OUT, KafkaError.REQUEST_TIMED_OUT):
+            if _code(exc) not in _LEADER_GONE:
                 raise
-            # No answer in time, from a broker that died and still leads until the controller
-            # notices (about 9 s): asked again, through the leader elected in its place.
+            # No answer in time, or no leader known, for a partition whose leader died: asked
+            # again, through the leader the controller elects in its place (about 9 s later).
             raise KafkaException(
                 KafkaError(KafkaError.LEADER_NOT_AVAILABLE, _reason(exc), retriable=True)
             ) from None

@@ -130,8 +130,16 @@ def test_retrying_asks_again_while_kafka_says_not_yet(sasl: Settings):
         KafkaError.FENCED_LEADER_EPOCH,
         KafkaError.OFFSET_NOT_AVAILABLE,
         KafkaError._TIMED_OUT,
+        KafkaError._UNKNOWN_PARTITION,
     ],
-    ids=["not-leader", "no-leader", "fenced-epoch", "new-leader-catching-up", "dead-leader"],
+    ids=[
+        "not-leader",
+        "no-leader",
+        "fenced-epoch",
+        "new-leader-catching-up",
+        "dead-leader",
+        "leader-unknown",
+    ],
 )
 def test_offsets_are_asked_again_while_a_partition_leader_moves(
     sasl: Settings, monkeypatch: pytest.MonkeyPatch, code: int
