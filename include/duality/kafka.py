@@ -659,14 +659,10 @@ def partition_count(settings: Settings, topic: str) -> int:
 # -- offsets -----------------------------------------------------------------------------------
 
 
-# What a consumer's offset lookup answers for a partition whose leader died: no answer in time, a
-# connection that broke, or (librdkafka's own) a partition with no leader known.
-_LEADER_GONE = (
-    KafkaError._TIMED_OUT,
-    KafkaError.REQUEST_TIMED_OUT,
-    KafkaError._TRANSPORT,
-    KafkaError._UNKNOWN_PARTITION,
-)
+# What a consumer's offset lookup answers for a partition whose leader died: no answer (in time,
+# or a connection that broke), librdkafka's "unknown partition" while no leader is known, or the
+# dead broker's handle destroyed once the metadata no longer names it.
+_LEADER_GONE = (*_NO_ANSWER, KafkaError._UNKNOWN_PARTITION, KafkaError._DESTROY_BROKER)
 
 
 def _list_offsets(
@@ -677,13 +673,15 @@ def _list_offsets(
     that never subscribes (its group id is never used). Not the admin client's ListOffsets:
     librdkafka 2.16 keeps a core busy for as long as a dead leader leaves it unanswered, and two
     such calls starve a small machine's brokers until their controllers cannot fail over."""
-    reader = consumer(settings, "duality-offsets", isolation_level=isolation)
     timeout = settings.connect_timeout_s
 
     def ask() -> dict[int, int]:
-        # Each attempt reads the topic's metadata again, so the request goes to the partitions'
-        # current leaders: after a broker dies, the one the controller elected in its place.
+        # Each attempt asks through a consumer of its own: librdkafka's consumer keeps the leaders
+        # it first learnt and, never subscribing, does not refresh them, so after a broker died
+        # a kept consumer would ask the dead one again and again. A new one reads the topic's
+        # metadata afresh and asks the leader the controller elected in the dead one's place.
         partitions = [TopicPartition(topic, p) for p in range(partition_count(settings, topic))]
+        reader = consumer(settings, "duality-offsets", isolation_level=isolation)
         try:
             if isinstance(at, str):
                 marks = {
@@ -702,15 +700,14 @@ def _list_offsets(
             if _code(exc) not in _LEADER_GONE:
                 raise
             # No answer in time, or no leader known, for a partition whose leader died: asked
-            # again, through the leader the controller elects in its place (about 9 s later).
+            # again (about 10 s later, Kafka's controller has elected another).
             raise KafkaException(
                 KafkaError(KafkaError.LEADER_NOT_AVAILABLE, _reason(exc), retriable=True)
             ) from None
+        finally:
+            reader.close()
 
-    try:
-        return retrying(settings, f"list the offsets of topic {topic!r}", ask)
-    finally:
-        reader.close()
+    return retrying(settings, f"list the offsets of topic {topic!r}", ask)
 
 
 def end_offsets(

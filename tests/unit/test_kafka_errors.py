@@ -131,6 +131,7 @@ def test_retrying_asks_again_while_kafka_says_not_yet(sasl: Settings):
         KafkaError.OFFSET_NOT_AVAILABLE,
         KafkaError._TIMED_OUT,
         KafkaError._UNKNOWN_PARTITION,
+        KafkaError._DESTROY_BROKER,
     ],
     ids=[
         "not-leader",
@@ -139,6 +140,7 @@ def test_retrying_asks_again_while_kafka_says_not_yet(sasl: Settings):
         "new-leader-catching-up",
         "dead-leader",
         "leader-unknown",
+        "dead-broker-forgotten",
     ],
 )
 def test_offsets_are_asked_again_while_a_partition_leader_moves(
@@ -146,12 +148,20 @@ def test_offsets_are_asked_again_while_a_partition_leader_moves(
 ):
     """While a dead leader's partitions move, a partition's offsets come back as an error that
     librdkafka does not flag retriable, or as no answer in time: they are asked for again, not
-    raised to the user (`duality stream status` printed a traceback on the CI run of 2026-11-24)."""
+    raised to the user (`duality stream status` printed a traceback on the CI run of 2026-11-24),
+    and each time through a new consumer, which learns the partition's leader afresh (a kept one
+    asked the dead leader until the wait ran out, in the next CI run)."""
     answers: list[Any] = [code, code, (3, 42)]
-    closed: list[bool] = []
+    readers: list[Reader] = []
 
     class Reader:
+        def __init__(self) -> None:
+            self.asked = 0
+            self.closed = False
+
         def get_watermark_offsets(self, tp: Any, **options: Any) -> tuple[int, int]:
+            assert not self.closed
+            self.asked += 1
             answer = answers.pop(0)
             if answer == code:
                 error = KafkaError(code, "the leader is moving")
@@ -160,12 +170,17 @@ def test_offsets_are_asked_again_while_a_partition_leader_moves(
             return answer  # type: ignore[no-any-return]
 
         def close(self) -> None:
-            closed.append(True)
+            self.closed = True
+
+    def new_reader(settings: Settings, group: str, **options: Any) -> Reader:
+        readers.append(Reader())
+        return readers[-1]
 
     monkeypatch.setattr(kafka, "partition_count", lambda settings, topic: 1)
-    monkeypatch.setattr(kafka, "consumer", lambda settings, group, **options: Reader())
+    monkeypatch.setattr(kafka, "consumer", new_reader)
     assert kafka.end_offsets(sasl, "orders") == {0: 42}
-    assert answers == [] and closed == [True]
+    assert answers == []
+    assert [(r.asked, r.closed) for r in readers] == [(1, True)] * 3
 
 
 def test_retrying_waits_out_the_codes_a_caller_names(sasl: Settings):
