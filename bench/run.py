@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import platform
-import shutil
 import signal
 import sys
 import tempfile
@@ -162,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--latency-seconds must be positive")
     console = Console(width=max(140, Console().width))
     # Checkpoints, tables and locks of the benchmark's pipelines stay out of the user's folders.
-    scratch = Path(tempfile.mkdtemp(prefix="duality-bench-"))
+    # Removed when the run ends, however it ends (Ctrl-C and SIGTERM included).
+    scratch_dir = tempfile.TemporaryDirectory(prefix="duality-bench-", ignore_cleanup_errors=True)
+    scratch = Path(scratch_dir.name)
     settings = Settings.from_env().replace(
         checkpoint_root=scratch / "checkpoints",
         warehouse=scratch / "warehouse",
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     # SIGTERM unwinds the run as Ctrl-C does: its broker and streams are stopped on the way out.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    with cluster(settings) as scoped, Progress(*columns, console=console) as progress:
+    with scratch_dir, cluster(settings) as scoped, Progress(*columns, console=console) as progress:
         source, copy = f"bench-orders-{run_id}", f"bench-copy-{run_id}"
         kafka.create_topic(scoped, source, PARTITIONS)
         kafka.create_topic(scoped, copy, PARTITIONS)
@@ -254,7 +255,6 @@ def main(argv: list[str] | None = None) -> int:
     stamped = args.out / f"bench-{started.strftime('%Y%m%dT%H%M%SZ')}.json"
     stamped.write_text(json.dumps(document, indent=2) + "\n")
     (args.out / "latest.json").write_text(json.dumps(document, indent=2) + "\n")
-    shutil.rmtree(scratch, ignore_errors=True)
     render(figures, console)
     console.print(f"results: {stamped}")
     return 0

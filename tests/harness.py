@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -24,6 +25,20 @@ from duality.spec import PipelineSpec, load_spec
 ROOT = Path(__file__).resolve().parents[1]
 
 T = TypeVar("T")
+
+_AIRFLOW_HOMES: list[tempfile.TemporaryDirectory[str]] = []
+
+
+def own_airflow_home() -> str:
+    """AIRFLOW_HOME for Airflow imported in this test process: the one set, or else a temporary
+    folder of its own, made once and removed when the process exits."""
+    if "AIRFLOW_HOME" not in os.environ:
+        home = tempfile.TemporaryDirectory(
+            prefix="duality-airflow-home-", ignore_cleanup_errors=True
+        )
+        _AIRFLOW_HOMES.append(home)
+        os.environ["AIRFLOW_HOME"] = home.name
+    return os.environ["AIRFLOW_HOME"]
 
 
 def assert_eventually(

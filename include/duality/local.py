@@ -597,14 +597,15 @@ def ephemeral_broker(
 @contextlib.contextmanager
 def _running(kafka_nodes: LocalBroker | LocalKafkaCluster, root: Path) -> Iterator[None]:
     """Start a throw-away broker or cluster; stop it after, and delete its folder `root`
-    unless the block failed (then its logs are kept)."""
+    unless the block failed with an error (then its logs are kept); an interruption (Ctrl-C,
+    SIGTERM) deletes it too."""
     try:
         kafka_nodes.start()
         yield
     finally:
         kafka_nodes.stop()
         kafka.forget(kafka_nodes.settings)
-        if sys.exc_info()[0] is None:
+        if not isinstance(sys.exc_info()[1], Exception):
             shutil.rmtree(root, ignore_errors=True)
 
 

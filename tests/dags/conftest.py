@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.harness import ROOT, own_airflow_home
 
-os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="duality-airflow-home-"))
+own_airflow_home()
 os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(ROOT / "dags")
 os.environ["AIRFLOW__CORE__PLUGINS_FOLDER"] = str(ROOT / "plugins")
 os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"

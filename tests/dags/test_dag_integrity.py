@@ -9,7 +9,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from tests.dags.conftest import ROOT
+from tests.harness import ROOT
 
 DAG_FILES = sorted((ROOT / "dags").glob("*.py"))
 

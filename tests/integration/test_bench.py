@@ -132,8 +132,12 @@ def _check_stream_scenarios(figures: dict) -> None:
 
 def test_bench_stops_its_broker_on_sigterm(tmp_path: Path):
     """A benchmark stopped with SIGTERM (a CI timeout, `kill`) leaves no process behind: the
-    throw-away broker it started (no DUALITY_BOOTSTRAP_SERVERS) is stopped on the way out."""
+    throw-away broker it started (no DUALITY_BOOTSTRAP_SERVERS) is stopped on the way out, and
+    no folder either: the broker's and the run's scratch folder are deleted."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "DUALITY_BOOTSTRAP_SERVERS"}
+    env["TMPDIR"] = str(temporary)
     output = tmp_path / "bench.log"
     with open(output, "wb") as out:
         process = subprocess.Popen(
@@ -156,6 +160,7 @@ def test_bench_stops_its_broker_on_sigterm(tmp_path: Path):
         assert process.wait(90) != 0
         left = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         assert not left, (left, output.read_text(errors="replace")[-2000:])
+        assert sorted(p.name for p in temporary.iterdir()) == []
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)

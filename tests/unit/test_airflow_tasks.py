@@ -7,14 +7,13 @@ import json
 import logging
 import os
 import sys
-import tempfile
 import threading
 
 import psutil
 import pytest
 
 from duality.config import Settings
-from tests.harness import ROOT, assert_eventually
+from tests.harness import ROOT, assert_eventually, own_airflow_home
 
 LOG = logging.getLogger("test")
 
@@ -22,7 +21,7 @@ LOG = logging.getLogger("test")
 @pytest.fixture
 def plugins(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
     """duality_airflow importable, with an Airflow home of its own and no connections."""
-    os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="duality-airflow-home-"))
+    own_airflow_home()
     monkeypatch.syspath_prepend(str(ROOT / "plugins"))
     from duality_airflow import hooks, operators, triggers
 
