@@ -66,7 +66,8 @@ FAST_COMPACTION = {
 
 # Answers that mean "ask again in a moment": a coordinator or a partition leader that is moving,
 # a new leader whose high watermark has not caught up yet. librdkafka flags most retriable errors
-# itself, but not the per-partition errors of an admin result (ListOffsets), so they are named.
+# itself, but confluent-kafka does not flag a partition's error in a result (an offset lookup's
+# `TopicPartition.error`, an admin call's per-partition future), so they are named.
 _NOT_YET = (
     KafkaError.NOT_COORDINATOR,
     KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
