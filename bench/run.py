@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         copy_figure = next(f for f in figures if f.scenario == "python-copy")
         spark_figure = next(f for f in streams if f.scenario == "spark-aggregation")
         for figure in streams:
-            if figure.scenario == "stream-throughput" and isinstance(figure, StreamFigure):
+            if figure.scenario.startswith("stream-throughput") and isinstance(figure, StreamFigure):
                 set_throughput_target(figure, copy_figure, spark_figure)
         figures.extend(streams)
         figures.extend(repartitioned)

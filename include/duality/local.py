@@ -456,11 +456,6 @@ class LocalBroker:
         self.pid_file.unlink(missing_ok=True)
         return {"state": "stopped", "was_running": True, "pid": pid}
 
-    def wipe(self) -> None:
-        """Delete the broker's data and logs; it must be stopped."""
-        assert self.pid() is None, "wipe() on a running broker"
-        shutil.rmtree(self.root, ignore_errors=True)
-
 
 def live_pid(pid_file: Path, matches: Callable[[list[str]], bool]) -> int | None:
     """The pid in `pid_file` if that process runs and its command line `matches`; a stale pid

@@ -36,6 +36,7 @@ def test_bench_writes_baselines(settings: Settings, tmp_path: Path):
         "python-copy",
         "spark-aggregation",
         "stream-throughput",
+        "stream-throughput-warm",
         "state-scale",
         "restore-from-changelog",
         "recompute-from-source",
@@ -49,7 +50,13 @@ def test_bench_writes_baselines(settings: Settings, tmp_path: Path):
         "validate-3x",
         "latency",
     }
-    for name in ("kafka-consumer-perf", "python-copy", "spark-aggregation", "stream-throughput"):
+    for name in (
+        "kafka-consumer-perf",
+        "python-copy",
+        "spark-aggregation",
+        "stream-throughput",
+        "stream-throughput-warm",
+    ):
         assert figures[name]["records"] == 20000
         assert figures[name]["records_per_s"] > 0 and figures[name]["mb_per_s"] > 0
     _check_stream_scenarios(figures)
@@ -88,6 +95,10 @@ def _check_stream_scenarios(figures: dict) -> None:
     throughput = figures["stream-throughput"]
     assert throughput["vs_python_copy"] > 0 and throughput["vs_spark_aggregation"] > 0
     assert "python-copy" in _targets(throughput)[0]["target"]
+    # The same stream, given the backlog again at once: ratios, no target.
+    warm = figures["stream-throughput-warm"]
+    assert warm["vs_python_copy"] > 0 and warm["vs_spark_aggregation"] > 0
+    assert "targets" not in warm
 
     # 500 keys (the throughput run) and 20 times as many, one event each.
     scale = figures["state-scale"]
