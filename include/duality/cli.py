@@ -598,12 +598,18 @@ def _cmd_read(settings: Settings, args: argparse.Namespace, console: Console) ->
     from duality import snapshot
 
     pipeline = spec.find_spec(settings, args.pipeline)
-    with console.status(f"reading the published snapshot of {pipeline.name}"):
-        frame, version, coverage = snapshot.read(settings, pipeline)
-        total = frame.count()
-        rows = [
-            row.asDict() for row in frame.orderBy(*pipeline.key_columns).limit(args.limit).collect()
-        ]
+    path = pipeline.snapshot_path(settings)
+    # No rows asked for: the version and its size come from the table's log, without Spark.
+    size = snapshot.published_size(pipeline, path) if args.limit == 0 else None
+    if size is not None:
+        version, coverage, total = size
+        rows: list[dict[str, Any]] = []
+    else:
+        with console.status(f"reading the published snapshot of {pipeline.name}"):
+            frame, version, coverage = snapshot.read(settings, pipeline)
+            total = frame.count()
+            ordered = frame.orderBy(*pipeline.key_columns).limit(args.limit)
+            rows = [row.asDict() for row in ordered.collect()]
     if not args.json:
         table = Table(title=f"{pipeline.name}: published version {version} ({total:,} rows)")
         columns = list(rows[0]) if rows else pipeline.snapshot_columns
@@ -943,7 +949,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     reader = add("read", _cmd_read, "the published (validated) snapshot of a pipeline")
     reader.add_argument("pipeline", help="pipeline name or spec file")
-    reader.add_argument("--limit", type=int, default=20, help="rows to show (ordered by key)")
+    reader.add_argument(
+        "--limit",
+        type=_not_negative,
+        default=20,
+        help="rows to show, ordered by key (0: only the version and its row count, without Spark)",
+    )
     skew_parser = add("skew", _cmd_skew, "load per partition, hot partitions and keys of a topic")
     skew_parser.add_argument("topic", help="the topic to inspect")
     skew_parser.add_argument("--group", help="also show this consumer group's lag")

@@ -636,17 +636,31 @@ def require_table(spec: PipelineSpec, path: Path) -> None:
         )
 
 
+def published_size(spec: PipelineSpec, path: Path) -> tuple[int, Coverage, int] | None:
+    """The published version, what it covers and its row count from the checksum files alone,
+    without Spark; None when they do not say (no checksum, none published: `read` then asks)."""
+    require_table(spec, path)
+    latest = table_state(path, history(path)[0].version)
+    found = _published_in(latest.properties) if latest is not None else None
+    state = table_state(path, found[0]) if found is not None else None
+    if found is None or state is None or state.rows is None:
+        return None
+    return *found, state.rows
+
+
 def published(spark: SparkSession, path: Path) -> tuple[int, Coverage] | None:
     """The published version and what it covers, from the table's properties (read from the
     latest version's checksum file; from Spark when there is none)."""
     state = table_state(path, history(path)[0].version)
     if state is not None:
-        properties = state.properties
-    else:
-        from delta.tables import DeltaTable
+        return _published_in(state.properties)
+    from delta.tables import DeltaTable
 
-        row = DeltaTable.forPath(spark, str(path)).detail().select("properties").first()
-        properties = (row["properties"] if row else None) or {}
+    row = DeltaTable.forPath(spark, str(path)).detail().select("properties").first()
+    return _published_in((row["properties"] if row else None) or {})
+
+
+def _published_in(properties: dict[str, str]) -> tuple[int, Coverage] | None:
     if PUBLISHED_VERSION not in properties:
         return None
     coverage = Coverage.from_dict(json.loads(properties[PUBLISHED_COVERAGE]))

@@ -255,6 +255,11 @@ def test_failed_validation_keeps_the_published_version(spark, pipeline) -> None:
     assert not written["success"] and len(written["failed"]) == 2
     assert Path(output["data_docs"]).is_file()
 
+    # `read --limit 0` answers from the checksum files: the published version, not the latest.
+    size = snapshot.published_size(spec, path)
+    assert size is not None and (size[0], size[2]) == (first.version, len(good))
+    refused = _cli(settings, "read", spec.name, "--limit", "-1")
+    assert refused.returncode == 2 and "--limit" in refused.stderr, refused.stderr
     read = _cli(settings, "read", spec.name, "--limit", "1000")
     assert read.returncode == 0, read.stderr[-2000:]
     published = json.loads(read.stdout)
