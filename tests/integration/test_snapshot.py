@@ -256,8 +256,8 @@ def test_failed_validation_keeps_the_published_version(spark, pipeline) -> None:
     assert Path(output["data_docs"]).is_file()
 
     # `read --limit 0` answers from the checksum files: the published version, not the latest.
-    size = snapshot.published_size(spec, path)
-    assert size is not None and (size[0], size[2]) == (first.version, len(good))
+    published_coverage = snapshot.Coverage.from_dict(first.coverage)
+    assert snapshot.published_size(spec, path) == (first.version, published_coverage, len(good))
     refused = _cli(settings, "read", spec.name, "--limit", "-1")
     assert refused.returncode == 2 and "--limit" in refused.stderr, refused.stderr
     read = _cli(settings, "read", spec.name, "--limit", "1000")
