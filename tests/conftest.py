@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,9 +13,48 @@ import pytest
 from duality import kafka
 from duality.config import Settings
 from duality.local import ephemeral_broker
-from tests.harness import unique_name
+from tests.harness import AIRFLOW_HOMES, unique_name
 
 _MARK_BY_FOLDER = {"unit": "unit", "integration": "integration", "e2e": "e2e", "dags": "unit"}
+# What a process the tests start would leave in the system's temporary folder if it were not
+# given a folder of its own: the JVM's native libraries and Spark's block manager and
+# artifact folders, Chromium's socket folders, and duality's own temporary folders.
+_LEFTOVERS = (
+    "librocksdbjni*",
+    "liblz4-java*",
+    "snappy-*",
+    "blockmgr-*",
+    "artifacts-*",
+    "spark-*",
+    "org.chromium.Chromium.*",
+    "duality-*",
+)
+_LEFTOVERS_AT_START = pytest.StashKey[set[str]]()
+
+
+def _temp_leftovers() -> set[str]:
+    root = Path(tempfile.gettempdir())
+    return {path.name for pattern in _LEFTOVERS for path in root.glob(pattern)}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_LEFTOVERS_AT_START] = _temp_leftovers()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The run fails when it left files in the system's temporary folder: every process a test
+    starts, and every folder it makes, is its own to clean up."""
+    left = sorted(
+        _temp_leftovers()
+        - session.config.stash[_LEFTOVERS_AT_START]
+        - {Path(home.name).name for home in AIRFLOW_HOMES}  # removed when the process exits
+    )
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = f"the tests left {len(left)} entries in {tempfile.gettempdir()}: {left[:20]}"
+        if reporter is not None:
+            reporter.write_line(message, red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

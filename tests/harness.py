@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 T = TypeVar("T")
 
-_AIRFLOW_HOMES: list[tempfile.TemporaryDirectory[str]] = []
+# Removed when the test process exits (conftest knows they are left until then).
+AIRFLOW_HOMES: list[tempfile.TemporaryDirectory[str]] = []
 
 
 def own_airflow_home() -> str:
@@ -36,7 +37,7 @@ def own_airflow_home() -> str:
         home = tempfile.TemporaryDirectory(
             prefix="duality-airflow-home-", ignore_cleanup_errors=True
         )
-        _AIRFLOW_HOMES.append(home)
+        AIRFLOW_HOMES.append(home)
         os.environ["AIRFLOW_HOME"] = home.name
     return os.environ["AIRFLOW_HOME"]
 

@@ -358,7 +358,10 @@ def describe() -> list[tuple[str, str, str]]:
         "jar_cache": "folder the Maven-fetched jars are copied into",
         "pipelines": "folder of pipeline specs",
         "repartition_config": "topics the scheduled repartition DAG checks and copies",
-        "local_dir": "data, logs and pid files of the local stack",
+        "local_dir": (
+            "data, logs and pid files of the local stack; the temporary files of Spark's JVMs "
+            "(`jvm-tmp/`)"
+        ),
         "reports": "validation reports: JSON and Great Expectations Data Docs per pipeline",
         "airflow_url": "Airflow UI and API address",
         "airflow_db": "what `duality up` runs Airflow on: `sqlite` (Airflow standalone) or "

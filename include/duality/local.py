@@ -197,6 +197,9 @@ class LocalBroker:
         self.logs_dir = self.root / "logs"
         self.config_file = self.root / "server.properties"
         self.pid_file = self.root / "broker.pid"
+        # The node's java.io.tmpdir: what its JVM unpacks (LZ4's native library) stays in its
+        # folder, and a killed node's leftovers are cleared when it starts again.
+        self.tmp_dir = self.root / "tmp"
         self.jar_dir = settings.jar_cache / "broker"
 
     # -- what is there ---------------------------------------------------------------------
@@ -250,8 +253,9 @@ class LocalBroker:
 
     def _prepare_and_launch(self) -> subprocess.Popen[bytes]:
         """Write the config, format the storage once, launch the node and record its pid."""
-        self.root.mkdir(parents=True, exist_ok=True)
         self.logs_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
+        self.tmp_dir.mkdir()
         self._write_config()
         if not (self.data_dir / "meta.properties").is_file():
             self._format_storage()
@@ -369,6 +373,7 @@ class LocalBroker:
             f"-Xmx{heap}",
             "-XX:+UseG1GC",
             "-Djava.awt.headless=true",
+            f"-Djava.io.tmpdir={self.tmp_dir}",
             f"-Dlog4j2.configurationFile={self.root / 'log4j2.properties'}",
             f"-Dkafka.logs.dir={self.logs_dir}",
             "-cp",

@@ -6,9 +6,12 @@ session starts, so sessions start quickly and work offline.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
 import re
+import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -16,6 +19,8 @@ import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
+
+import psutil
 
 from duality.config import Settings
 from duality.errors import UsageError
@@ -162,6 +167,10 @@ def session_config(settings: Settings, app_name: str) -> dict[str, str]:
                 # One executor per core, small enough that a 1 GiB, 1-core worker takes one.
                 "spark.executor.cores": "1",
                 "spark.executor.memory": "512m",
+                # An executor's temporary files (the native libraries it unpacks) go to its
+                # working folder on the worker, not the worker's /tmp, where a killed executor
+                # left them (docs/decisions/0022-jvm-temporary-files.md).
+                "spark.executor.extraJavaOptions": "-Djava.io.tmpdir=.",
             }
         )
         if settings.spark_cores_max is not None:
@@ -188,6 +197,9 @@ def session(
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     config = session_config(settings, app_name)
+    # The JVM's temporary files (native libraries it unpacks at start) and Spark's shuffle and
+    # spill files (spark.local.dir defaults to java.io.tmpdir) go to this process's own folder.
+    config["spark.driver.extraJavaOptions"] = f"-Djava.io.tmpdir={scratch_folder(settings)}"
     config.update(extra or {})
     builder = SparkSession.builder
     for key, value in config.items():
@@ -195,6 +207,53 @@ def session(
     spark = _with_stdout_to_stderr(builder.getOrCreate)
     spark.sparkContext.setLogLevel("WARN")
     return spark
+
+
+def scratch_folder(settings: Settings) -> Path:
+    """This process's temporary folder for its JVM, `<local_dir>/jvm-tmp/<host>-<pid>`.
+
+    A JVM unpacks native libraries into `java.io.tmpdir` when it starts (RocksDB's alone is
+    14 MB; LZ4's and Snappy's too) and deletes them only when it exits in order; Spark's block
+    manager folders go the same way. A driver that is killed, or whose JVM is, left them in /tmp
+    for good. Here they live in a folder of the process's own: it is removed when the process
+    exits, and the folders of this host's processes that are gone are removed when the next
+    session starts. The folder is made once per process and reused by its later sessions.
+    """
+    root = settings.local_dir / "jvm-tmp"
+    host = socket.gethostname()
+    folder = root / f"{host}-{os.getpid()}"
+    if folder in _SCRATCH_MADE:
+        return folder
+    for other in root.glob(f"{host}-*"):
+        # `<host>-<pid>` of this host only (another host's name may start with this one's).
+        pid = other.name.removeprefix(f"{host}-")
+        if other != folder and pid.isdigit() and _gone(int(pid)):
+            shutil.rmtree(other, ignore_errors=True)
+    # A folder of an earlier process that had this pid holds nothing of this one.
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    _SCRATCH_MADE.add(folder)
+    atexit.register(_remove_scratch, folder, os.getpid())
+    return folder
+
+
+def _gone(pid: int) -> bool:
+    """Whether process `pid` has ended (a killed process may stay a zombie for a while)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _remove_scratch(folder: Path, owner: int) -> None:
+    """At exit, remove the process's folder. Its JVM ends right after (when its input closes)
+    and has no work left to write there; whatever it might still write is removed by the next
+    session's sweep. A forked child inherits this handler, not the JVM: it leaves the folder."""
+    if os.getpid() == owner:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+_SCRATCH_MADE: set[Path] = set()
 
 
 def _with_stdout_to_stderr(start: Callable[[], T]) -> T:

@@ -4,7 +4,9 @@ browser` installs them), driven by Selenium with explicit paths, so nothing is e
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -23,8 +25,11 @@ ARGS = ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-s
 T = TypeVar("T")
 
 
-def chromium() -> WebDriver:
-    """A headless Chromium (fails the test, saying how to fix it, without the Debian packages)."""
+@contextlib.contextmanager
+def chromium() -> Iterator[WebDriver]:
+    """A headless Chromium, quit afterwards (fails the test, saying how to fix it, without the
+    Debian packages). Its temporary files (profile, single-instance socket: Chromium left the
+    socket's folder in /tmp) go to a folder of its own, deleted after it quit."""
     for binary in (CHROMIUM, CHROMEDRIVER):
         if not binary.is_file():
             pytest.fail(
@@ -35,7 +40,14 @@ def chromium() -> WebDriver:
     options.binary_location = str(CHROMIUM)
     for arg in ARGS:
         options.add_argument(arg)
-    return webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
+    with tempfile.TemporaryDirectory(prefix="duality-chromium-") as scratch:
+        options.add_argument(f"--user-data-dir={scratch}/profile")
+        service = Service(executable_path=str(CHROMEDRIVER), env={**os.environ, "TMPDIR": scratch})
+        driver = webdriver.Chrome(service=service, options=options)
+        try:
+            yield driver
+        finally:
+            driver.quit()
 
 
 class Browser:

@@ -43,11 +43,8 @@ def source(stack: Stack) -> str:
 
 @pytest.fixture
 def ui(stack: Stack, tmp_path: Path) -> Iterator[Browser]:
-    driver = chromium()
-    try:
+    with chromium() as driver:
         yield Browser(driver, stack.settings.airflow_url, tmp_path / "ui-evidence")
-    finally:
-        driver.quit()
 
 
 def url_path(driver: WebDriver) -> str:

@@ -5,8 +5,10 @@ Ground truth comes from tests/truth.py, computed from the source records read ba
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import socket
 import threading
 import time
 from collections import Counter
@@ -83,6 +85,13 @@ DEFECTS = [
 ]
 
 
+def _leftover_scratch(settings: Settings) -> list[str]:
+    """The JVM scratch folders in `<local_dir>/jvm-tmp` but this test process's own."""
+    root = settings.local_dir / "jvm-tmp"
+    mine = f"{socket.gethostname()}-{os.getpid()}"
+    return sorted(f.name for f in root.iterdir() if f.name != mine) if root.is_dir() else []
+
+
 def test_changelog_equals_ground_truth(settings: Settings, pipelines: Path, tmp_path: Path):
     """Every kind of bad record, plus one larger than the dead-letter topic accepts."""
     spec = make_pipeline(settings, pipelines, "product_sales")
@@ -150,6 +159,9 @@ def test_sigkill_at_three_moments(settings: Settings, pipelines: Path, tmp_path:
     assert set(re.findall(r"restored (\d+) keys", log)) == {"0"}, log[-3000:]
     assert log.count("resuming from the checkpoint") >= 2
     _verify(settings, spec, EVENTS + 5_000)
+    # The killed drivers' JVM scratch folders were removed by the next start, the last
+    # driver's own when it exited.
+    assert _leftover_scratch(settings) == []
 
 
 def test_driver_replaced_when_its_jvm_dies(settings: Settings, pipelines: Path, tmp_path: Path):
@@ -168,6 +180,12 @@ def test_driver_replaced_when_its_jvm_dies(settings: Settings, pipelines: Path, 
         assert stream.process is not None
         jvms = java_processes(stream.process.pid)
         assert len(jvms) == 1, jvms
+        # The JVM's temporary files are in its driver's scratch folder, RocksDB's native
+        # library among them, where a kill leaves nothing behind in the system's /tmp.
+        scratch = settings.local_dir / "jvm-tmp" / f"{socket.gethostname()}-{jvms[0].ppid()}"
+        assert f"-Djava.io.tmpdir={scratch}" in jvms[0].cmdline()
+        libraries = {m.path for m in jvms[0].memory_maps() if "librocksdbjni" in m.path}
+        assert libraries and all(Path(p).parent == scratch for p in libraries), libraries
         jvms[0].kill()
         workload.produce(settings, spec, events=2_000, keys=KEYS, bad_fraction=0.06, seed=22)
         stream.wait_caught_up()
@@ -177,6 +195,7 @@ def test_driver_replaced_when_its_jvm_dies(settings: Settings, pipelines: Path, 
     assert "the driver's JVM exited with -9" in log, log[-3000:]
     assert f"driver exited with {stream_job.JVM_EXITED}" in log, log[-3000:]
     _verify(settings, spec, 6_000)
+    assert not scratch.exists() and _leftover_scratch(settings) == []
 
 
 def test_restore_from_changelog_without_checkpoint_or_early_source(

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
+import socket
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -11,7 +15,7 @@ import pytest
 
 from duality.config import Settings
 from duality.errors import UsageError
-from duality.spark import session_config, spark_jars
+from duality.spark import scratch_folder, session_config, spark_jars
 
 ROOT = Path(__file__).resolve().parents[2]
 NS = {"m": "http://maven.apache.org/POM/4.0.0"}
@@ -118,3 +122,30 @@ def test_missing_jar_cache_names_the_fix(tmp_path: Path):
     settings = Settings.from_env().replace(jar_cache=tmp_path)
     with pytest.raises(UsageError, match="make setup"):
         spark_jars(settings)
+
+
+def test_scratch_folder_sweeps_only_the_ended_processes_of_this_host(tmp_path: Path):
+    settings = Settings.from_env().replace(local_dir=tmp_path)
+    root, host = tmp_path / "jvm-tmp", socket.gethostname()
+    ended = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    dead = int(ended.stdout)
+    folders = {
+        "ended": root / f"{host}-{dead}",
+        "running": root / f"{host}-{os.getppid()}",
+        "other host": root / f"other{host}-{dead}",
+        "longer host name": root / f"{host}-2-{dead}",
+    }
+    for folder in folders.values():
+        (folder / "blockmgr-1").mkdir(parents=True)
+
+    mine = scratch_folder(settings)
+
+    assert mine == root / f"{host}-{os.getpid()}" and mine.is_dir()
+    assert not folders["ended"].exists()
+    assert all(folders[k].is_dir() for k in ("running", "other host", "longer host name"))
+    assert scratch_folder(settings) == mine  # one folder per process
