@@ -231,7 +231,13 @@ def scratch_folder(settings: Settings) -> Path:
             shutil.rmtree(other, ignore_errors=True)
     # A folder of an earlier process that had this pid holds nothing of this one.
     shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
+    try:
+        folder.mkdir(parents=True)
+    except OSError as error:
+        raise UsageError(
+            f"cannot make the JVM's temporary folder {folder} ({error.strerror}): set "
+            "DUALITY_LOCAL_DIR to a folder this user can write"
+        ) from None
     _SCRATCH_MADE.add(folder)
     atexit.register(_remove_scratch, folder, os.getpid())
     return folder

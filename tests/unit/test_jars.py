@@ -149,3 +149,11 @@ def test_scratch_folder_sweeps_only_the_ended_processes_of_this_host(tmp_path: P
     assert not folders["ended"].exists()
     assert all(folders[k].is_dir() for k in ("running", "other host", "longer host name"))
     assert scratch_folder(settings) == mine  # one folder per process
+
+
+def test_scratch_folder_that_cannot_be_made_names_the_setting(tmp_path: Path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(UsageError, match="DUALITY_LOCAL_DIR") as error:
+        scratch_folder(Settings.from_env().replace(local_dir=blocker))
+    assert str(blocker) in str(error.value)
