@@ -32,6 +32,7 @@ from duality.local import (
     recorded_stack,
     stop_brokers,
 )
+from duality.spark import sweep_scratch
 from duality.stream_job import StreamOptions
 
 Handler = Callable[[Settings, argparse.Namespace, Console], Any]
@@ -148,6 +149,8 @@ def _cmd_down(settings: Settings, args: argparse.Namespace, console: Console) ->
     # Airflow first: a supervisor run in between could start a stream again.
     airflow = LocalAirflow(settings).stop()
     streams = stream_control.stop_all(settings)
+    # What the stopped (or once killed) drivers' JVMs left in their temporary folders.
+    sweep_scratch(settings)
     topology = recorded_stack(settings) or Topology()
     workers = max(
         topology.spark_workers, len(list((settings.local_dir / "spark").glob("worker-*")))

@@ -219,16 +219,10 @@ def scratch_folder(settings: Settings) -> Path:
     exits, and the folders of this host's processes that are gone are removed when the next
     session starts. The folder is made once per process and reused by its later sessions.
     """
-    root = settings.local_dir / "jvm-tmp"
-    host = socket.gethostname()
-    folder = root / f"{host}-{os.getpid()}"
+    folder = settings.local_dir / "jvm-tmp" / f"{socket.gethostname()}-{os.getpid()}"
     if folder in _SCRATCH_MADE:
         return folder
-    for other in root.glob(f"{host}-*"):
-        # `<host>-<pid>` of this host only (another host's name may start with this one's).
-        pid = other.name.removeprefix(f"{host}-")
-        if other != folder and pid.isdigit() and _gone(int(pid)):
-            shutil.rmtree(other, ignore_errors=True)
+    sweep_scratch(settings)
     # A folder of an earlier process that had this pid holds nothing of this one.
     shutil.rmtree(folder, ignore_errors=True)
     try:
@@ -241,6 +235,20 @@ def scratch_folder(settings: Settings) -> Path:
     _SCRATCH_MADE.add(folder)
     atexit.register(_remove_scratch, folder, os.getpid())
     return folder
+
+
+def sweep_scratch(settings: Settings) -> list[Path]:
+    """Remove the JVM folders of this host's processes that have ended (also what `duality
+    down` does); returns the folders removed."""
+    host = socket.gethostname()
+    removed = []
+    for folder in (settings.local_dir / "jvm-tmp").glob(f"{host}-*"):
+        # `<host>-<pid>` of this host only (another host's name may start with this one's).
+        pid = folder.name.removeprefix(f"{host}-")
+        if pid.isdigit() and int(pid) != os.getpid() and _gone(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
 
 
 def _gone(pid: int) -> bool:

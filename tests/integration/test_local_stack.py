@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -41,6 +44,9 @@ def test_up_twice_status_down(tmp_path: Path):
         assert again["already_running"] is True
         assert again["pid"] == started["pid"]
         assert len(_kafka_processes(str(tmp_path))) == 1
+        # The broker's JVM unpacks its native libraries into its own folder, not /tmp.
+        (broker_jvm,) = _kafka_processes(str(tmp_path))
+        assert f"-Djava.io.tmpdir={tmp_path / 'local' / 'kafka' / 'tmp'}" in broker_jvm.cmdline()
 
         status = run_duality(env, "status", "--json")
         assert status.returncode == 0, status.stderr
@@ -50,11 +56,21 @@ def test_up_twice_status_down(tmp_path: Path):
         assert broker["bootstrap_servers"] == f"localhost:{port}"
         # The broker logs through log4j: a missing SLF4J binding once left the file empty.
         assert "Kafka Server started" in Path(broker["log"]).read_text()
+        # A JVM folder that a killed driver left (its process has ended).
+        ended = subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        left = tmp_path / "local" / "jvm-tmp" / f"{socket.gethostname()}-{int(ended.stdout)}"
+        (left / "blockmgr-1").mkdir(parents=True)
     finally:
         down = run_duality(env, "down", "--json")
     assert down.returncode == 0, down.stderr
     assert [node["pid"] for node in json.loads(down.stdout)["brokers"]] == [started["pid"]]
     assert _kafka_processes(str(tmp_path)) == []
+    assert not left.exists()
 
     stopped = run_duality(env, "status", "--json")
     assert stopped.returncode == 1  # the broker the settings name does not answer
