@@ -217,7 +217,8 @@ def scratch_folder(settings: Settings) -> Path:
     manager folders go the same way. A driver that is killed, or whose JVM is, left them in /tmp
     for good. Here they live in a folder of the process's own: it is removed when the process
     exits, and the folders of this host's processes that are gone are removed when the next
-    session starts. The folder is made once per process and reused by its later sessions.
+    session starts (and by `duality down`). The folder is made once per process and reused by
+    its later sessions.
     """
     folder = settings.local_dir / "jvm-tmp" / f"{socket.gethostname()}-{os.getpid()}"
     if folder in _SCRATCH_MADE:
@@ -237,18 +238,15 @@ def scratch_folder(settings: Settings) -> Path:
     return folder
 
 
-def sweep_scratch(settings: Settings) -> list[Path]:
+def sweep_scratch(settings: Settings) -> None:
     """Remove the JVM folders of this host's processes that have ended (also what `duality
-    down` does); returns the folders removed."""
+    down` does)."""
     host = socket.gethostname()
-    removed = []
     for folder in (settings.local_dir / "jvm-tmp").glob(f"{host}-*"):
         # `<host>-<pid>` of this host only (another host's name may start with this one's).
         pid = folder.name.removeprefix(f"{host}-")
         if pid.isdigit() and int(pid) != os.getpid() and _gone(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder)
-    return removed
 
 
 def _gone(pid: int) -> bool:
