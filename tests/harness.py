@@ -42,6 +42,17 @@ def own_airflow_home() -> str:
     return os.environ["AIRFLOW_HOME"]
 
 
+def ended_pid() -> int:
+    """The pid of a process that has ended: a short Python run, waited for."""
+    ended = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(ended.stdout)
+
+
 def assert_eventually(
     probe: Callable[[], T],
     expected: Any = None,

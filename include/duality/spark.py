@@ -114,7 +114,8 @@ def local_cores(master: str) -> int:
 
 
 def session_config(settings: Settings, app_name: str) -> dict[str, str]:
-    """Every setting the builder applies; also what the compose stack's jobs are given."""
+    """Every setting the builder applies, but for the driver's temporary folder, which `session`
+    adds since it makes the folder; also what the compose stack's jobs are given."""
     local = settings.spark_master.startswith("local")
     config = {
         "spark.app.name": app_name,

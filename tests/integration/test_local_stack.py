@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import psutil
 
 from duality.local import free_port
-from tests.harness import run_duality
+from tests.harness import ended_pid, run_duality
 
 
 def _kafka_processes(marker: str) -> list[psutil.Process]:
@@ -57,13 +55,7 @@ def test_up_twice_status_down(tmp_path: Path):
         # The broker logs through log4j: a missing SLF4J binding once left the file empty.
         assert "Kafka Server started" in Path(broker["log"]).read_text()
         # A JVM folder that a killed driver left (its process has ended).
-        ended = subprocess.run(
-            [sys.executable, "-c", "import os; print(os.getpid())"],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        left = tmp_path / "local" / "jvm-tmp" / f"{socket.gethostname()}-{int(ended.stdout)}"
+        left = tmp_path / "local" / "jvm-tmp" / f"{socket.gethostname()}-{ended_pid()}"
         (left / "blockmgr-1").mkdir(parents=True)
     finally:
         down = run_duality(env, "down", "--json")

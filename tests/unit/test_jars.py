@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import re
 import socket
-import subprocess
-import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -16,6 +14,7 @@ import pytest
 from duality.config import Settings
 from duality.errors import UsageError
 from duality.spark import scratch_folder, session_config, spark_jars
+from tests.harness import ended_pid
 
 ROOT = Path(__file__).resolve().parents[2]
 NS = {"m": "http://maven.apache.org/POM/4.0.0"}
@@ -127,13 +126,7 @@ def test_missing_jar_cache_names_the_fix(tmp_path: Path):
 def test_scratch_folder_sweeps_only_the_ended_processes_of_this_host(tmp_path: Path):
     settings = Settings.from_env().replace(local_dir=tmp_path)
     root, host = tmp_path / "jvm-tmp", socket.gethostname()
-    ended = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    dead = int(ended.stdout)
+    dead = ended_pid()
     folders = {
         "ended": root / f"{host}-{dead}",
         "running": root / f"{host}-{os.getppid()}",
