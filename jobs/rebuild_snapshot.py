@@ -14,7 +14,7 @@ import logging
 import sys
 
 from duality import snapshot
-from duality.cli import snapshot_arguments
+from duality.arguments import snapshot_arguments
 from duality.config import Settings
 from duality.errors import DualityError
 from duality.spec import find_spec

@@ -18,7 +18,7 @@ import sys
 import threading
 
 from duality import repartition
-from duality.cli import repartition_arguments
+from duality.arguments import repartition_arguments
 from duality.config import Settings
 from duality.errors import DualityError
 

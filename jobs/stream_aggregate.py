@@ -11,7 +11,7 @@ import argparse
 import logging
 import sys
 
-from duality.cli import stream_arguments
+from duality.arguments import stream_arguments
 from duality.config import Settings
 from duality.errors import DualityError
 from duality.spec import find_spec

@@ -17,6 +17,13 @@ from rich.console import Console
 from rich.table import Table
 
 from duality import kafka, spec
+from duality.arguments import (
+    at_least_one,
+    not_negative,
+    repartition_arguments,
+    snapshot_arguments,
+    stream_arguments,
+)
 from duality.config import AIRFLOW_DBS, Settings
 from duality.errors import CheckFailed, DualityError, UsageError
 from duality.local import (
@@ -759,77 +766,6 @@ def _cmd_repartition(
 # -- arguments that a job shares with its command -------------------------------------------
 
 
-def _at_least_one(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
-    return int(text)
-
-
-def _not_negative(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of 0 or more")
-    return int(text)
-
-
-def stream_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments of `duality stream start` and `jobs/stream_aggregate.py`."""
-    parser.add_argument("pipeline", help="pipeline name or spec file")
-    StreamOptions.add_arguments(parser)
-
-
-def snapshot_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments of `duality snapshot` and `jobs/rebuild_snapshot.py`."""
-    parser.add_argument("pipeline", help="pipeline name or spec file")
-    how = parser.add_mutually_exclusive_group()
-    how.add_argument("--full", action="store_true", help="rebuild from the whole changelog")
-    how.add_argument(
-        "--incremental",
-        action="store_true",
-        help="merge only what the changelog got since the last version (the default; falls "
-        "back to a full rebuild when it cannot, and says why)",
-    )
-    how.add_argument(
-        "--maintain", action="store_true", help="OPTIMIZE and VACUUM the snapshot table"
-    )
-    parser.add_argument(
-        "--retain-hours",
-        type=float,
-        default=168.0,
-        help="with --maintain: VACUUM retention; never less than the published version needs",
-    )
-
-
-def repartition_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments of `duality repartition` and `jobs/repartition.py`."""
-    from duality.repartition import TRANSACTION_RECORDS
-
-    parser.add_argument("source", help="the topic to copy")
-    parser.add_argument("--to", required=True, dest="target", help="target topic")
-    parser.add_argument("--partitions", type=int, required=True, help="partitions of the target")
-    parser.add_argument(
-        "--strategy", choices=("key-hash", "salted"), default="key-hash", help="where keys go"
-    )
-    parser.add_argument("--hot-keys", help="salted: auto, or the keys to salt (k1,k2)")
-    parser.add_argument(
-        "--salts", type=int, help="salted: partitions a hot key spreads over (default N)"
-    )
-    parser.add_argument(
-        "--continuous", action="store_true", help="keep mirroring new records until stopped"
-    )
-    parser.add_argument(
-        "--dry-run", action="store_true", help="check the plan and say what it would copy"
-    )
-    parser.add_argument(
-        "--transaction-records",
-        type=_at_least_one,
-        default=TRANSACTION_RECORDS,
-        help="records per Kafka transaction (default %(default)s)",
-    )
-    parser.add_argument(
-        "--throttle", type=float, help="at most this many records per second per source partition"
-    )
-
-
 # -- parser --------------------------------------------------------------------------------
 
 
@@ -849,11 +785,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = add("up", _cmd_up, "start the local stack (idempotent)")
     up.add_argument(
-        "--brokers", type=_at_least_one, help="Kafka brokers, a KRaft quorum from 3 (default 1)"
+        "--brokers", type=at_least_one, help="Kafka brokers, a KRaft quorum from 3 (default 1)"
     )
     up.add_argument(
         "--spark-workers",
-        type=_not_negative,
+        type=not_negative,
         help="start a Spark standalone master and this many workers (default 0: local mode)",
     )
     up.add_argument(
@@ -954,7 +890,7 @@ def build_parser() -> argparse.ArgumentParser:
     reader.add_argument("pipeline", help="pipeline name or spec file")
     reader.add_argument(
         "--limit",
-        type=_not_negative,
+        type=not_negative,
         default=20,
         help="rows to show, ordered by key (0: only the version and its row count, without Spark)",
     )

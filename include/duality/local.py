@@ -36,6 +36,7 @@ import psutil
 from duality import kafka
 from duality.config import STACK_FILE, Settings, jaas_quote, java_properties
 from duality.errors import BrokerUnavailable, DualityError, LocalStackError, UsageError
+from duality.process import end_processes, live_pid, start_daemon, stop_group, wait_exited
 
 _LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 _MAIN_CLASS = "kafka.Kafka"
@@ -460,92 +461,6 @@ class LocalBroker:
         stop_group(pid, _STOP_TIMEOUT_S)
         self.pid_file.unlink(missing_ok=True)
         return {"state": "stopped", "was_running": True, "pid": pid}
-
-
-def live_pid(pid_file: Path, matches: Callable[[list[str]], bool]) -> int | None:
-    """The pid in `pid_file` if that process runs and its command line `matches`; a stale pid
-    file (the process gone, or the pid reused by another program) gives None."""
-    try:
-        pid = int(pid_file.read_text().strip())
-        cmdline = psutil.Process(pid).cmdline()
-    except (FileNotFoundError, ValueError, psutil.Error):
-        return None
-    return pid if matches(cmdline) else None
-
-
-def start_daemon(
-    command: list[str],
-    log: Path,
-    pid_file: Path,
-    *,
-    cwd: Path | None = None,
-    env: Mapping[str, str] | None = None,
-    **popen: Any,
-) -> subprocess.Popen[bytes]:
-    """Start `command` in a session of its own (it outlives the command that started it), its
-    output appended to `log`, its pid written to `pid_file`."""
-    with open(log, "ab") as out:
-        process = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            cwd=cwd,
-            env=env,
-            **popen,
-        )
-    pid_file.write_text(f"{process.pid}\n")
-    return process
-
-
-def stop_group(pid: int, grace: float, first: signal.Signals = signal.SIGTERM) -> None:
-    """Send `first` (SIGTERM) to `pid`, wait up to `grace` seconds, then SIGKILL its whole
-    process group, so whatever it spawned in its session (a Spark worker's executors) goes
-    with it."""
-    try:
-        process = psutil.Process(pid)
-        group = os.getpgid(pid)
-        process.send_signal(first)
-    except (ProcessLookupError, psutil.NoSuchProcess):
-        return
-    wait_exited([process], grace)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(group, signal.SIGKILL)
-    # A SIGKILLed process is gone within moments.
-    wait_exited([process], 10)
-
-
-def end_processes(processes: list[psutil.Process], grace: float) -> None:
-    """SIGTERM each process, and SIGKILL those still alive after `grace` seconds."""
-    for process in processes:
-        with contextlib.suppress(psutil.Error):
-            process.terminate()
-    for process in wait_exited(processes, grace):
-        with contextlib.suppress(psutil.Error):
-            process.kill()
-            wait_exited([process], 10)
-
-
-def wait_exited(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
-    """Wait up to `timeout` seconds until `processes` have exited; returns those still alive.
-    Our own children are reaped; a zombie counts as exited, since its parent (the command that
-    started it, gone since) may never reap it."""
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = []
-        for process in processes:
-            try:
-                with contextlib.suppress(psutil.TimeoutExpired):
-                    process.wait(0)
-                if process.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(process)
-            except psutil.Error:
-                continue
-        if not alive or time.monotonic() >= deadline:
-            return alive
-        processes = alive
-        time.sleep(0.1)
 
 
 def _port_in_use(host: str, port: int) -> bool:

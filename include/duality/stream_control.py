@@ -29,7 +29,7 @@ import psutil
 from duality import kafka, status
 from duality.config import Settings
 from duality.errors import LocalStackError, UsageError
-from duality.local import live_pid, start_daemon
+from duality.process import live_pid, start_daemon
 from duality.spec import PipelineSpec
 
 _STOP_GRACE_S = 90.0
