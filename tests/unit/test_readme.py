@@ -1,25 +1,78 @@
-"""The README stays true to the code: its settings table, its command table and its links."""
+"""The README and docs/ stay true to the code: the command, settings and test tables wherever
+they live, every relative link and anchor, and the README's length."""
 
 from __future__ import annotations
 
 import argparse
 import re
-from collections.abc import Iterable
+from collections.abc import Iterator
 from pathlib import Path
 
 from duality.cli import build_parser
 from duality.config import describe
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
+
+_FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
+_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
 
-def test_every_setting_is_in_the_readme():
-    for variable, _, _ in describe():
-        assert f"`{variable}`" in README, f"{variable} missing from README's configuration table"
+def _prose(text: str) -> str:
+    """The text without its fenced code blocks, which hold no tables, headings or links."""
+    return _FENCE.sub("", text)
+
+
+def _cells(row: str) -> list[str]:
+    return [cell.strip() for cell in re.split(r"(?<!\\)\|", row.strip())[1:-1]]
+
+
+def _tables(text: str) -> Iterator[list[list[str]]]:
+    """Each table of a page as its rows of cells, the header first and the |---| row dropped."""
+    rows: list[list[str]] = []
+    for line in [*_prose(text).splitlines(), ""]:
+        if line.startswith("|"):
+            rows.append(_cells(line))
+        elif rows:
+            yield [row for row in rows if not all(re.fullmatch(r":?-+:?", c) for c in row)]
+            rows = []
+
+
+def _table(*header: str) -> list[list[str]]:
+    """The rows of the one table among README and docs/ whose header is `header`."""
+    found = [
+        (page, table[1:])
+        for page in PAGES
+        for table in _tables(page.read_text())
+        if tuple(table[0]) == header
+    ]
+    assert len(found) == 1, f"expected one table headed {header}, found {[p for p, _ in found]}"
+    return found[0][1]
+
+
+def test_the_settings_table_is_the_settings():
+    documented = {
+        re.fullmatch(r"`(DUALITY_[A-Z0-9_]+)`", row[0])
+        for row in _table("variable", "default", "meaning")
+    }
+    assert None not in documented, "a row of the settings table does not name one variable"
+    documented_names = {match.group(1) for match in documented if match}
+    settings = {variable for variable, _, _ in describe()}
+    assert not settings - documented_names, (
+        f"missing from the settings table: {settings - documented_names}"
+    )
+    assert not documented_names - settings, f"not settings: {documented_names - settings}"
 
 
 def test_readme_has_the_two_commands():
-    assert "make demo" in README and "make test" in README
+    commands = re.findall(r"^make (\w+)", README.read_text(), re.M)
+    assert commands[:2] == ["demo", "test"], commands
+
+
+def test_readme_is_at_most_250_lines():
+    lines = len(README.read_text().splitlines())
+    assert lines <= 250, f"README.md has {lines} lines; move detail to docs/"
 
 
 def _commands(
@@ -36,24 +89,26 @@ def _commands(
     return {path: parser}
 
 
-def _command_table(commands: Iterable[tuple[str, ...]]) -> dict[tuple[str, ...], set[str]]:
-    """The flags README's command table documents for each command: those in the command cell
-    and those in backquotes in its description (not `validate --no-publish`, another's)."""
-    section = README.split("\n## Command line\n", 1)[1].split("\n## ", 1)[0]
+def _command_table(commands: dict[tuple[str, ...], object]) -> dict[tuple[str, ...], set[str]]:
+    """The flags the command table documents for each command: those in the command cell and
+    those in backquotes in its description (not `validate --no-publish`, another's)."""
     table: dict[tuple[str, ...], set[str]] = {}
-    for usage, description in re.findall(r"^\| `duality ([^`]+)` \| (.*) \|$", section, re.M):
-        words = tuple(usage.split())
+    for usage_cell, description in _table("command", "what it does"):
+        usage = re.fullmatch(r"`duality ([^`]+)`", usage_cell)
+        assert usage, f"{usage_cell} in the command table is not a `duality ...` command"
+        words = tuple(usage.group(1).split())
         matches = [c for c in commands if words[: len(c)] == c]
-        assert matches, f"`duality {usage}` in README's command table is not a command"
+        assert matches, f"`duality {usage.group(1)}` in the command table is not a command"
         table.setdefault(max(matches, key=len), set()).update(
-            re.findall(r"--[a-z][a-z-]*", usage), re.findall(r"`(--[a-z][a-z-]*)", description)
+            re.findall(r"--[a-z][a-z-]*", usage.group(1)),
+            re.findall(r"`(--[a-z][a-z-]*)", description),
         )
     return table
 
 
 def test_the_command_table_documents_every_command_and_flag():
     commands = _commands(build_parser())
-    table = _command_table(commands)
+    table = _command_table(dict(commands))
     wrong = []
     for command, parser in commands.items():
         name = " ".join(("duality", *command))
@@ -68,14 +123,55 @@ def test_the_command_table_documents_every_command_and_flag():
             wrong.append(f"{name}: its parser has no {sorted(documented - flags)}")
         if flags - documented:
             wrong.append(f"{name}: {sorted(flags - documented)} not documented")
-    assert not wrong, "README's command table differs from the parser:\n" + "\n".join(wrong)
+    assert not wrong, "the command table differs from the parser:\n" + "\n".join(wrong)
 
 
-def test_links_stay_inside_the_repository():
-    root = Path(__file__).resolve().parents[2]
-    for target in re.findall(r"\]\(([^)#\s]+)[^)]*\)", README):
-        if target.startswith(("http://", "https://")):
-            continue
-        path = (root / target).resolve()
-        assert path.is_relative_to(root), f"README links outside the repository: {target}"
-        assert path.exists(), f"README links to {target}, which does not exist"
+def test_the_testing_table_lists_every_test_file():
+    rows = _table("test file", "what it proves", "needs")
+    documented = {row[0].strip("`") for row in rows}
+    files = {str(path.relative_to(ROOT)) for path in (ROOT / "tests").rglob("test_*.py")}
+    assert not files - documented, f"test files missing from docs/testing.md: {files - documented}"
+    assert not documented - files, (
+        f"docs/testing.md lists files that do not exist: {documented - files}"
+    )
+
+
+def _anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: inline markup dropped, lower case, every
+    character but letters, digits, `_`, `-` and spaces removed, spaces as `-`, repeats numbered."""
+    anchors: set[str] = set()
+    for heading in re.findall(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", _prose(markdown), re.M):
+        text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).replace("`", "")
+        slug = re.sub(r"[^\w\- ]", "", text.lower()).replace(" ", "-")
+        anchor, n = slug, 0
+        while anchor in anchors:
+            n += 1
+            anchor = f"{slug}-{n}"
+        anchors.add(anchor)
+    return anchors
+
+
+def test_anchors_follow_github():
+    page = (
+        "# A `code` title: yes\n## Same\n## Same\n"
+        "```\n# not a heading\n```\n## The stream's [x](y)\n"
+    )
+    assert _anchors(page) == {"a-code-title-yes", "same", "same-1", "the-streams-x"}
+
+
+def test_every_relative_link_resolves():
+    wrong = []
+    for page in PAGES:
+        for target in _LINK.findall(_prose(page.read_text())):
+            if re.match(r"[a-z]+:", target):
+                continue  # http(s), mailto: not this repository's
+            path_part, _, anchor = target.partition("#")
+            path = (page.parent / path_part).resolve() if path_part else page
+            where = f"{page.relative_to(ROOT)}: {target}"
+            if not path.is_relative_to(ROOT):
+                wrong.append(f"{where} leaves the repository")
+            elif not path.exists():
+                wrong.append(f"{where}: no such file")
+            elif anchor and path.suffix == ".md" and anchor not in _anchors(path.read_text()):
+                wrong.append(f"{where}: no heading with that anchor")
+    assert not wrong, "broken links:\n" + "\n".join(wrong)
