@@ -13,7 +13,11 @@ from duality.config import describe
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
-PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
+PAGES = [
+    README,
+    *sorted((ROOT / "docs").rglob("*.md")),
+    *(ROOT / folder / "README.md" for folder in ("include/pipelines", "dags", "plugins")),
+]
 
 _FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
