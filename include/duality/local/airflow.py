@@ -21,9 +21,9 @@ import psutil
 
 from duality.config import Settings
 from duality.errors import LocalStackError, UsageError
-from duality.local.logs import tail
 from duality.local.ports import free_port, port_in_use
 from duality.local.postgres import LocalPostgres, PostgresStatus
+from duality.local.startup import tail, wait_started
 from duality.process import end_processes, kill_group, live_pid, start_daemon, wait_exited
 
 _START_TIMEOUT_S = 300.0
@@ -179,6 +179,7 @@ class LocalAirflow:
         )
 
     def component_log(self, name: str) -> Path:
+        """The log of component `name`, or of `standalone`."""
         return self.home / f"{name}.log"
 
     def component_pid(self, name: str) -> int | None:
@@ -284,7 +285,7 @@ class LocalAirflow:
             env=self.environment(),
         )
         progress("starting Airflow (database, scheduler, DAG processor, triggerer, API server)")
-        self._wait_healthy({"standalone": (process, self.log_file)})
+        self._wait_healthy({"standalone": process})
         return True
 
     def _start_components(self, progress: Callable[[str], None]) -> bool:
@@ -307,12 +308,13 @@ class LocalAirflow:
         since = time.time()
         for name in missing:
             self._clear_predecessor(name)
-            log = self.component_log(name)
-            pid_file = self.home / f"{name}.pid"
-            process = start_daemon(
-                [str(_airflow()), name], log, pid_file, cwd=self.home, env=environment
+            launched[name] = start_daemon(
+                [str(_airflow()), name],
+                self.component_log(name),
+                self.home / f"{name}.pid",
+                cwd=self.home,
+                env=environment,
             )
-            launched[name] = (process, log)
         progress(f"starting Airflow's {', '.join(missing)} on PostgreSQL")
         self._wait_healthy(launched, since)
         return True
@@ -360,27 +362,19 @@ class LocalAirflow:
         end_processes([p for p in members if p.pid not in busy], self.settings.kill_grace_s)
 
     def _wait_healthy(
-        self, launched: dict[str, tuple[subprocess.Popen[bytes], Path]], since: float = 0.0
+        self, launched: dict[str, subprocess.Popen[bytes]], since: float = 0.0
     ) -> None:
         """Wait until Airflow reports every part healthy and each launched component has
         beaten since `since` (a predecessor's last heartbeat still counts as healthy)."""
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        while not _healthy(self.health(), {name: since for name in launched}):
-            for name, (process, log) in launched.items():
-                if process.poll() is not None:
-                    self.stop()
-                    raise LocalStackError(
-                        f"Airflow's {name} exited with code {process.returncode} while starting; "
-                        f"last lines of {log}:\n{tail(log)}"
-                    )
-            if time.monotonic() > deadline:
-                self.stop()
-                logs = "\n".join(f"--- {log}:\n{tail(log)}" for _, log in launched.values())
-                raise LocalStackError(
-                    f"Airflow did not become healthy on {self.settings.airflow_url} within "
-                    f"{_START_TIMEOUT_S:g}s; last lines of the logs:\n{logs}"
-                )
-            time.sleep(1)
+        wait_started(
+            {f"Airflow's {name}": process for name, process in launched.items()},
+            [self.component_log(name) for name in launched],
+            lambda: _healthy(self.health(), {name: since for name in launched}),
+            failure=f"Airflow did not become healthy on {self.settings.airflow_url}",
+            timeout=_START_TIMEOUT_S,
+            stop=self.stop,
+            interval=1,
+        )
 
     # -- stop ------------------------------------------------------------------------------
 

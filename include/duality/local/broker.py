@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,9 +21,9 @@ from typing import TYPE_CHECKING
 from duality import kafka
 from duality.config import Settings, jaas_quote, java_properties
 from duality.errors import BrokerUnavailable, DualityError, LocalStackError, UsageError
-from duality.local.logs import tail
 from duality.local.ports import LOCAL_HOSTS, free_port, port_in_use
 from duality.local.scram import BROKER_USER, SCRAM_MECHANISM, Scram, scram_argument
+from duality.local.startup import wait_started
 from duality.process import live_pid, start_daemon, stop_group
 
 if TYPE_CHECKING:
@@ -351,30 +350,23 @@ class LocalBroker:
         )
 
     def _wait_until_ready(self, process: subprocess.Popen[bytes]) -> None:
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        last: DualityError | None = None
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                self.pid_file.unlink(missing_ok=True)
-                raise LocalStackError(
-                    f"the broker exited with code {process.returncode} while starting; "
-                    f"last lines of {self.log_file}:\n{self.log_tail()}"
-                )
-            try:
-                kafka.ensure_reachable(self.settings, timeout=2)
-                return
-            except (BrokerUnavailable, UsageError) as error:
-                # A login refused while the broker loads its SCRAM users is not the last word.
-                last = error
-                continue
-        self.stop()
-        raise LocalStackError(
-            f"the broker did not answer on {self.settings.bootstrap_servers} within "
-            f"{_START_TIMEOUT_S:g}s ({last}); last lines of {self.log_file}:\n{self.log_tail()}"
+        wait_started(
+            {"the broker": process},
+            [self.log_file, self.logs_dir / "stdout.log"],
+            self._answers,
+            failure=f"the broker did not answer on {self.settings.bootstrap_servers}",
+            timeout=_START_TIMEOUT_S,
+            stop=self.stop,
+            interval=0,  # each try waits for an answer
         )
 
-    def log_tail(self) -> str:
-        return tail(self.log_file, self.logs_dir / "stdout.log", lines=20)
+    def _answers(self) -> bool:
+        try:
+            kafka.ensure_reachable(self.settings, timeout=2)
+            return True
+        except (BrokerUnavailable, UsageError):
+            # A login refused while the broker loads its SCRAM users is not the last word.
+            return False
 
     # -- stop ------------------------------------------------------------------------------
 

@@ -9,14 +9,13 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
 from duality.config import Settings
 from duality.errors import LocalStackError
-from duality.local.logs import tail
 from duality.local.ports import free_port, port_in_use
+from duality.local.startup import wait_started
 from duality.process import live_pid, start_daemon, stop_group
 
 _START_TIMEOUT_S = 60.0
@@ -185,22 +184,14 @@ class LocalPostgres:
         process = start_daemon(
             command, self.log_file, self.pid_file, cwd=self.root, env=_server_env(), **as_owner
         )
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        while not self._answers("postgres"):
-            if process.poll() is not None:
-                self.pid_file.unlink(missing_ok=True)
-                raise LocalStackError(
-                    f"PostgreSQL exited with code {process.returncode} while starting; last "
-                    f"lines of {self.log_file}:\n{tail(self.log_file)}"
-                )
-            if time.monotonic() > deadline:
-                self.stop()
-                raise LocalStackError(
-                    f"PostgreSQL did not answer on 127.0.0.1:{port} within "
-                    f"{_START_TIMEOUT_S:g}s; last lines of {self.log_file}:\n"
-                    f"{tail(self.log_file)}"
-                )
-            time.sleep(0.2)
+        wait_started(
+            {"PostgreSQL": process},
+            [self.log_file],
+            lambda: self._answers("postgres"),
+            failure=f"PostgreSQL did not answer on 127.0.0.1:{port}",
+            timeout=_START_TIMEOUT_S,
+            stop=self.stop,
+        )
         self._create_database()
 
     def _initdb(

@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,8 +17,8 @@ import psutil
 
 from duality.config import Settings
 from duality.errors import LocalStackError, UsageError
-from duality.local.logs import tail
 from duality.local.ports import LOCAL_HOSTS, free_port
+from duality.local.startup import wait_started
 from duality.process import kill_group, live_pid, start_daemon, stop_group
 
 _SPARK_START_TIMEOUT_S = 120.0
@@ -262,7 +261,7 @@ class LocalSparkCluster:
             )
         # Workers that find no master retry only after several seconds: start them once it
         # answers.
-        self._wait(launched, lambda: self.master_state() is not None, "the master to answer")
+        self._wait(launched, lambda: self.master_state() is not None, "the master did not answer")
         for i in range(self.workers):
             if self.worker_pid(i) is not None:
                 continue
@@ -290,7 +289,7 @@ class LocalSparkCluster:
         self._wait(
             launched,
             lambda: len(self.alive_workers()) == self.workers,
-            f"the master to list {self.workers} workers ALIVE",
+            f"the master did not list {self.workers} workers ALIVE",
         )
         return dataclasses.replace(self.status(), already_running=False)
 
@@ -324,25 +323,16 @@ class LocalSparkCluster:
         self,
         launched: dict[str, tuple[subprocess.Popen[bytes], Path]],
         ready: Callable[[], bool],
-        what: str,
+        failure: str,
     ) -> None:
-        deadline = time.monotonic() + _SPARK_START_TIMEOUT_S
-        while not ready():
-            for name, (process, log) in launched.items():
-                if process.poll() is not None:
-                    self.stop()
-                    raise LocalStackError(
-                        f"the Spark {name} exited with code {process.returncode} while "
-                        f"starting; last lines of {log}:\n{tail(log)}"
-                    )
-            if time.monotonic() >= deadline:
-                logs = "\n".join(f"--- {log}:\n{tail(log)}" for _, log in launched.values())
-                self.stop()
-                raise LocalStackError(
-                    f"waited {_SPARK_START_TIMEOUT_S:g}s for {what} ({self.master_ui}/json/) "
-                    f"in vain; last lines of the logs:\n{logs}"
-                )
-            time.sleep(0.25)
+        wait_started(
+            {f"the Spark {name}": process for name, (process, _) in launched.items()},
+            [log for _, log in launched.values()],
+            ready,
+            failure=f"{failure} ({self.master_ui}/json/)",
+            timeout=_SPARK_START_TIMEOUT_S,
+            stop=self.stop,
+        )
 
     # -- faults and stop -------------------------------------------------------------------
 
