@@ -255,10 +255,8 @@ class LocalAirflow:
                 raise LocalStackError(
                     f"{self.settings.home / folder} is missing: set DUALITY_HOME to the checkout"
                 )
-        if wanted == "sqlite":
-            started = self._start_standalone(progress)
-        else:
-            started = self._start_components(progress)
+        start = self._start_standalone if wanted == "sqlite" else self._start_components
+        started = start(progress)
         return dataclasses.replace(
             self.status(), already_running=not started, password=self.password()
         )
@@ -276,7 +274,7 @@ class LocalAirflow:
             return False
         self._check_port()
         self.home.mkdir(parents=True, exist_ok=True)
-        self.password()
+        self.password()  # the file Airflow reads the admin's password from
         process = start_daemon(
             [str(_airflow()), "standalone"],
             self.log_file,
@@ -297,7 +295,7 @@ class LocalAirflow:
         if "api-server" in missing:
             self._check_port()
         self.home.mkdir(parents=True, exist_ok=True)
-        self.password()
+        self.password()  # the file Airflow reads the admin's password from
         progress("starting PostgreSQL")
         self.postgres.start()
         environment = self.environment()

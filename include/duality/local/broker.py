@@ -1,7 +1,5 @@
-"""One KRaft Kafka node of this machine, run from the Maven-fetched jars: `LocalBroker` formats its
-storage on first start, starts `kafka.Kafka` detached with its data, logs and pid file under
-`<local_dir>/kafka` (or `kafka-<id>` in a cluster), waits until it answers, and stops it without
-leaving a process behind; `ephemeral_broker` is a throw-away one for tests and benchmarks."""
+"""One Kafka node (KRaft broker and controller) of this machine, run from the Maven-fetched jars:
+the dev broker of `duality up`, a node of a local cluster, or a throw-away one for tests."""
 
 from __future__ import annotations
 
@@ -101,6 +99,10 @@ class BrokerStatus:
 
 class LocalBroker:
     """The dev broker of one `local_dir`, listening where `settings.bootstrap_servers` says.
+
+    It formats its storage on the first start, runs `kafka.Kafka` detached with its data, logs
+    and pid file under `<local_dir>/kafka`, waits until it answers, and stops without leaving a
+    process behind. Starting a running broker reports it instead of starting another.
 
     With `quorum`, it is node `node_id` of that KRaft quorum instead (`LocalKafkaCluster`): its
     own ports, its own folder `kafka-<id>`, and the cluster id all nodes were formatted with.
