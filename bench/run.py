@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baselines import Figure, consumer_perf, order_events, preload, python_copy
 from duality import kafka
 from duality.config import Settings
-from duality.local import ephemeral_broker
+from duality.local.broker import ephemeral_broker
 from repartition import repartition_scenarios
 from snapshots import snapshot_scenarios, validation_scenarios
 from streaming import Bench, StreamFigure, bench_spec, set_throughput_target, stream_scenarios

@@ -23,7 +23,7 @@ from duality import kafka, skew, spec, stream_control, workload
 from duality.airflow_api import AirflowClient
 from duality.config import Settings
 from duality.errors import CheckFailed, LocalStackError, UsageError
-from duality.local import AIRFLOW_USER, LocalAirflow
+from duality.local.airflow import AIRFLOW_USER, LocalAirflow
 
 PIPELINE = "product_sales"
 _CATCH_UP_TIMEOUT_S = 600.0

@@ -27,7 +27,8 @@ import yaml
 from duality import changelog, kafka, snapshot, workload
 from duality.airflow_api import AirflowClient
 from duality.config import Settings
-from duality.local import AIRFLOW_COMPONENTS, AIRFLOW_USER, LocalAirflow, free_port
+from duality.local.airflow import AIRFLOW_COMPONENTS, AIRFLOW_USER, LocalAirflow
+from duality.local.ports import free_port
 from duality.spec import PipelineSpec, load_spec
 from tests.harness import assert_eventually, make_pipeline
 
@@ -94,10 +95,10 @@ def test_scheduler_killed_mid_snapshot_publishes_once_and_runs_one_stream(
     airflow = LocalAirflow(scoped)
     try:
         started = airflow.start()
-        assert started["db"] == "postgres" and started["healthy"], started
-        assert set(started["components"]) == set(AIRFLOW_COMPONENTS)
-        assert started["postgres"]["reachable"]
-        client = AirflowClient(scoped.airflow_url, AIRFLOW_USER, started["password"])
+        assert started.db == "postgres" and started.healthy, started
+        assert set(started.components) == set(AIRFLOW_COMPONENTS)
+        assert started.postgres is not None and started.postgres.reachable
+        client = AirflowClient(scoped.airflow_url, AIRFLOW_USER, str(started.password))
         with StreamCount(spec.name) as streams:
             _stream_and_snapshot(scoped, spec, airflow, client, streams)
             client.set_paused(f"duality_{spec.name}_stream", True)
@@ -123,7 +124,9 @@ def test_scheduler_killed_mid_snapshot_publishes_once_and_runs_one_stream(
     )
     assert _processes_of(root) == [], "the stack left processes behind"
     status = airflow.status()
-    assert status["state"] == "stopped" and status["postgres"]["state"] == "stopped", status
+    assert status.state == "stopped" and status.postgres and status.postgres.state == "stopped", (
+        status
+    )
 
 
 def _stream_and_snapshot(
@@ -159,12 +162,12 @@ def _stream_and_snapshot(
     os.kill(scheduler, signal.SIGKILL)
     killed_at = time.time()
     assert_eventually(lambda: airflow.component_pid("scheduler") is None, timeout=10)
-    assert airflow.status()["state"] == "degraded"
+    assert airflow.status().state == "degraded"
 
     again = airflow.start()  # starts what does not run: the scheduler
-    assert not again["already_running"] and again["healthy"], again
-    assert again["components"]["scheduler"]["pid"] not in (None, scheduler)
-    assert {n: again["components"][n]["pid"] for n in before} == before, "others restarted"
+    assert not again.already_running and again.healthy, again
+    assert again.components["scheduler"].pid not in (None, scheduler)
+    assert {n: again.components[n].pid for n in before} == before, "others restarted"
 
     finished = client.wait_run(snapshot_dag, run_id, timeout=300)
     tasks = {t["task_id"]: t for t in client.task_instances(snapshot_dag, run_id)}

@@ -18,7 +18,7 @@ import pytest
 
 from duality import changelog, kafka, status, stream_job, workload
 from duality.config import Settings
-from duality.local import LocalBroker, ephemeral_broker
+from duality.local.broker import LocalBroker, ephemeral_broker
 from tests import truth
 from tests.harness import (
     StreamProcess,

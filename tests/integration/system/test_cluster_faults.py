@@ -25,7 +25,7 @@ import pytest
 
 from duality import kafka, repartition, snapshot, status, stream_control, stream_job, workload
 from duality.config import Settings
-from duality.local import LocalKafkaCluster, ephemeral_cluster
+from duality.local.kraft import LocalKafkaCluster, ephemeral_cluster
 from duality.spec import PipelineSpec
 from tests.harness import ROOT, assert_eventually, make_pipeline
 from tests.integration.snapshot.test_snapshot import _table, _truth

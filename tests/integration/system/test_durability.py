@@ -15,7 +15,7 @@ import pytest
 
 from duality import kafka, status, stream_job
 from duality.config import Settings
-from duality.local import LocalKafkaCluster, ephemeral_cluster
+from duality.local.kraft import LocalKafkaCluster, ephemeral_cluster
 from duality.spec import PipelineSpec
 from tests.harness import assert_eventually, make_pipeline, run_duality
 

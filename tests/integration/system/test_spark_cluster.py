@@ -22,7 +22,7 @@ import pytest
 
 from duality import kafka, snapshot, workload
 from duality.config import Settings
-from duality.local import LocalSparkCluster
+from duality.local.spark_cluster import LocalSparkCluster
 from duality.spark import package_zip
 from tests.harness import ROOT, StreamProcess, assert_eventually, make_pipeline
 from tests.integration.spark.test_stream import _verify
