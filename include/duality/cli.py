@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -40,7 +41,7 @@ from duality.local import (
     stop_brokers,
 )
 from duality.spark import sweep_scratch
-from duality.stream_job import StreamOptions
+from duality.stream.options import StreamOptions
 
 Handler = Callable[[Settings, argparse.Namespace, Console], Any]
 
@@ -151,11 +152,11 @@ def _cmd_up(settings: Settings, args: argparse.Namespace, console: Console) -> d
 
 
 def _cmd_down(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    from duality import stream_control
+    from duality.stream import control
 
     # Airflow first: a supervisor run in between could start a stream again.
     airflow = LocalAirflow(settings).stop()
-    streams = stream_control.stop_all(settings)
+    streams = control.stop_all(settings)
     # What the stopped (or once killed) drivers' JVMs left in their temporary folders.
     sweep_scratch(settings)
     topology = recorded_stack(settings) or Topology()
@@ -167,7 +168,7 @@ def _cmd_down(settings: Settings, args: argparse.Namespace, console: Console) ->
     forget_stack(settings)
     if not args.json:
         for stopped in streams:
-            console.print(f"stream {stopped['pipeline']} stopped (pid {stopped['pid']})")
+            console.print(f"stream {stopped.pipeline} stopped (pid {stopped.pid})")
         console.print(
             f"Airflow stopped (pid {airflow['pid']})"
             if airflow["was_running"]
@@ -448,51 +449,51 @@ def _cmd_produce(settings: Settings, args: argparse.Namespace, console: Console)
     return result
 
 
-def _cmd_stream(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    from duality import stream_control
+def _cmd_stream(settings: Settings, args: argparse.Namespace, console: Console) -> Any:
+    from duality.stream import control
 
     pipeline = spec.find_spec(settings, args.pipeline)
     action = args.stream_command
-    if action == "start" and args.foreground:
-        from duality.stream_job import supervise
-
-        code = supervise(settings, pipeline, args.pipeline, StreamOptions.from_args(args))
-        return {"pipeline": pipeline.name, "state": "stopped", "exit_code": code}
     if action == "start":
         options = StreamOptions.from_args(args)
+        if args.foreground:
+            # This process becomes the stream (`python -m duality.stream`, which is what the
+            # pid check looks for), with the settings this command runs with.
+            command = [sys.executable, "-m", control.MODULE, args.pipeline, *options.to_args()]
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.execve(sys.executable, command, {**os.environ, **settings.as_env()})
         with console.status(f"starting the stream of {pipeline.name}"):
-            result = stream_control.start(settings, pipeline, job_args=options.to_args())
+            started = control.start(settings, pipeline, job_args=options.to_args())
         if not args.json:
-            verb = "already running" if result["already_running"] else "started"
-            console.print(
-                f"stream {pipeline.name} {verb} (pid {result['pid']}); log {result['log']}"
-            )
-        return result
+            verb = "already running" if started.already_running else "started"
+            console.print(f"stream {pipeline.name} {verb} (pid {started.pid}); log {started.log}")
+        return started
     if action == "stop":
         with console.status(f"stopping the stream of {pipeline.name}"):
-            result = stream_control.stop(settings, pipeline)
+            stopped = control.stop(settings, pipeline)
         if not args.json:
             console.print(
                 f"stream {pipeline.name} stopped"
-                if result["was_running"]
+                if stopped.was_running
                 else f"stream {pipeline.name} was not running"
             )
-        return result
-    result = stream_control.describe(settings, pipeline)
+        return stopped
+    state = control.describe(settings, pipeline)
     if not args.json:
-        beat = result.get("heartbeat", {})
+        beat = state.heartbeat
         console.print(
-            f"stream {pipeline.name}: {result['state']}"
-            + (f" (pid {result['pid']})" if result["pid"] else "")
+            f"stream {pipeline.name}: {state.state}"
+            + (f" (pid {state.pid})" if state.pid else "")
             + (
-                f"; last heartbeat {result['heartbeat_age_s']}s ago: {beat.get('state')}, "
+                f"; last heartbeat {state.heartbeat_age_s}s ago: {beat.get('state')}, "
                 f"batch {beat.get('batch_id', '-')}, {beat.get('state_rows', '-')} rows in state"
                 if beat
                 else "; no heartbeat yet"
             )
-            + (f"; lag {result['lag']:,}" if "lag" in result else "")
+            + (f"; lag {state.lag:,}" if state.lag is not None else "")
         )
-    return result
+    return state
 
 
 def _cmd_reset(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
@@ -912,6 +913,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _json_value(value: Any) -> Any:
+    """What `json.dumps` cannot write itself: a result dataclass as its fields, else text."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return str(value)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = " ".join(
@@ -945,7 +953,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 json.dumps(
                     {**details, "error": str(error), "exit_code": error.exit_code},
                     indent=2,
-                    default=str,
+                    default=_json_value,
                 )
             )
         _err.print(f"duality {command}: error: {error}", style="red", markup=False, soft_wrap=True)
@@ -958,7 +966,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         if args.json:
-            print(json.dumps(result, indent=2, default=str))
+            print(json.dumps(result, indent=2, default=_json_value))
     except BrokenPipeError:
         sys.stderr.close()
     return 0
