@@ -194,12 +194,13 @@ def _terminate(pid: int) -> None:
     """SIGTERM to the supervisor (the running batch commits first), SIGKILL after the grace."""
     try:
         leads_group = os.getpgid(pid) == pid
-    except ProcessLookupError:
+        process = psutil.Process(pid)
+    except (ProcessLookupError, psutil.NoSuchProcess):
         return
     if leads_group:  # started detached: its driver, JVM and Python workers are in its group
         stop_group(pid, _STOP_GRACE_S)
-    else:  # in the foreground of a shell's group: its driver dies with it (die_with_parent)
-        end_processes([psutil.Process(pid)], _STOP_GRACE_S)
+    else:  # in a group it does not lead (a shell's, say): its driver dies with it
+        end_processes([process], _STOP_GRACE_S)
 
 
 def stop(settings: Settings, spec: PipelineSpec, *, hold: bool = True) -> StoppedStream:

@@ -30,6 +30,7 @@ from duality.stream.topics import ensure_topics
 
 log = logging.getLogger("duality.stream")
 
+# A micro-batch ran longer than the stall timeout: the process exits for a new driver.
 STALLED_EXIT = 75
 # The driver's JVM is gone (killed, or ended by an OutOfMemoryError): no query can run in this
 # process again, so it exits and the supervisor starts a driver with a new JVM.
