@@ -2,7 +2,7 @@
 
 Every figure is compared to the baselines measured in the same run on the same topic. Set
 DUALITY_BENCH_RECORDS for a smaller workload (the default is 1,000,000 records of ~100 bytes).
-The stream scenarios (bench/streaming.py) run `jobs/stream_aggregate.py` as a process, as users
+The stream scenarios (bench/streaming.py) run `python -m duality.stream` as a process, as users
 do; where the issue sets a target, the JSON carries the value and whether it was met.
 """
 

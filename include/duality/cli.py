@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,7 +29,7 @@ from duality.config import AIRFLOW_DBS, Settings
 from duality.errors import DualityError, UsageError
 from duality.local import stack
 from duality.local.broker import BrokerStatus
-from duality.stream_job import StreamOptions
+from duality.stream.options import StreamOptions
 
 Handler = Callable[[Settings, argparse.Namespace, Console], Any]
 
@@ -313,51 +314,51 @@ def _cmd_produce(settings: Settings, args: argparse.Namespace, console: Console)
     return result
 
 
-def _cmd_stream(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    from duality import stream_control
+def _cmd_stream(settings: Settings, args: argparse.Namespace, console: Console) -> Any:
+    from duality.stream import control
 
     pipeline = spec.find_spec(settings, args.pipeline)
     action = args.stream_command
-    if action == "start" and args.foreground:
-        from duality.stream_job import supervise
-
-        code = supervise(settings, pipeline, args.pipeline, StreamOptions.from_args(args))
-        return {"pipeline": pipeline.name, "state": "stopped", "exit_code": code}
     if action == "start":
         options = StreamOptions.from_args(args)
+        if args.foreground:
+            # This process becomes the stream (`python -m duality.stream`, which is what the
+            # pid check looks for), with the settings this command runs with.
+            command = [sys.executable, "-m", control.MODULE, args.pipeline, *options.to_args()]
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.execve(sys.executable, command, {**os.environ, **settings.as_env()})
         with console.status(f"starting the stream of {pipeline.name}"):
-            result = stream_control.start(settings, pipeline, job_args=options.to_args())
+            started = control.start(settings, pipeline, job_args=options.to_args())
         if not args.json:
-            verb = "already running" if result["already_running"] else "started"
-            console.print(
-                f"stream {pipeline.name} {verb} (pid {result['pid']}); log {result['log']}"
-            )
-        return result
+            verb = "already running" if started.already_running else "started"
+            console.print(f"stream {pipeline.name} {verb} (pid {started.pid}); log {started.log}")
+        return started
     if action == "stop":
         with console.status(f"stopping the stream of {pipeline.name}"):
-            result = stream_control.stop(settings, pipeline)
+            stopped = control.stop(settings, pipeline)
         if not args.json:
             console.print(
                 f"stream {pipeline.name} stopped"
-                if result["was_running"]
+                if stopped.was_running
                 else f"stream {pipeline.name} was not running"
             )
-        return result
-    result = stream_control.describe(settings, pipeline)
+        return stopped
+    state = control.describe(settings, pipeline)
     if not args.json:
-        beat = result.get("heartbeat", {})
+        beat = state.heartbeat
         console.print(
-            f"stream {pipeline.name}: {result['state']}"
-            + (f" (pid {result['pid']})" if result["pid"] else "")
+            f"stream {pipeline.name}: {state.state}"
+            + (f" (pid {state.pid})" if state.pid else "")
             + (
-                f"; last heartbeat {result['heartbeat_age_s']}s ago: {beat.get('state')}, "
+                f"; last heartbeat {state.heartbeat_age_s}s ago: {beat.get('state')}, "
                 f"batch {beat.get('batch_id', '-')}, {beat.get('state_rows', '-')} rows in state"
                 if beat
                 else "; no heartbeat yet"
             )
-            + (f"; lag {result['lag']:,}" if "lag" in result else "")
+            + (f"; lag {state.lag:,}" if state.lag is not None else "")
         )
-    return result
+    return state
 
 
 def _cmd_reset(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
@@ -777,9 +778,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _plain(value: Any) -> Any:
-    """JSON's form of what `json` cannot write itself: a result's dataclasses as objects, the
-    rest (paths, times) as text."""
+def _json_value(value: Any) -> Any:
+    """What `json.dumps` cannot write itself: a result dataclass as its fields, else text."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.asdict(value)
     return str(value)
@@ -818,7 +818,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 json.dumps(
                     {**details, "error": str(error), "exit_code": error.exit_code},
                     indent=2,
-                    default=str,
+                    default=_json_value,
                 )
             )
         _err.print(f"duality {command}: error: {error}", style="red", markup=False, soft_wrap=True)
@@ -831,7 +831,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         if args.json:
-            print(json.dumps(result, indent=2, default=_plain))
+            print(json.dumps(result, indent=2, default=_json_value))
     except BrokenPipeError:
         sys.stderr.close()
     return 0

@@ -439,11 +439,11 @@ class LocalAirflow:
 
 
 def _in_a_stream(pid: int) -> bool:
-    """Whether `pid` belongs to the session of a stream driver (`jobs/stream_aggregate.py`,
+    """Whether `pid` belongs to the session of a stream (`python -m duality.stream`,
     started in a session of its own, with its JVM and Python workers)."""
     try:
         leader = psutil.Process(os.getsid(pid))
-        return any(part.endswith("stream_aggregate.py") for part in leader.cmdline())
+        return "duality.stream" in leader.cmdline()
     except (OSError, psutil.Error):
         return False
 

@@ -23,6 +23,8 @@ from duality.local.kraft import (
 from duality.local.scram import Scram
 from duality.local.spark_cluster import SparkStatus, SparkStopped, local_spark
 from duality.spark import sweep_scratch
+from duality.stream import control
+from duality.stream.control import StoppedStream
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,27 +158,19 @@ def up(
 
 
 @dataclasses.dataclass(frozen=True)
-class StreamStopped:
-    pipeline: str
-    pid: int
-
-
-@dataclasses.dataclass(frozen=True)
 class StackDown:
     brokers: list[NodeStopped]
     spark: SparkStopped
     airflow: AirflowStopped
-    streams: list[StreamStopped]
+    streams: list[StoppedStream]
 
 
 def down(settings: Settings) -> StackDown:
     """Stop everything of the stack in `<local_dir>`, whatever topology it was started with:
     Airflow first (a supervisor run in between could start a stream again), the streams, Spark,
     then Kafka; forget the record."""
-    from duality import stream_control
-
     airflow = LocalAirflow(settings).stop()
-    streams = [StreamStopped(s["pipeline"], s["pid"]) for s in stream_control.stop_all(settings)]
+    streams = control.stop_all(settings)
     # What the stopped (or once killed) drivers' JVMs left in their temporary folders.
     sweep_scratch(settings)
     topology = recorded_stack(settings) or Topology()
@@ -293,7 +287,7 @@ def require_sound(stack: StackStatus) -> None:
 
 def _duality_topics(settings: Settings) -> list[str]:
     """The topics duality creates for the pipelines, the heartbeats and the repartition DAG."""
-    from duality.status import STATUS_TOPIC
+    from duality.stream.heartbeat import STATUS_TOPIC
 
     topics = [STATUS_TOPIC]
     for path in spec.spec_files(settings):

@@ -44,11 +44,11 @@ def root() -> Iterator[Path]:
 
 class StreamCount:
     """Counts, every 0.2 s on a thread, the running stream processes of one pipeline: its
-    supervisor (`jobs/stream_aggregate.py`) and its driver (`python -m duality.stream_job`)."""
+    supervisor (`python -m duality.stream`) and its driver (`python -m duality.stream.driver`)."""
 
     def __init__(self, name: str):
         self.name = name
-        self.most = {"stream_aggregate.py": 0, "duality.stream_job": 0}
+        self.most = {"duality.stream": 0, "duality.stream.driver": 0}
         self.seen: dict[str, set[int]] = {kind: set() for kind in self.most}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
@@ -119,7 +119,7 @@ def test_scheduler_killed_mid_snapshot_publishes_once_and_runs_one_stream(
     assert set(stopped["airflow"]["pids"]) == set(AIRFLOW_COMPONENTS), stopped["airflow"]
     assert stopped["airflow"]["postgres"]["was_running"], stopped["airflow"]
     assert [s["pipeline"] for s in stopped["streams"]] == [spec.name], stopped["streams"]
-    assert streams.most == {"stream_aggregate.py": 1, "duality.stream_job": 1}, (
+    assert streams.most == {"duality.stream": 1, "duality.stream.driver": 1}, (
         f"a pipeline ran two streams at once: {streams.seen}"
     )
     assert _processes_of(root) == [], "the stack left processes behind"
@@ -187,7 +187,7 @@ def _stream_and_snapshot(
     built = snapshot.table_state(path, version)
     latest = changelog.read_latest(settings, spec)
     assert built is not None and built.rows == sum(v is not None for v in latest.values()) > 0
-    assert streams.now()["stream_aggregate.py"], "the stream is not running any more"
+    assert streams.now()["duality.stream"], "the stream is not running any more"
 
 
 def _pipeline(settings: Settings) -> PipelineSpec:

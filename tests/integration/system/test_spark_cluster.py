@@ -2,7 +2,7 @@
 `bin/spark-class`. The stream survives a worker SIGKILLed mid-stream and its changelog still
 equals the truth; the snapshot and the repartition give what local mode gives.
 
-The stream runs unchanged (`jobs/stream_aggregate.py` with `DUALITY_SPARK_MASTER=spark://…`);
+The stream runs unchanged (`python -m duality.stream` with `DUALITY_SPARK_MASTER=spark://…`);
 its executors get duality as a zip (`spark.submit.pyFiles`) and keep the state store in their
 workers' own folders.
 """
