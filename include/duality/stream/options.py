@@ -8,7 +8,7 @@ import dataclasses
 from duality.errors import UsageError
 
 # Larger micro-batches read a backlog faster, but one that changed 1,000,000 keys ran the
-# driver's 1 GB heap out of memory (README, benchmark).
+# driver's 1 GB heap out of memory (docs/decisions/0018-stream-latency.md).
 MAX_OFFSETS_PER_TRIGGER = 500_000
 # A micro-batch running longer than this is taken as stalled (a lost broker connection that
 # never recovers): the query is stopped and restarted from the changelog.
