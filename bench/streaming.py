@@ -61,13 +61,13 @@ from spark_aggregation import spec_table
 
 from baselines import Figure, order_events, preload, unique_events
 from duality import kafka
-from duality.config import Settings
+from duality.config import SHIPPED_PIPELINES, Settings
 from duality.spec import PipelineSpec, parse_spec
 from duality.stream import heartbeat
 from duality.stream.options import MAX_OFFSETS_PER_TRIGGER
 
 ROOT = Path(__file__).resolve().parents[1]
-SPEC = ROOT / "include" / "pipelines" / "product_sales.yaml"
+SPEC = SHIPPED_PIPELINES / "product_sales.yaml"
 SPARK_AGGREGATION = Path(__file__).resolve().parent / "spark_aggregation.py"
 PARTITIONS = 6
 

@@ -16,7 +16,7 @@ README = ROOT / "README.md"
 PAGES = [
     README,
     *sorted((ROOT / "docs").rglob("*.md")),
-    *(ROOT / folder / "README.md" for folder in ("include/pipelines", "dags", "plugins")),
+    *(ROOT / folder / "README.md" for folder in ("include/duality/pipelines", "dags", "plugins")),
 ]
 
 _FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
