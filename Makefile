@@ -60,7 +60,7 @@ browser:
 	    chromium chromium-driver; }
 
 # PostgreSQL's server programs from Debian, for Airflow on PostgreSQL (DUALITY_AIRFLOW_DB=postgres,
-# tests/integration/test_airflow_postgres.py). duality runs a server of its own under .local/
+# tests/integration/airflow/test_airflow_postgres.py). duality runs a server of its own under .local/
 # from them; no cluster of the system's is made or started.
 postgres:
 	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null || { \

@@ -58,9 +58,10 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every test is marked by its folder, so `-m unit` and `-m integration` select by kind."""
+    """Every test is marked by its folder under tests/ (tests/integration/kafka/ is
+    `integration`), so `-m unit` and `-m integration` select by kind."""
     for item in items:
-        folder = Path(str(item.fspath)).parent.name
+        folder = Path(str(item.fspath)).relative_to(Path(__file__).parent).parts[0]
         if folder in _MARK_BY_FOLDER:
             item.add_marker(_MARK_BY_FOLDER[folder])
 

@@ -29,9 +29,9 @@ from duality.local import LocalKafkaCluster, ephemeral_cluster
 from duality.snapshot import build, delta_log
 from duality.spec import PipelineSpec
 from tests.harness import ROOT, assert_eventually, make_pipeline
-from tests.integration.test_repartition import _assert_exact_copy
-from tests.integration.test_snapshot import _table, _truth
-from tests.integration.test_stream import _verify
+from tests.integration.snapshot.test_snapshot import _table, _truth
+from tests.integration.spark.test_repartition import _assert_exact_copy
+from tests.integration.spark.test_stream import _verify
 
 DOWN_S = 60  # the fault: the broker comes back a minute after it was killed
 KEYS = 500

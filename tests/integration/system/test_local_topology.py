@@ -25,8 +25,8 @@ from duality.config import Settings
 from duality.local import AIRFLOW_COMPONENTS, _port_in_use, free_port, local_spark
 from duality.spec import find_spec
 from tests.harness import ROOT, assert_eventually, run_duality
-from tests.integration.test_sasl import PASSWORD, USER, _leaks
-from tests.integration.test_stream import _verify
+from tests.integration.spark.test_sasl import PASSWORD, USER, _leaks
+from tests.integration.spark.test_stream import _verify
 from tests.stack import Stack, stack_env
 
 BROKERS, WORKERS = 3, 2

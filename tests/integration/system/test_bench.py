@@ -14,9 +14,7 @@ from pathlib import Path
 import psutil
 
 from duality.config import Settings
-from tests.harness import assert_eventually, java_processes
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.harness import ROOT, assert_eventually, java_processes
 
 
 def test_bench_writes_baselines(settings: Settings, tmp_path: Path):

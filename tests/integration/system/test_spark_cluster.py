@@ -26,7 +26,7 @@ from duality.local import LocalSparkCluster
 from duality.snapshot import delta_log
 from duality.spark import package_zip
 from tests.harness import ROOT, StreamProcess, assert_eventually, make_pipeline
-from tests.integration.test_stream import _verify
+from tests.integration.spark.test_stream import _verify
 
 EVENTS, MORE_EVENTS, KEYS = 12_000, 4_000, 500
 KILLED, SURVIVOR = 0, 1
@@ -201,14 +201,14 @@ def test_snapshot_and_repartition_run_on_the_workers(
 ):  # type: ignore[no-untyped-def]
     """The batch jobs, unchanged, on the cluster: executors on both workers, and the results
     local mode gives (a snapshot equal to the changelog, an exact copy)."""
-    from tests.integration.test_repartition import _assert_exact_copy
-    from tests.integration.test_snapshot import (
+    from tests.integration.snapshot.test_snapshot import (
         _create_changelog,
         _history,
         _table,
         _truth,
         _write,
     )
+    from tests.integration.spark.test_repartition import _assert_exact_copy
 
     cluster.start()  # both workers again, if an earlier test killed one
     on_cluster = settings.replace(
