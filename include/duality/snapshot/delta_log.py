@@ -3,6 +3,7 @@ in their userMetadata, versions' checksum files read without Spark, a version by
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from collections.abc import Iterator
@@ -45,11 +46,8 @@ def history(path: Path) -> list[Version]:
                     info = json.loads(line)["commitInfo"]
                     break
         metadata = None
-        if info.get("userMetadata"):
-            try:
-                metadata = json.loads(info["userMetadata"]).get(METADATA_KEY)
-            except (json.JSONDecodeError, AttributeError):
-                metadata = None
+        with contextlib.suppress(json.JSONDecodeError, AttributeError):
+            metadata = json.loads(info.get("userMetadata") or "{}").get(METADATA_KEY)
         metrics = {k: int(v) for k, v in (info.get("operationMetrics") or {}).items()}
         versions.append(
             Version(
