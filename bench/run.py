@@ -2,7 +2,7 @@
 
 Every figure is compared to the baselines measured in the same run on the same topic. Set
 DUALITY_BENCH_RECORDS for a smaller workload (the default is 1,000,000 records of ~100 bytes).
-The stream scenarios (bench/streaming.py) run `jobs/stream_aggregate.py` as a process, as users
+The stream scenarios (bench/streaming.py) run `python -m duality.stream` as a process, as users
 do; where the issue sets a target, the JSON carries the value and whether it was met.
 """
 
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baselines import Figure, consumer_perf, order_events, preload, python_copy
 from duality import kafka
 from duality.config import Settings
-from duality.local import ephemeral_broker
+from duality.local.broker import ephemeral_broker
 from repartition import repartition_scenarios
 from snapshots import snapshot_scenarios, validation_scenarios
 from streaming import Bench, StreamFigure, bench_spec, set_throughput_target, stream_scenarios

@@ -1,6 +1,6 @@
 """Stream scenarios of `make bench`, measured on topics preloaded in the same run.
 
-The stream is a black box here: it runs as users run it (`jobs/stream_aggregate.py PIPELINE` in
+The stream is a black box here: it runs as users run it (`python -m duality.stream PIPELINE` in
 a process group of its own, stopped with SIGTERM) and is observed only from outside, through the
 committed offsets of its consumer group `duality-<pipeline>` on the source, its heartbeats on
 `_duality-status`, its changelog topic, and the memory of its process tree.
@@ -60,14 +60,14 @@ from rich.progress import Progress, TaskID
 from spark_aggregation import spec_table
 
 from baselines import Figure, order_events, preload, unique_events
-from duality import kafka, status
+from duality import kafka
 from duality.config import Settings
 from duality.spec import PipelineSpec, parse_spec
-from duality.stream_job import MAX_OFFSETS_PER_TRIGGER
+from duality.stream import heartbeat
+from duality.stream.options import MAX_OFFSETS_PER_TRIGGER
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "include" / "pipelines" / "product_sales.yaml"
-JOB = ROOT / "jobs" / "stream_aggregate.py"
 SPARK_AGGREGATION = Path(__file__).resolve().parent / "spark_aggregation.py"
 PARTITIONS = 6
 
@@ -277,7 +277,7 @@ class Bench:
 
 
 class StreamProcess:
-    """`jobs/stream_aggregate.py PIPELINE` in a process group of its own (supervisor, driver,
+    """`python -m duality.stream PIPELINE` in a process group of its own (supervisor, driver,
     JVM and Python workers), its output in a log file."""
 
     def __init__(self, bench: Bench, spec: PipelineSpec, trigger_seconds: float | None = None):
@@ -295,7 +295,8 @@ class StreamProcess:
     def start(self) -> None:
         command = [
             sys.executable,
-            str(JOB),
+            "-m",
+            "duality.stream",
             self.spec.name,
             "--max-offsets-per-trigger",
             str(MAX_OFFSETS_PER_TRIGGER),
@@ -395,8 +396,8 @@ class Heartbeats:
         self.latest: dict[str, Any] = {}
         self.running_at: float | None = None  # perf_counter of the first `running` heartbeat
         self.error: BaseException | None = None
-        status.ensure_topic(settings)
-        ends = kafka.end_offsets(settings, status.STATUS_TOPIC, "read_uncommitted")
+        heartbeat.ensure_topic(settings)
+        ends = kafka.end_offsets(settings, heartbeat.STATUS_TOPIC, "read_uncommitted")
         self.consumer = kafka.consumer(
             settings,
             f"bench-status-{uuid.uuid4().hex}",
@@ -404,7 +405,7 @@ class Heartbeats:
             enable_partition_eof=False,
         )
         self.consumer.assign(
-            [TopicPartition(status.STATUS_TOPIC, p, offset) for p, offset in ends.items()]
+            [TopicPartition(heartbeat.STATUS_TOPIC, p, offset) for p, offset in ends.items()]
         )
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._follow, daemon=True)
@@ -434,7 +435,7 @@ class Heartbeats:
 
     def check(self) -> None:
         if self.error is not None:
-            raise RuntimeError(f"following {status.STATUS_TOPIC} failed: {self.error}")
+            raise RuntimeError(f"following {heartbeat.STATUS_TOPIC} failed: {self.error}")
 
     def close(self) -> None:
         self.stopping.set()

@@ -139,7 +139,7 @@ def make_pipeline(settings: Settings, folder: Path, template: str, **source: Any
 
 
 class StreamProcess:
-    """A pipeline's stream driver run as a user runs it: `jobs/stream_aggregate.py` in a process."""
+    """A pipeline's stream run as a user runs it: `python -m duality.stream` in a process."""
 
     def __init__(
         self,
@@ -172,7 +172,8 @@ class StreamProcess:
             self.process = subprocess.Popen(
                 [
                     sys.executable,
-                    str(ROOT / "jobs" / "stream_aggregate.py"),
+                    "-m",
+                    "duality.stream",
                     self.spec.name,
                     *self.args,
                 ],

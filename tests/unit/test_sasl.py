@@ -16,7 +16,9 @@ import pytest
 from duality import kafka
 from duality.config import Settings, jaas_quote, java_properties
 from duality.errors import UsageError
-from duality.local import LocalAirflow, Scram, _scram_argument
+from duality.local.airflow import LocalAirflow
+from duality.local.scram import Scram
+from duality.local.scram import scram_argument as _scram_argument
 from tests.harness import ROOT
 
 # Every character that needs escaping somewhere: quote, backslash, semicolon, equals, spaces,
@@ -180,7 +182,7 @@ def test_kafka_default_carries_the_login_through_airflow_and_masks_the_password(
     from duality_airflow import hooks
 
     # As a task reads it, and as the triggerer does (asynchronously).
-    for seen in (hooks.settings(), asyncio.run(hooks.asettings())):
+    for seen in (hooks.DualityHook().settings(), asyncio.run(hooks.DualityHook().asettings())):
         for field in ("bootstrap_servers", "security_protocol", "sasl_mechanism", "sasl_username"):
             assert getattr(seen, field) == getattr(settings, field), field
         assert seen.sasl_password == PASSWORD

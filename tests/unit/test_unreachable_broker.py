@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from duality.local import free_port
+from duality.local.ports import free_port
 
 
 def test_closed_port_fails_with_clear_message():
