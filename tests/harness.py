@@ -11,12 +11,21 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 import psutil
 import yaml
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    IsolationLevel,
+    KafkaError,
+    Message,
+    TopicPartition,
+)
+from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from duality import kafka
 from duality.config import Settings
@@ -82,15 +91,23 @@ def assert_eventually(
 
 
 def run_duality(
-    env: dict[str, str], *args: str, timeout: float = 240
+    config: Settings | Mapping[str, str],
+    *args: str,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 240,
 ) -> subprocess.CompletedProcess[str]:
-    """The `duality` command line run as users run it, in a process of its own."""
+    """The `duality` command line run as users run it, in a process of its own, configured by
+    `config`: settings (as their DUALITY_* variables), or the variables themselves where a test
+    leaves some unset on purpose (a stack's later commands find its addresses in its record);
+    `env` on top."""
+    variables = config.as_env() if isinstance(config, Settings) else config
     return subprocess.run(
         [sys.executable, "-m", "duality.cli", *args],
-        env=env,
+        env={**os.environ, **variables, **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,
+        cwd=ROOT,
     )
 
 
@@ -110,6 +127,60 @@ def unique_name(label: str) -> str:
     return f"{clean}-{uuid.uuid4().hex[:8]}"
 
 
+def read_messages(
+    settings: Settings,
+    topic: str,
+    *,
+    isolation: kafka.Isolation = "read_committed",
+    timeout: float = 60.0,
+) -> list[Message]:
+    """Every record of `topic` up to its end offsets of the moment of the call (under
+    read_committed, its last stable offsets). The ground truth of the tests: read with a plain
+    consumer of their own, never through duality.kafka, whose reader the code under test uses."""
+    config = settings.kafka_client_config()
+    admin = AdminClient(config)
+    partitions = admin.list_topics(topic, timeout=timeout).topics[topic].partitions
+    level = IsolationLevel[isolation.upper()]
+    asked = admin.list_offsets(
+        {TopicPartition(topic, p): OffsetSpec.latest() for p in partitions},
+        isolation_level=level,
+        request_timeout=timeout,
+    )
+    ends = {tp.partition: future.result().offset for tp, future in asked.items()}
+    reader = Consumer(
+        {
+            **config,
+            "group.id": unique_name("ground-truth"),
+            "isolation.level": isolation,
+            "enable.auto.commit": False,
+            "enable.partition.eof": True,
+        }
+    )
+    pending = {p for p, end in ends.items() if end > 0}
+    reader.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in pending])
+    records: list[Message] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while pending:
+            assert time.monotonic() < deadline, f"{topic}: {sorted(pending)} not read to {ends}"
+            for message in reader.consume(num_messages=10_000, timeout=1.0):
+                partition, offset, error = message.partition(), message.offset(), message.error()
+                assert partition is not None and offset is not None
+                if error is not None:
+                    assert error.code() == KafkaError._PARTITION_EOF, error
+                    # At the end the position may sit past it, after transaction markers.
+                    if offset >= ends[partition]:
+                        pending.discard(partition)
+                    continue
+                if offset < ends[partition]:
+                    records.append(message)
+                if offset + 1 >= ends[partition]:
+                    pending.discard(partition)
+    finally:
+        reader.close()
+    return records
+
+
 def read_topic(
     settings: Settings,
     topic: str,
@@ -117,10 +188,11 @@ def read_topic(
     isolation: kafka.Isolation = "read_committed",
     timeout: float = 60.0,
 ) -> list[tuple[int, int, bytes | None, bytes | None]]:
-    """Every record of `topic` up to its current end: (partition, offset, key, value)."""
+    """Every record of `topic` up to its current end (read_messages): (partition, offset, key,
+    value)."""
     return [
-        (m.partition(), m.offset(), m.key(), m.value())
-        for m in kafka.read_to_end(settings, topic, isolation=isolation, timeout=timeout)
+        (m.partition(), m.offset(), m.key(), m.value())  # type: ignore[misc]
+        for m in read_messages(settings, topic, isolation=isolation, timeout=timeout)
     ]
 
 

@@ -1,6 +1,6 @@
 """What a failed Kafka call tells the user, and the one retry helper: no broker needed (a closed
-port, and errors as librdkafka reports them). tests/integration/kafka/test_kafka_errors.py checks the
-same against a broker that refuses logins and operations."""
+port, and errors as librdkafka reports them). tests/integration/kafka/test_kafka_errors.py checks
+the same against a broker that refuses logins and operations."""
 
 from __future__ import annotations
 

@@ -12,8 +12,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -29,7 +27,7 @@ from duality.airflow_api import AirflowClient
 from duality.config import Settings
 from duality.local import AIRFLOW_COMPONENTS, AIRFLOW_USER, LocalAirflow, free_port
 from duality.spec import PipelineSpec, load_spec
-from tests.harness import assert_eventually, make_pipeline
+from tests.harness import assert_eventually, make_pipeline, run_duality
 
 
 @pytest.fixture
@@ -102,15 +100,11 @@ def test_scheduler_killed_mid_snapshot_publishes_once_and_runs_one_stream(
             _stream_and_snapshot(scoped, spec, airflow, client, streams)
             client.set_paused(f"duality_{spec.name}_stream", True)
     finally:
-        down = subprocess.run(
-            [sys.executable, "-m", "duality.cli", "down", "--json"],
-            env={
-                **os.environ,
-                **scoped.as_env(),
-                "DUALITY_AIRFLOW_DB": "sqlite",  # stops whatever runs, whatever the setting
-            },
-            capture_output=True,
-            text=True,
+        down = run_duality(
+            scoped,
+            "down",
+            "--json",
+            env={"DUALITY_AIRFLOW_DB": "sqlite"},  # stops whatever runs, whatever the setting
             timeout=300,
         )
     assert down.returncode == 0, down.stderr[-3000:]

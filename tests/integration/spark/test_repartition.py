@@ -26,6 +26,7 @@ from tests.harness import (
     StreamProcess,
     assert_eventually,
     make_pipeline,
+    read_messages,
     read_topic,
 )
 
@@ -34,7 +35,7 @@ EVENTS, KEYS = 30_000, 1_000
 
 def _records(settings: Settings, topic: str) -> list[dict]:
     rows = []
-    for m in kafka.read_to_end(settings, topic):
+    for m in read_messages(settings, topic):
         headers = list(m.headers() or [])
         rows.append(
             {

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +24,7 @@ from duality import changelog, kafka
 from duality.config import Settings, jaas_quote
 from duality.local import Scram, ephemeral_broker
 from tests import truth
-from tests.harness import assert_eventually, make_pipeline, read_topic
+from tests.harness import assert_eventually, make_pipeline, read_topic, run_duality
 
 USER = "pipeline-user"
 # Needs escaping in a JAAS string and in a properties file; the start is distinctive enough
@@ -47,26 +44,13 @@ class Run:
         self.spec = make_pipeline(settings, self.pipelines, "product_sales")
         self.outputs: list[str] = []
 
-    def env(self, password: str = PASSWORD) -> dict[str, str]:
-        return {
-            **os.environ,
-            **self.settings.as_env(),
-            "DUALITY_SASL_PASSWORD": password,
-            "DUALITY_PIPELINES": str(self.pipelines),
-        }
-
     def duality(
         self, *args: str, password: str = PASSWORD, expect: int = 0
     ) -> tuple[dict[str, Any], str, float]:
         """Run `duality ARGS --json`; (its JSON, its stderr, seconds it took)."""
         started = time.monotonic()
-        result = subprocess.run(
-            [sys.executable, "-m", "duality.cli", *args, "--json"],
-            env=self.env(password),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        login = self.settings.replace(pipelines=self.pipelines, sasl_password=password)
+        result = run_duality(login, *args, "--json", timeout=300)
         took = time.monotonic() - started
         self.outputs += [result.stdout, result.stderr]
         assert result.returncode == expect, (args, result.stdout[-2000:], result.stderr[-3000:])

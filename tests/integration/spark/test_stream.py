@@ -25,6 +25,7 @@ from tests.harness import (
     assert_eventually,
     java_processes,
     make_pipeline,
+    read_messages,
     read_topic,
 )
 
@@ -50,7 +51,7 @@ def _verify_records(settings: Settings, spec, source) -> None:  # type: ignore[n
     lineage: Counter[tuple[int, int]] = Counter()
     reasons = {}
     dead = 0
-    for message in kafka.read_to_end(settings, spec.dlq_topic):
+    for message in read_messages(settings, spec.dlq_topic):
         dead += 1
         headers = dict(message.headers() or [])
         where = (int(headers["duality.source.partition"]), int(headers["duality.source.offset"]))
@@ -114,7 +115,7 @@ def test_changelog_equals_ground_truth(settings: Settings, pipelines: Path, tmp_
 
     limit = kafka.max_message_bytes(settings, spec.dlq_topic)
     assert limit < len(huge)
-    letters = {m.value()[:40]: m for m in kafka.read_to_end(settings, spec.dlq_topic) if m.value()}
+    letters = {m.value()[:40]: m for m in read_messages(settings, spec.dlq_topic) if m.value()}
     for value in DEFECTS:
         assert letters[value[:40]].value() == value  # kept whole, byte for byte
     cut = letters[huge[:40]]
