@@ -55,7 +55,6 @@ from typing import Any
 
 import psutil
 import yaml
-from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 from rich.progress import Progress, TaskID
 from spark_aggregation import spec_table
 
@@ -404,7 +403,7 @@ class Heartbeats:
             enable_partition_eof=False,
         )
         self.consumer.assign(
-            [TopicPartition(status.STATUS_TOPIC, p, offset) for p, offset in ends.items()]
+            [kafka.TopicPartition(status.STATUS_TOPIC, p, offset) for p, offset in ends.items()]
         )
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._follow, daemon=True)
@@ -887,7 +886,7 @@ class ChangelogFollower:
         self.warmup_latencies: list[float] = []
         self.overcounted = 0
         self.error: BaseException | None = None
-        partitions = kafka.partition_count(settings, spec.changelog_topic)
+        starts = kafka.beginning_offsets(settings, spec.changelog_topic)
         self.consumer = kafka.consumer(
             settings,
             f"bench-latency-{uuid.uuid4().hex}",
@@ -896,7 +895,7 @@ class ChangelogFollower:
             fetch_wait_max_ms=10,
         )
         self.consumer.assign(
-            [TopicPartition(spec.changelog_topic, p, OFFSET_BEGINNING) for p in range(partitions)]
+            [kafka.TopicPartition(spec.changelog_topic, p, o) for p, o in starts.items()]
         )
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._follow, daemon=True)
