@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
-from duality import kafka
+from duality import kafka, process
 from duality.config import Settings
 from duality.spec import PipelineSpec, load_spec
 
@@ -210,8 +209,15 @@ def make_pipeline(settings: Settings, folder: Path, template: str, **source: Any
     return load_spec(path)
 
 
+def stream_command(pipeline: str, *args: str) -> list[str]:
+    """How a pipeline's stream is started, as users start it: the one place that says so."""
+    return [sys.executable, str(ROOT / "jobs" / "stream_aggregate.py"), pipeline, *args]
+
+
 class StreamProcess:
-    """A pipeline's stream driver run as a user runs it: `jobs/stream_aggregate.py` in a process."""
+    """A pipeline's stream run as users run it (`stream_command`) in a process group of its own
+    (supervisor, driver, JVM and Python workers), configured by `settings` with `pipelines` as
+    its folder of specs, its output appended to `log`. Shared by the tests and the bench."""
 
     def __init__(
         self,
@@ -220,58 +226,74 @@ class StreamProcess:
         pipelines: Path,
         log: Path,
         max_offsets_per_trigger: int = 5000,
-        stall_timeout: float = 300,
+        stall_timeout: float | None = 300,
+        trigger_seconds: float | None = None,
     ):
-        self.settings, self.spec, self.log = settings, spec, log
-        self.env = {
-            **os.environ,
-            "DUALITY_BOOTSTRAP_SERVERS": settings.bootstrap_servers,
-            "DUALITY_PIPELINES": str(pipelines),
-            "DUALITY_CHECKPOINT_ROOT": str(settings.checkpoint_root),
-            "DUALITY_WAREHOUSE": str(settings.warehouse),
-            "DUALITY_LOCAL_DIR": str(settings.local_dir),
-        }
-        self.args = [
-            "--max-offsets-per-trigger",
-            str(max_offsets_per_trigger),
-            "--stall-timeout",
-            str(stall_timeout),
-        ]
+        self.settings = settings.replace(pipelines=pipelines)
+        self.spec, self.log = spec, log
+        self.args = ["--max-offsets-per-trigger", str(max_offsets_per_trigger)]
+        if stall_timeout is not None:
+            self.args += ["--stall-timeout", f"{stall_timeout:g}"]
+        if trigger_seconds is not None:
+            self.args += ["--trigger-seconds", f"{trigger_seconds:g}"]
         self.process: subprocess.Popen[bytes] | None = None
+        self.started = 0.0  # perf_counter of the last start
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None, "the stream was not started"
+        return self.process.pid
 
     def start(self) -> None:
+        command = stream_command(self.spec.name, *self.args)
+        self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as out:
+            out.write(f"\n=== {time.strftime('%H:%M:%S')} {' '.join(command)}\n".encode())
+            out.flush()
+            self.started = time.perf_counter()
             self.process = subprocess.Popen(
-                [
-                    sys.executable,
-                    str(ROOT / "jobs" / "stream_aggregate.py"),
-                    self.spec.name,
-                    *self.args,
-                ],
-                env=self.env,
+                command,
+                env={**os.environ, **self.settings.as_env()},
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
 
-    def kill(self) -> None:
-        """SIGKILL the driver and everything it started (its JVM and Python workers)."""
-        assert self.process is not None
-        os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait(30)
-
-    def stop(self) -> int:
-        if self.process is None or self.process.poll() is not None:
-            return self.process.returncode if self.process else 0
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(120)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"the stream did not stop on SIGTERM; see {self.log}") from None
-
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+    def check(self) -> None:
+        """Raise when the stream exited on its own."""
+        if self.process is not None and self.process.poll() is not None:
+            raise RuntimeError(
+                f"the stream of {self.spec.name} exited with code {self.process.returncode}; "
+                f"last lines of {self.log}:\n{self.tail()}"
+            )
+
+    def kill(self) -> None:
+        """SIGKILL the stream's whole group (its JVM and Python workers too)."""
+        if self.process is not None:
+            process.kill_group(self.process.pid, reap=self.process)
+
+    def stop(self, timeout: float = 180) -> int:
+        """SIGTERM (the running micro-batch commits first) and wait for the whole group; its
+        exit code, 0. A stream that must be killed, or that exits otherwise, is an error."""
+        if self.process is None:
+            return 0
+        if process.stop_group(self.process.pid, timeout, reap=self.process):
+            raise AssertionError(
+                f"the stream of {self.spec.name} did not stop within {timeout:g}s of SIGTERM "
+                f"and was killed; see {self.log}"
+            )
+        code = self.process.wait()
+        assert code == 0, f"the stream of {self.spec.name} exited with {code}:\n{self.tail()}"
+        return code
+
+    def __enter__(self) -> StreamProcess:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.kill()
 
     def covered(self) -> int:
         """How many source records the committed offsets cover (all partitions)."""
@@ -282,8 +304,7 @@ class StreamProcess:
 
     def wait_caught_up(self, timeout: float = 240) -> None:
         def caught_up() -> bool:
-            if not self.alive():
-                raise AssertionError(f"the stream exited; see {self.log}:\n{self.tail()}")
+            self.check()
             ends = kafka.end_offsets(self.settings, self.spec.source.topic)
             committed = kafka.committed_offsets(
                 self.settings, self.spec.consumer_group, self.spec.source.topic
@@ -306,4 +327,8 @@ class StreamProcess:
             assert self.stop() == 0, self.tail()
 
     def tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        try:
+            text = self.log.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any
 import psutil
 import pytest
 
-from duality import changelog, kafka, stream_control
+from duality import changelog, kafka, process, stream_control
 from duality.spec import find_spec
 from tests import truth
 from tests.harness import ROOT, assert_eventually, read_topic
@@ -94,7 +93,7 @@ def test_supervisor_restarts_a_killed_stream_and_the_changelog_stays_exact(
     # More events while it runs, then SIGKILL the whole stream (supervisor and driver).
     produced = stack.duality("produce", "product_sales", "--events", "2000", "--seed", "8")
     assert produced.returncode == 0, produced.stderr
-    os.killpg(os.getpgid(pid), signal.SIGKILL)
+    process.kill_group(os.getpgid(pid))
     killed_at = time.time()
     assert_eventually(lambda: not psutil.pid_exists(pid) or _zombie(pid), timeout=30)
 

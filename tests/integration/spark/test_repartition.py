@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from collections import Counter
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 from confluent_kafka import TopicPartition
 
-from duality import changelog, cli, kafka, repartition, skew, workload
+from duality import changelog, cli, kafka, process, repartition, skew, workload
 from duality.config import Settings
 from duality.errors import UsageError
 from tests import truth
@@ -161,8 +160,7 @@ def test_sigkill_mid_copy_then_resume(settings: Settings, topic: str, tmp_path: 
         )
         seen = copied()
     finally:
-        os.killpg(first.pid, signal.SIGKILL)
-        first.wait(30)
+        process.kill_group(first.pid, reap=first)
     # The killed copiers may have left transactions open (with offset commits in them): the
     # progress is final only after the next run fenced them, so it is read from that run.
     second = _job(settings, log, *args)
