@@ -1,4 +1,5 @@
-"""What the tests share: waiting for conditions, reading topics whole, unique names."""
+"""What the tests (and the bench) share: the command line and a stream run as users run them,
+ground-truth reads of topics with a consumer of their own, waiting for conditions, unique names."""
 
 from __future__ import annotations
 

@@ -13,23 +13,24 @@ from duality import kafka
 from duality.config import Settings
 from tests.harness import run_duality
 
-PARTITIONS = 6
+PARTITIONS = 12
 
 
 def test_skew_and_lag_of_a_group_with_binary_metadata(settings: Settings, topic: str):
     kafka.create_topic(settings, topic, PARTITIONS)
     producer = kafka.producer(settings)
-    for n in range(600):
+    for n in range(2400):
         kafka.send(producer, topic, key=f"k{n}", value=b"v")
     assert producer.flush(30) == 0
     group = f"{topic}-streams-app"
-    # As Kafka Streams does: binary (a magic byte, a timestamp, processor metadata) in Base64,
-    # of a different length per partition. confluent-kafka 2.16 reads such metadata back past
-    # its end, and raised UnicodeDecodeError when the bytes after it were not UTF-8.
+    # As Kafka Streams does: binary (a magic byte, a timestamp, processor metadata) in Base64.
+    # confluent-kafka 2.16 reads it back past its end, up to the next NUL byte, and raised
+    # UnicodeDecodeError on the bytes that follow: the lengths fill an allocation exactly
+    # (16n + 8 bytes), so the next chunk's header follows them.
     committer = Consumer({**settings.kafka_client_config(), "group.id": group})
     offsets = [
         TopicPartition(
-            topic, p, 10 * p, base64.b64encode(bytes([2, 0xFF, 0xFE, p] * (p + 5))).decode()
+            topic, p, 10 * p, base64.b64encode(bytes([2, 0xFF, 0xFE]) * (4 * p + 6)).decode()
         )
         for p in range(PARTITIONS)
     ]
