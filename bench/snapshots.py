@@ -7,7 +7,7 @@ the JVM's first Delta writes and MERGEs (a few seconds) fall on none of the time
 - `snapshot-incremental`: after 1% of the keys changed (nine in ten updated, one in ten
   tombstoned), the incremental MERGE; `snapshot-full-after` rebuilds the same state in full, so
   both read the same changelog, and both tables are compared with an independent read of the
-  changelog (a plain consumer, tests.harness.read_messages; the run fails when they differ).
+  changelog (a plain consumer, tests.harness.read_latest; the run fails when they differ).
   The figures carry the changelog records each run read; the target: incremental at most
   0.25x the full rebuild.
 - `snapshot-nothing-new`: `duality snapshot` run as a command when the changelog has not moved
@@ -36,7 +36,7 @@ from duality import changelog, kafka, snapshot, validate
 from duality.config import Settings
 from duality.spec import PipelineSpec
 from streaming import bench_spec
-from tests.harness import read_messages
+from tests.harness import read_latest
 
 CHANGED = 0.01
 INCREMENTAL_RATIO = 0.25
@@ -196,16 +196,9 @@ def _warm_up(
 def _changelog_truth(settings: Settings, spec: PipelineSpec) -> dict[str, tuple[Any, ...]]:
     """The aggregates of each live key, read from the changelog with a plain consumer (the
     tests' own, not duality.kafka's reader that the incremental snapshot uses)."""
-    latest: dict[bytes, dict[str, Any]] = {}
-    for message in read_messages(settings, spec.changelog_topic, timeout=300):
-        key, value = message.key(), message.value()
-        assert key is not None
-        if value is None:
-            latest.pop(key, None)
-        else:
-            latest[key] = json.loads(value)
     columns = list(spec.aggregates)
-    return {value["product"]: tuple(value[c] for c in columns) for value in latest.values()}
+    latest = read_latest(settings, spec).values()
+    return {value["product"]: tuple(value[c] for c in columns) for value in latest}
 
 
 def _assert_equal(

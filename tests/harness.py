@@ -4,6 +4,7 @@ ground-truth reads of topics with a consumer of their own, waiting for condition
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import subprocess
@@ -194,6 +195,21 @@ def read_topic(
         (m.partition(), m.offset(), m.key(), m.value())  # type: ignore[misc]
         for m in read_messages(settings, topic, isolation=isolation, timeout=timeout)
     ]
+
+
+def read_latest(settings: Settings, spec: PipelineSpec) -> dict[bytes, dict[str, Any]]:
+    """The latest live value per key of the pipeline's changelog (read_messages): what
+    duality.changelog.read_latest gives, read independently of duality's reader."""
+    latest: dict[bytes, dict[str, Any]] = {}
+    for message in read_messages(settings, spec.changelog_topic, timeout=300):
+        key, value = message.key(), message.value()
+        if key is None:
+            continue
+        if value is None:
+            latest.pop(key, None)
+        else:
+            latest[key] = json.loads(value)
+    return latest
 
 
 def make_pipeline(settings: Settings, folder: Path, template: str, **source: Any) -> PipelineSpec:

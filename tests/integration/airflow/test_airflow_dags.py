@@ -14,12 +14,13 @@ from typing import Any
 import pytest
 import yaml
 
-from duality import changelog, kafka
+from duality import kafka
 from duality.config import Settings
 from tests.harness import (
     ROOT,
     StreamProcess,
     make_pipeline,
+    read_latest,
     read_messages,
     read_topic,
     run_duality,
@@ -108,7 +109,7 @@ def _snapshot_runs(airflow_env, spec, stream, workload_args) -> None:  # type: i
     assert good["tasks"] == {"snapshot": "success", "validate": "success", "publish": "success"}
     published = duality(airflow_env, "read", spec.name, "--limit", "0")
     assert published["exit_code"] == 0, published
-    live = changelog.read_latest(settings, spec)
+    live = read_latest(settings, spec)
     assert published["rows"] == len(live)
     first_version = published["version"]
     report = json.loads(

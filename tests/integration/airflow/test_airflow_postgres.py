@@ -22,12 +22,12 @@ import psutil
 import pytest
 import yaml
 
-from duality import changelog, kafka, snapshot, workload
+from duality import kafka, snapshot, workload
 from duality.airflow_api import AirflowClient
 from duality.config import Settings
 from duality.local import AIRFLOW_COMPONENTS, AIRFLOW_USER, LocalAirflow, free_port
 from duality.spec import PipelineSpec, load_spec
-from tests.harness import assert_eventually, make_pipeline, run_duality
+from tests.harness import assert_eventually, make_pipeline, read_latest, run_duality
 
 
 @pytest.fixture
@@ -176,7 +176,7 @@ def _stream_and_snapshot(
     newest = snapshot.table_state(path, history[0].version)
     assert newest is not None and newest.properties[snapshot.PUBLISHED_VERSION] == str(version)
     built = snapshot.table_state(path, version)
-    latest = changelog.read_latest(settings, spec)
+    latest = read_latest(settings, spec)
     assert built is not None and built.rows == sum(v is not None for v in latest.values()) > 0
     assert streams.now()["stream_aggregate.py"], "the stream is not running any more"
 

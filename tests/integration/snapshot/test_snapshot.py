@@ -19,7 +19,7 @@ import pytest
 from duality import changelog, kafka, snapshot, validate
 from duality.config import Settings
 from duality.spec import PipelineSpec
-from tests.harness import ROOT, StreamProcess, make_pipeline, read_topic, run_duality
+from tests.harness import ROOT, StreamProcess, make_pipeline, read_latest, read_topic, run_duality
 
 # -- a changelog writer, as the stream writes it (transactions, tombstones, aborted ones) ----
 
@@ -283,7 +283,7 @@ def test_reconcile_with_the_source(spark, pipeline, tmp_path: Path) -> None:  # 
     assert report.reconciled and report.checks > 10
 
     # Tamper with one changelog value: the snapshot follows it, reconciliation catches it.
-    latest = changelog.read_latest(settings, spec)
+    latest = read_latest(settings, spec)
     key, value = next(iter(sorted(latest.items())))
     value = {**value, "orders": value["orders"] + 1}
     producer = kafka.producer(settings)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from confluent_kafka import TopicPartition
 
-from duality import changelog, cli, kafka, process, repartition, skew, workload
+from duality import cli, kafka, process, repartition, skew, workload
 from duality.config import Settings
 from duality.errors import UsageError
 from tests import truth
@@ -25,6 +25,7 @@ from tests.harness import (
     StreamProcess,
     assert_eventually,
     make_pipeline,
+    read_latest,
     read_messages,
     read_topic,
 )
@@ -240,7 +241,7 @@ def test_salted_evens_a_hot_key_and_aggregates_stay_exact(
         assert stream.stop() == 0, stream.tail()
     expected, bad = truth.expected(spec, original)
     assert not bad
-    latest = changelog.read_latest(settings, spec)
+    latest = read_latest(settings, spec)
     truth.assert_tables_equal(truth.changelog_table(spec, latest), expected)
     stream_group = spec.consumer_group
     skew_lag = cli.main(["skew", target, "--group", stream_group, "--json"])

@@ -20,11 +20,11 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from duality import changelog, kafka
+from duality import kafka
 from duality.config import Settings, jaas_quote
 from duality.local import Scram, ephemeral_broker
 from tests import truth
-from tests.harness import assert_eventually, make_pipeline, read_topic, run_duality
+from tests.harness import assert_eventually, make_pipeline, read_latest, read_topic, run_duality
 
 USER = "pipeline-user"
 # Needs escaping in a JAAS string and in a properties file; the start is distinctive enough
@@ -133,9 +133,7 @@ def test_a_pipeline_end_to_end_through_the_sasl_listener(run: Run):
     assert len(read_topic(settings, target)) == EVENTS
     source = read_topic(settings, spec.source.topic)
     table, _ = truth.expected(spec, source, None)
-    truth.assert_tables_equal(
-        truth.changelog_table(spec, changelog.read_latest(settings, spec)), table
-    )
+    truth.assert_tables_equal(truth.changelog_table(spec, read_latest(settings, spec)), table)
 
     # The snapshot (Spark's Kafka source reads the changelog) equals the ground truth; it passes
     # validation and is published.

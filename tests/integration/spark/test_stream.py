@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from duality import changelog, kafka, status, stream_job, workload
+from duality import kafka, status, stream_job, workload
 from duality.config import Settings
 from duality.local import LocalBroker, ephemeral_broker
 from tests import truth
@@ -25,6 +25,7 @@ from tests.harness import (
     assert_eventually,
     java_processes,
     make_pipeline,
+    read_latest,
     read_messages,
     read_topic,
 )
@@ -45,7 +46,7 @@ def _verify_records(settings: Settings, spec, source) -> None:  # type: ignore[n
         checkpoint = settings.checkpoint_root / spec.name
         batches = truth.batches_from_checkpoint(checkpoint, spec.source.topic)
     table, bad = truth.expected(spec, source, batches)
-    latest = changelog.read_latest(settings, spec)
+    latest = read_latest(settings, spec)
     truth.assert_tables_equal(truth.changelog_table(spec, latest), table)
 
     lineage: Counter[tuple[int, int]] = Counter()
