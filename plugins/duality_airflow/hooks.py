@@ -1,11 +1,29 @@
-"""Settings inside Airflow: `DUALITY_*` from the environment, then the connections
-`kafka_default` and `spark_default` take over the Kafka and Spark fields (DESIGN §4).
+"""The hook of duality's tasks: their settings (`DUALITY_*` from the environment, the connections
+`kafka_default` and `spark_default` taking over the Kafka and Spark fields, DESIGN §4) and the
+`duality ... --json` child process a task runs (docs/decisions/0009-airflow-task-processes.md).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
+
+from airflow.sdk import BaseHook
+from airflow.sdk.exceptions import (
+    AirflowException,
+    AirflowFailException,
+    AirflowNotFoundException,
+)
+
+from duality.process import die_with_parent, group_alive, stop_group
 
 if TYPE_CHECKING:
     from duality.config import Settings
@@ -22,6 +40,146 @@ _KAFKA_FIELDS = {
     "sasl.username": "sasl_username",
     "sasl.password": "sasl_password",
 }
+
+
+class DualityHook(BaseHook):
+    """Resolves a task's settings once, from the environment with the two connections applied (a
+    connection that is not defined leaves the environment's fields; one that cannot be read
+    fails), and runs `duality` commands with them: each in a process group of its own that dies
+    with the task, ended as a whole by `kill` (the operators' `on_kill`) or when the run is
+    interrupted (an execution timeout), SIGTERM first and SIGKILL after `kill_grace_s`.
+
+    Example::
+
+        hook = DualityHook()
+        result = hook.run(["snapshot", "product_sales"])
+    """
+
+    def __init__(self, kafka_conn_id: str = KAFKA_CONN_ID, spark_conn_id: str = SPARK_CONN_ID):
+        super().__init__()
+        self.kafka_conn_id = kafka_conn_id
+        self.spark_conn_id = spark_conn_id
+        self._settings: Settings | None = None
+        self._process: subprocess.Popen[str] | None = None
+        self._shown = ""
+
+    def settings(self) -> Settings:
+        """The settings; reading the Kafka connection's extra registers its `sasl.password` with
+        Airflow's secrets masker, so a task log shows it as `***`."""
+        if self._settings is None:
+            kafka = self._connection(self.kafka_conn_id)
+            spark = self._connection(self.spark_conn_id)
+            extra = kafka.extra_dejson if kafka is not None else None
+            self._settings = _with_connections(extra, spark)
+        return self._settings
+
+    async def asettings(self) -> Settings:
+        """`settings()` for the triggerer's event loop (the masker is told without blocking it)."""
+        if self._settings is None:
+            kafka = await self._aconnection(self.kafka_conn_id)
+            spark = await self._aconnection(self.spark_conn_id)
+            extra = await kafka.aextra_dejson() if kafka is not None else None
+            self._settings = _with_connections(extra, spark)
+        return self._settings
+
+    @staticmethod
+    def _connection(conn_id: str) -> Any:
+        """The connection, or None when it is not defined (the environment's fields stand)."""
+        try:
+            connection = BaseHook.get_connection(conn_id)
+        except AirflowNotFoundException:
+            return None
+        except Exception as error:  # a database or secrets backend down must not go unnoticed
+            raise _unreadable(conn_id, error) from error
+        return _extra_checked(conn_id, connection)
+
+    @staticmethod
+    async def _aconnection(conn_id: str) -> Any:
+        try:
+            connection = await BaseHook.aget_connection(conn_id)
+        except AirflowNotFoundException:
+            return None
+        except Exception as error:
+            raise _unreadable(conn_id, error) from error
+        return _extra_checked(conn_id, connection)
+
+    def run(self, arguments: Sequence[Any]) -> Any:
+        """Run `duality ARGUMENTS --json` to its end, its stderr relayed line by line to the task
+        log; its JSON result, or the Airflow exception its exit code means (`_result`)."""
+        settings = self.settings()
+        command = duality_command([a for a in arguments if a not in ("", None)])
+        self._shown = " ".join(command[2:])
+        self.log.info("running %s", self._shown)
+        process = self._process = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,  # not the task's own stdin (Airflow's channel to it)
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **settings.as_env()},
+            start_new_session=True,  # its own process group (and session): one signal for all
+            # Even a SIGKILLed task leaves no driver: its JVM then sees its stdin close and exits.
+            preexec_fn=die_with_parent,
+        )
+        relay = threading.Thread(target=self._relay, args=(process,), daemon=True)
+        relay.start()
+        assert process.stdout is not None
+        try:
+            output = process.stdout.read()
+            # Exited but not reaped: its pid still names the group that kill() ends.
+            with contextlib.suppress(ChildProcessError):  # reaped already by an on_kill
+                os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT)
+        finally:
+            # Also when the execution timeout's exception interrupts the read: nothing the
+            # command started outlives the task's attempt.
+            self.kill()
+        code = process.wait()
+        relay.join(10)
+        return _result(self._shown, code, output)
+
+    def _relay(self, process: subprocess.Popen[str]) -> None:
+        assert process.stderr is not None
+        for line in process.stderr:
+            if line.strip():
+                self.log.info("%s", line.rstrip())
+
+    def kill(self) -> None:
+        """End the running command's process group: SIGTERM, up to `kill_grace_s` for every
+        process of it to exit, then SIGKILL to what is left."""
+        process = self._process
+        if process is None or not group_alive(process.pid):  # the leader's pid is the group's
+            return
+        self.log.info("stopping process group %s (%s)", process.pid, self._shown)
+        grace = self.settings().kill_grace_s
+        if stop_group(process.pid, grace, whole_group=True, reap=process):
+            self.log.warning("process group %s killed after %.1fs", process.pid, grace)
+
+
+def _unreadable(conn_id: str, error: Exception) -> AirflowException:
+    return AirflowException(
+        f"cannot read the Airflow connection {conn_id!r}: {type(error).__name__}: {error}"
+    )
+
+
+def _extra_checked(conn_id: str, connection: Any) -> Any:
+    """The connection, once its extra is known to be JSON (Airflow reads a bad one as `{}`)."""
+    try:
+        json.loads(connection.extra or "{}")
+    except json.JSONDecodeError as error:
+        raise AirflowFailException(
+            f"the extra of the Airflow connection {conn_id!r} is not JSON ({error}): correct "
+            "it, or delete the connection to use the environment's DUALITY_* settings"
+        ) from None
+    return connection
+
+
+def _with_connections(kafka_extra: dict[str, Any] | None, spark_conn: Any) -> Settings:
+    from duality.config import Settings
+
+    changes = overrides(
+        kafka_extra, (spark_conn.host, spark_conn.port) if spark_conn is not None else None
+    )
+    return Settings.from_env().replace(**changes)
 
 
 def spark_master(host: str | None, port: int | None) -> str | None:
@@ -50,51 +208,30 @@ def overrides(
     return changes
 
 
-def settings(kafka_conn_id: str = KAFKA_CONN_ID, spark_conn_id: str = SPARK_CONN_ID) -> Settings:
-    """`Settings.from_env()` with the Airflow connections applied (missing ones are skipped).
-
-    Reading the Kafka connection's extra registers its `sasl.password` with Airflow's secrets
-    masker, so a task log shows it as `***`.
-    """
-    from airflow.sdk import BaseHook
-
-    def connection(conn_id: str) -> Any:
-        try:
-            return BaseHook.get_connection(conn_id)
-        except Exception:  # not defined: the environment's settings stand
-            return None
-
-    kafka_conn, spark_conn = connection(kafka_conn_id), connection(spark_conn_id)
-    return _with_connections(
-        kafka_conn.extra_dejson if kafka_conn is not None else None, spark_conn
-    )
+def duality_command(arguments: Sequence[Any]) -> list[str]:
+    return [sys.executable, "-m", "duality.cli", *map(str, arguments), "--json"]
 
 
-async def asettings(
-    kafka_conn_id: str = KAFKA_CONN_ID, spark_conn_id: str = SPARK_CONN_ID
-) -> Settings:
-    """`settings()` for the triggerer's event loop (the masker is told without blocking it)."""
-    from airflow.sdk import BaseHook
-
-    async def connection(conn_id: str) -> Any:
-        try:
-            return await BaseHook.aget_connection(conn_id)
-        except Exception:  # not defined: the environment's settings stand
-            return None
-
-    kafka_conn, spark_conn = await connection(kafka_conn_id), await connection(spark_conn_id)
-    return _with_connections(
-        await kafka_conn.aextra_dejson() if kafka_conn is not None else None, spark_conn
-    )
-
-
-def _with_connections(kafka_extra: dict[str, Any] | None, spark_conn: Any) -> Settings:
-    from duality.config import Settings
-
-    changes = overrides(
-        kafka_extra, (spark_conn.host, spark_conn.port) if spark_conn is not None else None
-    )
-    return Settings.from_env().replace(**changes)
+def _result(shown: str, code: int, output: str) -> Any:
+    """The JSON result of a command that exited with `code`, or the exception failing the task:
+    1 (a check failed) may be retried, 2 (bad input) is not, 0 without a result fails too."""
+    try:
+        result = json.loads(output) if output.strip() else None
+    except json.JSONDecodeError:
+        result = None
+    what = f"`{shown}`"
+    if code == 0:
+        if result is None:
+            raise AirflowException(f"{what} exited with code 0 but printed no JSON result")
+        return result
+    message = result.get("error") if isinstance(result, dict) else None
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            message = f"{what} was ended by {signal.Signals(-code).name}"
+    message = message or f"{what} exited with code {code}"
+    if code == 2:
+        raise AirflowFailException(message)  # bad input: retrying cannot help
+    raise AirflowException(message)
 
 
 def execution_timeout(kind: str) -> timedelta:

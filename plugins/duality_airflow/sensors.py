@@ -9,7 +9,7 @@ from typing import Any
 from airflow.sdk import BaseSensorOperator, Context
 from airflow.sdk.exceptions import AirflowException
 
-from duality_airflow import hooks
+from duality_airflow.hooks import DualityHook, execution_timeout
 from duality_airflow.triggers import StreamRunningTrigger, stream_health
 
 
@@ -26,12 +26,12 @@ class StreamRunningSensor(BaseSensorOperator):
     def __init__(self, *, pipeline: str, **kwargs: Any) -> None:
         kwargs.setdefault("timeout", timedelta(minutes=5).total_seconds())
         if kwargs.get("execution_timeout") is None:
-            kwargs["execution_timeout"] = hooks.execution_timeout("supervise")
+            kwargs["execution_timeout"] = execution_timeout("supervise")
         super().__init__(**kwargs)
         self.pipeline = pipeline
 
     def execute(self, context: Context) -> Any:
-        health = stream_health(hooks.settings(), self.pipeline)
+        health = stream_health(DualityHook().settings(), self.pipeline)
         if health["health"] == "healthy" or health["desired"] == "stopped":
             return self._done(health)
         self.defer(

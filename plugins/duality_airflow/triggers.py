@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from duality_airflow import hooks
+from duality_airflow.hooks import KAFKA_CONN_ID, SPARK_CONN_ID, DualityHook
 
 if TYPE_CHECKING:
     from duality.config import Settings
@@ -43,8 +43,8 @@ class StreamRunningTrigger(BaseTrigger):
     def __init__(
         self,
         pipeline: str,
-        kafka_conn_id: str = hooks.KAFKA_CONN_ID,
-        spark_conn_id: str = hooks.SPARK_CONN_ID,
+        kafka_conn_id: str = KAFKA_CONN_ID,
+        spark_conn_id: str = SPARK_CONN_ID,
         poll_s: float = 3.0,
     ):
         super().__init__()
@@ -65,7 +65,7 @@ class StreamRunningTrigger(BaseTrigger):
         )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        settings = await hooks.asettings(self.kafka_conn_id, self.spark_conn_id)
+        settings = await DualityHook(self.kafka_conn_id, self.spark_conn_id).asettings()
         while True:
             try:
                 health = await asyncio.to_thread(stream_health, settings, self.pipeline)

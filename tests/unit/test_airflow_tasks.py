@@ -1,10 +1,10 @@
-"""What duality's Airflow tasks guarantee about their child processes and their trigger's
-arguments, without an Airflow: the operators and the trigger used directly."""
+"""What duality's Airflow tasks guarantee about their settings, their child processes and their
+trigger's arguments, without an Airflow: the hook, the operators and the trigger used directly."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-import logging
 import os
 import sys
 import threading
@@ -15,32 +15,64 @@ import pytest
 from duality.config import Settings
 from tests.harness import ROOT, assert_eventually, own_airflow_home
 
-LOG = logging.getLogger("test")
-
 
 @pytest.fixture
 def plugins(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
     """duality_airflow importable, with an Airflow home of its own and no connections."""
     own_airflow_home()
+    for name in list(os.environ):
+        if name.startswith("AIRFLOW_CONN_"):
+            monkeypatch.delenv(name)
     monkeypatch.syspath_prepend(str(ROOT / "plugins"))
     from duality_airflow import hooks, operators, triggers
 
-    monkeypatch.setattr(hooks, "settings", lambda *_: Settings.from_env())
-    return operators, triggers
+    return hooks, operators, triggers
+
+
+def test_connections_not_defined_leave_the_environments_settings(plugins, monkeypatch):  # type: ignore[no-untyped-def]
+    hooks, _, _ = plugins
+    monkeypatch.setenv("DUALITY_BOOTSTRAP_SERVERS", "from-the-environment:9092")
+    for seen in (hooks.DualityHook().settings(), asyncio.run(hooks.DualityHook().asettings())):
+        assert seen == Settings.from_env()
+
+
+def test_a_connection_that_cannot_be_read_fails_naming_it(plugins, monkeypatch):  # type: ignore[no-untyped-def]
+    hooks, _, _ = plugins
+    from airflow.sdk import BaseHook
+    from airflow.sdk.exceptions import AirflowException, AirflowFailException
+
+    def database_down(conn_id: str) -> None:
+        raise RuntimeError("the metadata database does not answer")
+
+    async def adatabase_down(conn_id: str) -> None:
+        database_down(conn_id)
+
+    down = "Airflow connection 'kafka_default': RuntimeError: the metadata database does not"
+    with monkeypatch.context() as patched:
+        patched.setattr(BaseHook, "get_connection", database_down)
+        patched.setattr(BaseHook, "aget_connection", adatabase_down)
+        with pytest.raises(AirflowException, match=down):
+            hooks.DualityHook().settings()
+        with pytest.raises(AirflowException, match=down):
+            asyncio.run(hooks.DualityHook().asettings())
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", '{"conn_type": "spark", "extra": "{oops"}')
+    with pytest.raises(AirflowFailException, match="connection 'spark_default' is not JSON"):
+        hooks.DualityHook().settings()
 
 
 def test_a_task_whose_child_exits_0_without_a_json_result_fails(plugins, monkeypatch):  # type: ignore[no-untyped-def]
-    operators, _ = plugins
+    hooks, operators, _ = plugins
     from airflow.sdk.exceptions import AirflowException
 
-    monkeypatch.setattr(operators, "duality_command", lambda _: [sys.executable, "-c", "pass"])
+    monkeypatch.setattr(hooks, "duality_command", lambda _: [sys.executable, "-c", "pass"])
     task = operators.SnapshotOperator(task_id="snapshot", pipeline="product_sales")
     with pytest.raises(AirflowException, match="exited with code 0 but printed no JSON result"):
         task.execute({})
 
 
-def test_stopping_a_child_ends_its_whole_group_sigkill_after_the_grace(plugins):  # type: ignore[no-untyped-def]
-    operators, _ = plugins
+def test_killing_a_task_ends_its_childs_whole_group_sigkill_after_the_grace(plugins, monkeypatch):  # type: ignore[no-untyped-def]
+    hooks, operators, _ = plugins
+    monkeypatch.setenv("DUALITY_KILL_GRACE_S", "1")
     # The child starts a grandchild that ignores SIGTERM, then waits.
     script = (
         "import signal, subprocess, sys, time\n"
@@ -48,27 +80,28 @@ def test_stopping_a_child_ends_its_whole_group_sigkill_after_the_grace(plugins):
         "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'])\n"
         "time.sleep(600)\n"
     )
-    child = operators.ChildProcess([sys.executable, "-c", script], dict(os.environ), LOG, 1.0)
+    monkeypatch.setattr(hooks, "duality_command", lambda _: [sys.executable, "-c", script])
+    task = operators.SnapshotOperator(task_id="snapshot", pipeline="product_sales")
     ended: list[BaseException] = []
 
     def run() -> None:
         try:
-            child.run()
+            task.execute({})
         except BaseException as error:
             ended.append(error)
 
     running = threading.Thread(target=run, daemon=True)
     running.start()
-    group = assert_eventually(lambda: child.process and child.process.pid, timeout=10)
+    group = assert_eventually(lambda: task.hook._process and task.hook._process.pid, timeout=10)
     tree = assert_eventually(lambda: psutil.Process(group).children(), timeout=10)
-    child.stop()  # what on_kill does
+    task.on_kill()
     running.join(10)
     assert not running.is_alive() and "ended by SIGTERM" in str(ended[0])
     assert not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
 def test_the_trigger_carries_connection_ids_not_settings(plugins, monkeypatch):  # type: ignore[no-untyped-def]
-    _, triggers = plugins
+    _, _, triggers = plugins
     monkeypatch.setenv("DUALITY_SASL_PASSWORD", "s3cret")
     classpath, arguments = triggers.StreamRunningTrigger("product_sales").serialize()
     assert classpath == "duality_airflow.triggers.StreamRunningTrigger"

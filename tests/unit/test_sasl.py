@@ -180,7 +180,7 @@ def test_kafka_default_carries_the_login_through_airflow_and_masks_the_password(
     from duality_airflow import hooks
 
     # As a task reads it, and as the triggerer does (asynchronously).
-    for seen in (hooks.settings(), asyncio.run(hooks.asettings())):
+    for seen in (hooks.DualityHook().settings(), asyncio.run(hooks.DualityHook().asettings())):
         for field in ("bootstrap_servers", "security_protocol", "sasl_mechanism", "sasl_username"):
             assert getattr(seen, field) == getattr(settings, field), field
         assert seen.sasl_password == PASSWORD
