@@ -25,8 +25,9 @@ def test_skew_and_lag_of_a_group_with_binary_metadata(settings: Settings, topic:
     group = f"{topic}-streams-app"
     # As Kafka Streams does: binary (a magic byte, a timestamp, processor metadata) in Base64.
     # confluent-kafka 2.16 reads it back past its end, up to the next NUL byte, and raised
-    # UnicodeDecodeError on the bytes that follow: the lengths fill an allocation exactly
-    # (16n + 8 bytes), so the next chunk's header follows them.
+    # UnicodeDecodeError when the bytes that follow were not UTF-8; lengths of 16n + 8 bytes
+    # fill a heap allocation exactly, which made that likely. The commands run first, each in a
+    # fresh process as users run them.
     committer = Consumer({**settings.kafka_client_config(), "group.id": group})
     offsets = [
         TopicPartition(
@@ -38,13 +39,6 @@ def test_skew_and_lag_of_a_group_with_binary_metadata(settings: Settings, topic:
         committer.commit(offsets=offsets, asynchronous=False)
     finally:
         committer.close()
-
-    committed = kafka.committed_offsets(settings, group, topic)
-    assert {p: offset for p, (offset, _) in committed.items()} == {
-        p: 10 * p for p in range(PARTITIONS)
-    }
-    for p, (_, metadata) in committed.items():
-        assert metadata is not None and metadata.startswith(offsets[p].metadata.encode())
 
     skew = run_duality(settings, "skew", topic, "--group", group, "--json")
     assert skew.returncode == 0, skew.stderr[-3000:]
@@ -60,3 +54,10 @@ def test_skew_and_lag_of_a_group_with_binary_metadata(settings: Settings, topic:
     assert {(r["partition"], r["committed"]) for r in rows} == {
         (p, 10 * p) for p in range(PARTITIONS)
     }
+
+    committed = kafka.committed_offsets(settings, group, topic)
+    assert {p: offset for p, (offset, _) in committed.items()} == {
+        p: 10 * p for p in range(PARTITIONS)
+    }
+    for p, (_, metadata) in committed.items():
+        assert metadata is not None and metadata.startswith(offsets[p].metadata.encode())
