@@ -3,8 +3,9 @@
 Every figure is compared to the baselines measured in the same run on the same topic, except
 `stream-throughput-warm`: the baselines start cold, so it is compared with the cold stream only.
 Set DUALITY_BENCH_RECORDS for a smaller workload (the default is 1,000,000 records of ~100
-bytes). The stream scenarios (bench/streaming.py) run the stream as a process, as users do;
-where the issue sets a target, the JSON carries the value and whether it was met.
+bytes). The stream scenarios (bench/streaming.py) run `python -m duality.stream` as a process
+(tests.harness.StreamProcess), as users do; where the issue sets a target, the JSON carries the
+value and whether it was met.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baselines import Figure, consumer_perf, order_events, preload, python_copy
 from duality import kafka
 from duality.config import Settings
-from duality.local import ephemeral_broker
+from duality.local.broker import ephemeral_broker
 from repartition import repartition_scenarios
 from snapshots import snapshot_scenarios, validation_scenarios
 from streaming import (

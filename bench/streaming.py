@@ -1,9 +1,10 @@
 """Stream scenarios of `make bench`, measured on topics preloaded in the same run.
 
-The stream is a black box here: it runs as users run it (tests.harness.StreamProcess, in a
-process group of its own, stopped with SIGTERM) and is observed only from outside, through the
-committed offsets of its consumer group `duality-<pipeline>` on the source, its heartbeats on
-`_duality-status`, its changelog topic, and the memory of its process tree.
+The stream is a black box here: it runs as users run it (`python -m duality.stream PIPELINE`,
+tests.harness.StreamProcess, in a process group of its own, stopped with SIGTERM) and is
+observed only from outside, through the committed offsets of its consumer group
+`duality-<pipeline>` on the source, its heartbeats on `_duality-status`, its changelog topic,
+and the memory of its process tree.
 
 - `spark-aggregation` (a baseline): Spark's own streaming aggregation of the same backlog
   (bench/spark_aggregation.py), in a process and JVM of its own like the stream.
@@ -58,11 +59,12 @@ from rich.progress import Progress, TaskID
 from spark_aggregation import spec_table
 
 from baselines import Figure, order_events, preload, unique_events
-from duality import kafka, status
+from duality import kafka
 from duality.config import Settings
 from duality.process import kill_group
 from duality.spec import PipelineSpec, parse_spec
-from duality.stream_job import MAX_OFFSETS_PER_TRIGGER
+from duality.stream import heartbeat
+from duality.stream.options import MAX_OFFSETS_PER_TRIGGER
 
 # The checkout, for the stream process the bench shares with the tests.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -304,8 +306,8 @@ class Heartbeats:
         self.latest: dict[str, Any] = {}
         self.running_at: float | None = None  # perf_counter of the first `running` heartbeat
         self.error: BaseException | None = None
-        status.ensure_topic(settings)
-        ends = kafka.end_offsets(settings, status.STATUS_TOPIC, "read_uncommitted")
+        heartbeat.ensure_topic(settings)
+        ends = kafka.end_offsets(settings, heartbeat.STATUS_TOPIC, "read_uncommitted")
         self.consumer = kafka.consumer(
             settings,
             f"bench-status-{uuid.uuid4().hex}",
@@ -313,7 +315,7 @@ class Heartbeats:
             enable_partition_eof=False,
         )
         self.consumer.assign(
-            [kafka.TopicPartition(status.STATUS_TOPIC, p, offset) for p, offset in ends.items()]
+            [kafka.TopicPartition(heartbeat.STATUS_TOPIC, p, offset) for p, offset in ends.items()]
         )
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._follow, daemon=True)
@@ -343,7 +345,7 @@ class Heartbeats:
 
     def check(self) -> None:
         if self.error is not None:
-            raise RuntimeError(f"following {status.STATUS_TOPIC} failed: {self.error}")
+            raise RuntimeError(f"following {heartbeat.STATUS_TOPIC} failed: {self.error}")
 
     def close(self) -> None:
         self.stopping.set()

@@ -12,7 +12,7 @@ import pytest
 
 from duality import kafka
 from duality.config import Settings
-from duality.local import ephemeral_broker
+from duality.local.broker import ephemeral_broker
 from tests.harness import AIRFLOW_HOMES, unique_name
 
 _MARK_BY_FOLDER = {"unit": "unit", "integration": "integration", "e2e": "e2e", "dags": "unit"}

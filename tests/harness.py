@@ -228,7 +228,7 @@ def make_pipeline(settings: Settings, folder: Path, template: str, **source: Any
 
 def stream_command(pipeline: str, *args: str) -> list[str]:
     """How a pipeline's stream is started, as users start it: the one place that says so."""
-    return [sys.executable, str(ROOT / "jobs" / "stream_aggregate.py"), pipeline, *args]
+    return [sys.executable, "-m", "duality.stream", pipeline, *args]
 
 
 class StreamProcess:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from duality.airflow_api import AirflowClient
 from duality.config import Settings
-from duality.local import AIRFLOW_USER, LocalAirflow, free_port
+from duality.local.airflow import AIRFLOW_USER, LocalAirflow
+from duality.local.ports import free_port
 from tests.harness import run_duality
 
 
@@ -70,6 +71,6 @@ def running_airflow(settings: Settings) -> Iterator[AirflowClient]:
     airflow = LocalAirflow(settings)
     started = airflow.start()
     try:
-        yield AirflowClient(settings.airflow_url, AIRFLOW_USER, started["password"])
+        yield AirflowClient(settings.airflow_url, AIRFLOW_USER, str(started.password))
     finally:
         airflow.stop()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from duality.stream_job import StreamOptions
+from duality.stream.options import StreamOptions
 
 
 def at_least_one(text: str) -> int:
@@ -21,7 +21,7 @@ def not_negative(text: str) -> int:
 
 
 def stream_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments of `duality stream start` and `jobs/stream_aggregate.py`."""
+    """The arguments of `duality stream start` and `python -m duality.stream`."""
     parser.add_argument("pipeline", help="pipeline name or spec file")
     StreamOptions.add_arguments(parser)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,22 +26,10 @@ from duality.arguments import (
     stream_arguments,
 )
 from duality.config import AIRFLOW_DBS, Settings
-from duality.errors import CheckFailed, DualityError, UsageError
-from duality.local import (
-    LocalAirflow,
-    LocalBroker,
-    LocalKafkaCluster,
-    Scram,
-    Topology,
-    forget_stack,
-    local_cluster,
-    local_spark,
-    record_stack,
-    recorded_stack,
-    stop_brokers,
-)
-from duality.spark import sweep_scratch
-from duality.stream_job import StreamOptions
+from duality.errors import DualityError, UsageError
+from duality.local import stack
+from duality.local.broker import BrokerStatus
+from duality.stream.options import StreamOptions
 
 Handler = Callable[[Settings, argparse.Namespace, Console], Any]
 
@@ -59,264 +48,141 @@ class _Parser(argparse.ArgumentParser):
 # -- commands ------------------------------------------------------------------------------
 
 
-def _topology(settings: Settings, args: argparse.Namespace) -> Topology:
-    """What `up` should run: the options given, else what runs already, else the defaults."""
-    recorded = recorded_stack(settings)
-    base = recorded or Topology(airflow_db=settings.airflow_db)
-    wanted = Topology(
-        brokers=base.brokers if args.brokers is None else args.brokers,
-        spark_workers=base.spark_workers if args.spark_workers is None else args.spark_workers,
-        airflow_db=base.airflow_db if args.airflow_db is None else args.airflow_db,
-        sasl=base.sasl or args.sasl,
-    )
-    if recorded is not None and wanted != recorded:
-        raise UsageError(
-            f"the local stack in {settings.local_dir} runs {_describe(recorded)}; "
-            f"`duality down` first, then `duality up` with {_describe(wanted)}"
+def _cmd_up(settings: Settings, args: argparse.Namespace, console: Console) -> stack.StackUp:
+    with console.status("starting the local stack") as spinner:
+        started = stack.up(
+            settings,
+            brokers=args.brokers,
+            spark_workers=args.spark_workers,
+            airflow_db=args.airflow_db,
+            sasl=args.sasl,
+            progress=spinner.update,
         )
-    return wanted
-
-
-def _describe(topology: Topology) -> str:
-    return (
-        f"--brokers {topology.brokers} --spark-workers {topology.spark_workers} "
-        f"--airflow-db {topology.airflow_db}" + (" --sasl" if topology.sasl else "")
-    )
-
-
-def _kafka_of(
-    settings: Settings, topology: Topology, scram: Scram | None = None
-) -> LocalBroker | LocalKafkaCluster:
-    if topology.brokers == 1:
-        return LocalBroker(settings, scram=scram)
-    return local_cluster(settings, topology.brokers, scram=scram)
-
-
-def _cmd_up(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    topology = _topology(settings, args)
-    said = (lambda text: None) if args.json else console.print
-    scram = Scram.from_settings(settings) if topology.sasl else None
-    brokers = _kafka_of(settings, topology, scram)
-    where = settings.bootstrap_servers
-    if isinstance(brokers, LocalKafkaCluster):
-        where = brokers.settings.bootstrap_servers
-        with console.status(f"starting {topology.brokers} Kafka brokers on {where}"):
-            brokers.start()
-        state = brokers.status()
-        said(f"Kafka cluster of {topology.brokers} brokers running at [bold]{where}[/]")
+    if args.json:
+        return started
+    broker = started.broker
+    if isinstance(broker, BrokerStatus):
+        verb = "already running" if broker.already_running else "started"
+        console.print(
+            f"Kafka broker {verb} at [bold]{broker.bootstrap_servers}[/] (pid {broker.pid}); "
+            f"logs in {broker.log}"
+        )
     else:
-        with console.status(f"starting the Kafka broker on {where}"):
-            state = brokers.start()
-        verb = "already running" if state["already_running"] else "started"
-        said(
-            f"Kafka broker {verb} at [bold]{state['bootstrap_servers']}[/] "
-            f"(pid {state['pid']}); logs in {state['log']}"
+        console.print(
+            f"Kafka cluster of {len(broker.nodes)} brokers running at "
+            f"[bold]{broker.bootstrap_servers}[/]"
         )
-    chosen = {"DUALITY_BOOTSTRAP_SERVERS": where}
-    if scram is not None:
-        # Who logs in, and how; the password stays in the environment, never on disk.
-        chosen.update(
-            {
-                "DUALITY_SECURITY_PROTOCOL": settings.security_protocol,
-                "DUALITY_SASL_MECHANISM": str(settings.sasl_mechanism),
-                "DUALITY_SASL_USERNAME": str(settings.sasl_username),
-            }
-        )
-    result: dict[str, Any] = {"topology": dataclasses.asdict(topology), "broker": state}
-    if topology.spark_workers:
-        spark = local_spark(settings, topology.spark_workers)
-        with console.status(f"starting a Spark master and {topology.spark_workers} workers"):
-            result["spark"] = spark.start()
-        chosen["DUALITY_SPARK_MASTER"] = spark.master_url
-        # An executor per worker for each application: a stream leaves room for batch jobs.
-        chosen["DUALITY_SPARK_CORES_MAX"] = str(topology.spark_workers)
-        said(
-            f"Spark master at [bold]{spark.master_url}[/] with {topology.spark_workers} workers "
+    spark = started.spark
+    if spark is not None:
+        console.print(
+            f"Spark master at [bold]{spark.master_url}[/] with {len(spark.workers)} workers "
             f"(UI {spark.master_ui}); logs in {spark.root}"
         )
-    chosen["DUALITY_AIRFLOW_DB"] = topology.airflow_db
-    # Later commands (and Airflow's tasks) find the stack through the record.
-    record_stack(settings, topology, chosen)
-    stacked = Settings.from_env({**settings.as_env(), **chosen})
-    airflow = LocalAirflow(stacked)
-    with console.status(f"starting Airflow on {settings.airflow_url}") as status:
-        web = airflow.start(progress=lambda text: status.update(text))
-    verb = "already running" if web["already_running"] else "started"
-    said(
-        f"Airflow {verb} at [bold]{web['url']}[/] (pid {web['pid']}); log in as "
-        f"[bold]{web['user']}[/] with password [bold]{web['password']}[/] "
-        f"(kept in {web['password_file']}); logs in {web['log']}"
+    web = started.airflow
+    verb = "already running" if web.already_running else "started"
+    console.print(
+        f"Airflow {verb} at [bold]{web.url}[/] (pid {web.pid}); log in as [bold]{web.user}[/] "
+        f"with password [bold]{web.password}[/] (kept in {web.password_file}); logs in {web.log}"
     )
-    return {**result, "airflow": web}
+    return started
 
 
-def _cmd_down(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    from duality import stream_control
-
-    # Airflow first: a supervisor run in between could start a stream again.
-    airflow = LocalAirflow(settings).stop()
-    streams = stream_control.stop_all(settings)
-    # What the stopped (or once killed) drivers' JVMs left in their temporary folders.
-    sweep_scratch(settings)
-    topology = recorded_stack(settings) or Topology()
-    workers = max(
-        topology.spark_workers, len(list((settings.local_dir / "spark").glob("worker-*")))
+def _cmd_down(settings: Settings, args: argparse.Namespace, console: Console) -> stack.StackDown:
+    stopped = stack.down(settings)
+    if args.json:
+        return stopped
+    for stream in stopped.streams:
+        console.print(f"stream {stream.pipeline} stopped (pid {stream.pid})")
+    airflow = stopped.airflow
+    console.print(
+        f"Airflow stopped (pid {airflow.pid})" if airflow.was_running else "Airflow was not running"
     )
-    spark = local_spark(settings, max(1, workers)).stop()
-    brokers = stop_brokers(settings)
-    forget_stack(settings)
+    if stopped.spark.was_running:
+        console.print(f"Spark master and workers stopped (pids {stopped.spark.pids})")
+    for node in stopped.brokers:
+        console.print(f"Kafka {node.node} stopped (pid {node.pid})")
+    if not stopped.brokers:
+        console.print("Kafka was not running")
+    return stopped
+
+
+def _cmd_status(
+    settings: Settings, args: argparse.Namespace, console: Console
+) -> stack.StackStatus:
+    report = stack.status(settings)
     if not args.json:
-        for stopped in streams:
-            console.print(f"stream {stopped['pipeline']} stopped (pid {stopped['pid']})")
-        console.print(
-            f"Airflow stopped (pid {airflow['pid']})"
-            if airflow["was_running"]
-            else "Airflow was not running"
+        _print_status(report, console)
+    stack.require_sound(report)
+    return report
+
+
+def _print_status(report: stack.StackStatus, console: Console) -> None:
+    table = Table(title="duality local stack", show_header=True)
+    for column in ("service", "state", "address", "pid", "reachable", "log"):
+        table.add_column(column)
+    broker = report.broker
+    if report.topology.brokers == 1:
+        rows = [("kafka", broker.state, broker.bootstrap_servers, broker.pid, broker.reachable)]
+    else:
+        rows = [
+            (f"kafka-{n.node_id}", n.state, n.bootstrap_servers, n.pid, n.reachable)
+            for n in broker.nodes
+        ]
+    for (name, state, address, pid, reachable), node in zip(rows, broker.nodes, strict=True):
+        table.add_row(
+            name, state, address, str(pid or "-"), "yes" if reachable else "no", str(node.log)
         )
-        if spark["was_running"]:
-            console.print(f"Spark master and workers stopped (pids {spark['pids']})")
-        for node in brokers:
-            console.print(f"Kafka {node['node']} stopped (pid {node['pid']})")
-        if not brokers:
-            console.print("Kafka was not running")
-    return {"brokers": brokers, "spark": spark, "airflow": airflow, "streams": streams}
-
-
-def _cmd_status(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    topology = recorded_stack(settings) or Topology()
-    state = _kafka_of(settings, topology).status()
-    # The cluster the settings name is the one that matters, whatever runs locally.
-    state["bootstrap_servers"] = settings.bootstrap_servers
-    try:
-        state["brokers"] = kafka.ensure_reachable(settings, timeout=5)
-        state["reachable"] = True
-        if state["state"] == "stopped":
-            state["state"] = "external"  # not ours: a cluster that DUALITY_BOOTSTRAP_SERVERS names
-    except DualityError as error:
-        state["reachable"] = False
-        state["error"] = str(error)
-    airflow = LocalAirflow(settings).status()
-    spark = None
-    if topology.spark_workers:
-        spark = local_spark(settings, topology.spark_workers).status()
-    short: list[kafka.TopicReplication] = []
-    if state["reachable"]:
-        durable = kafka.durability(settings)
-        topics = kafka.replication(settings, _duality_topics(settings))
-        # Created before the settings (or the cluster) asked for more, or by hand.
-        short = [
-            t
-            for t in topics
-            if t.replication_factor < durable.replication_factor
-            or t.min_insync_replicas < durable.min_insync_replicas
-        ]
-        state["durability"] = dataclasses.asdict(durable)
-        state["topics"] = [
-            {**dataclasses.asdict(t), "below_configured": t in short} for t in topics
-        ]
-    if not args.json:
-        table = Table(title="duality local stack", show_header=True)
-        for column in ("service", "state", "address", "pid", "reachable", "log"):
-            table.add_column(column)
-        for node in state.get("nodes") or [state]:
-            table.add_row(
-                f"kafka-{node['node_id']}" if "node_id" in node else "kafka",
-                node["state"] if "node_id" in node else state["state"],
-                node["bootstrap_servers"],
-                str(node["pid"] or "-"),
-                "yes" if (node if "node_id" in node else state)["reachable"] else "no",
-                node["log"],
-            )
-        if spark is not None:
-            table.add_row(
-                "spark",
-                spark["state"],
-                spark["master_url"] or "-",
-                str(spark["master_pid"] or "-"),
-                f"{sum(w['registered'] for w in spark['workers'])}/{len(spark['workers'])} workers",
-                spark["log"],
-            )
-        for name, component in airflow["components"].items():
-            table.add_row(
-                "airflow" if name == "standalone" else f"airflow {name}",
-                "running" if component["pid"] else "stopped",
-                airflow["url"] if name in ("standalone", "api-server") else "",
-                str(component["pid"] or "-"),
-                "yes" if airflow["healthy"] else "no",
-                component["log"],
-            )
-        if "postgres" in airflow:
-            database = airflow["postgres"]
-            table.add_row(
-                "postgres",
-                database["state"],
-                f"127.0.0.1:{database['port']}" if database.get("port") else "-",
-                str(database["pid"] or "-"),
-                "",
-                database["log"],
-            )
-        console.print(table)
-        if "durability" in state:
-            durable = state["durability"]
-            console.print(
-                f"new topics: replication factor {durable['replication_factor']}, "
-                f"min.insync.replicas {durable['min_insync_replicas']} "
-                f"({durable['brokers']} brokers; chosen by {durable['chosen_by']})"
-            )
-            replicas = Table(title="duality's topics", show_header=True)
-            for column in ("topic", "replicas", "min.insync.replicas", "below min ISR now"):
-                replicas.add_column(column)
-            for row in state["topics"]:
-                flag = " [red](fewer than configured)[/red]" if row["below_configured"] else ""
-                replicas.add_row(
-                    row["topic"] + flag,
-                    str(row["replication_factor"]),
-                    str(row["min_insync_replicas"]),
-                    str(row["below_min_isr"]),
-                )
-            console.print(replicas)
-    result: dict[str, Any] = {
-        "topology": dataclasses.asdict(topology),
-        "broker": state,
-        "airflow": airflow,
-    }
+    spark = report.spark
     if spark is not None:
-        result["spark"] = spark
-    if short:
-        durable = state["durability"]
-        names = ", ".join(
-            f"{t.topic} ({t.replication_factor} replicas, min.insync.replicas "
-            f"{t.min_insync_replicas})"
-            for t in short
+        table.add_row(
+            "spark",
+            spark.state,
+            spark.master_url or "-",
+            str(spark.master_pid or "-"),
+            f"{sum(w.registered for w in spark.workers)}/{len(spark.workers)} workers",
+            str(spark.log),
         )
-        raise CheckFailed(
-            f"topics replicated less than configured (replication factor "
-            f"{durable['replication_factor']}, min.insync.replicas "
-            f"{durable['min_insync_replicas']}): {names}; add replicas with Kafka's "
-            "kafka-reassign-partitions and raise min.insync.replicas with kafka-configs, or "
-            "recreate the topics (`duality reset` recreates a pipeline's changelog)",
-            result,
+    airflow = report.airflow
+    for name, component in airflow.components.items():
+        table.add_row(
+            "airflow" if name == "standalone" else f"airflow {name}",
+            "running" if component.pid else "stopped",
+            airflow.url if name in ("standalone", "api-server") else "",
+            str(component.pid or "-"),
+            "yes" if airflow.healthy else "no",
+            str(component.log),
         )
-    if not state["reachable"]:
-        # The error names the address and says what to do: a refused login or a missing ACL
-        # as such, a cluster that does not answer how to start one.
-        raise CheckFailed(state["error"], result)
-    return result
-
-
-def _duality_topics(settings: Settings) -> list[str]:
-    """The topics duality creates for the pipelines, the heartbeats and the repartition DAG."""
-    from duality.status import STATUS_TOPIC
-
-    topics = [STATUS_TOPIC]
-    for path in spec.spec_files(settings):
-        try:
-            pipeline = spec.load_spec(path)
-        except UsageError:
-            continue  # `duality spec validate` names what is wrong with it
-        topics += [pipeline.changelog_topic, pipeline.dlq_topic]
-    topics += [t.target for t in spec.load_repartition_config(settings).topics]
-    return topics
+    database = airflow.postgres
+    if database is not None:
+        table.add_row(
+            "postgres",
+            database.state,
+            f"127.0.0.1:{database.port}" if database.port else "-",
+            str(database.pid or "-"),
+            "",
+            str(database.log),
+        )
+    console.print(table)
+    durable = broker.durability
+    if durable is None:
+        return
+    console.print(
+        f"new topics: replication factor {durable.replication_factor}, "
+        f"min.insync.replicas {durable.min_insync_replicas} "
+        f"({durable.brokers} brokers; chosen by {durable.chosen_by})"
+    )
+    replicas = Table(title="duality's topics", show_header=True)
+    for column in ("topic", "replicas", "min.insync.replicas", "below min ISR now"):
+        replicas.add_column(column)
+    for topic in broker.topics:
+        flag = " [red](fewer than configured)[/red]" if topic.below_configured else ""
+        replicas.add_row(
+            topic.topic + flag,
+            str(topic.replication_factor),
+            str(topic.min_insync_replicas),
+            str(topic.below_min_isr),
+        )
+    console.print(replicas)
 
 
 def _cmd_lag(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
@@ -448,51 +314,51 @@ def _cmd_produce(settings: Settings, args: argparse.Namespace, console: Console)
     return result
 
 
-def _cmd_stream(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    from duality import stream_control
+def _cmd_stream(settings: Settings, args: argparse.Namespace, console: Console) -> Any:
+    from duality.stream import control
 
     pipeline = spec.find_spec(settings, args.pipeline)
     action = args.stream_command
-    if action == "start" and args.foreground:
-        from duality.stream_job import supervise
-
-        code = supervise(settings, pipeline, args.pipeline, StreamOptions.from_args(args))
-        return {"pipeline": pipeline.name, "state": "stopped", "exit_code": code}
     if action == "start":
         options = StreamOptions.from_args(args)
+        if args.foreground:
+            # This process becomes the stream (`python -m duality.stream`, which is what the
+            # pid check looks for), with the settings this command runs with.
+            command = [sys.executable, "-m", control.MODULE, args.pipeline, *options.to_args()]
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.execve(sys.executable, command, {**os.environ, **settings.as_env()})
         with console.status(f"starting the stream of {pipeline.name}"):
-            result = stream_control.start(settings, pipeline, job_args=options.to_args())
+            started = control.start(settings, pipeline, job_args=options.to_args())
         if not args.json:
-            verb = "already running" if result["already_running"] else "started"
-            console.print(
-                f"stream {pipeline.name} {verb} (pid {result['pid']}); log {result['log']}"
-            )
-        return result
+            verb = "already running" if started.already_running else "started"
+            console.print(f"stream {pipeline.name} {verb} (pid {started.pid}); log {started.log}")
+        return started
     if action == "stop":
         with console.status(f"stopping the stream of {pipeline.name}"):
-            result = stream_control.stop(settings, pipeline)
+            stopped = control.stop(settings, pipeline)
         if not args.json:
             console.print(
                 f"stream {pipeline.name} stopped"
-                if result["was_running"]
+                if stopped.was_running
                 else f"stream {pipeline.name} was not running"
             )
-        return result
-    result = stream_control.describe(settings, pipeline)
+        return stopped
+    state = control.describe(settings, pipeline)
     if not args.json:
-        beat = result.get("heartbeat", {})
+        beat = state.heartbeat
         console.print(
-            f"stream {pipeline.name}: {result['state']}"
-            + (f" (pid {result['pid']})" if result["pid"] else "")
+            f"stream {pipeline.name}: {state.state}"
+            + (f" (pid {state.pid})" if state.pid else "")
             + (
-                f"; last heartbeat {result['heartbeat_age_s']}s ago: {beat.get('state')}, "
+                f"; last heartbeat {state.heartbeat_age_s}s ago: {beat.get('state')}, "
                 f"batch {beat.get('batch_id', '-')}, {beat.get('state_rows', '-')} rows in state"
                 if beat
                 else "; no heartbeat yet"
             )
-            + (f"; lag {result['lag']:,}" if "lag" in result else "")
+            + (f"; lag {state.lag:,}" if state.lag is not None else "")
         )
-    return result
+    return state
 
 
 def _cmd_reset(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
@@ -912,6 +778,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _json_value(value: Any) -> Any:
+    """What `json.dumps` cannot write itself: a result dataclass as its fields, else text."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return str(value)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = " ".join(
@@ -945,7 +818,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 json.dumps(
                     {**details, "error": str(error), "exit_code": error.exit_code},
                     indent=2,
-                    default=str,
+                    default=_json_value,
                 )
             )
         _err.print(f"duality {command}: error: {error}", style="red", markup=False, soft_wrap=True)
@@ -958,7 +831,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         if args.json:
-            print(json.dumps(result, indent=2, default=str))
+            print(json.dumps(result, indent=2, default=_json_value))
     except BrokenPipeError:
         sys.stderr.close()
     return 0

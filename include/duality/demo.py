@@ -19,11 +19,12 @@ from typing import Any
 
 from rich.console import Console
 
-from duality import kafka, skew, spec, stream_control, workload
+from duality import kafka, skew, spec, workload
 from duality.airflow_api import AirflowClient
 from duality.config import Settings
 from duality.errors import CheckFailed, LocalStackError, UsageError
-from duality.local import AIRFLOW_USER, LocalAirflow
+from duality.local.airflow import AIRFLOW_USER, LocalAirflow
+from duality.stream import control
 
 PIPELINE = "product_sales"
 _CATCH_UP_TIMEOUT_S = 600.0
@@ -79,7 +80,7 @@ def run(
 
         say = step(f"the supervisor DAG starts the stream of {PIPELINE}")
         _run_dag(client, f"duality_{PIPELINE}_stream", {"action": "start"}, say)
-        if stream_control.desired(settings, pipeline) == "stopped":  # stopped by hand earlier
+        if control.desired(settings, pipeline) == "stopped":  # stopped by hand earlier
             _run_dag(client, f"duality_{PIPELINE}_stream", {"action": "start"}, say)
         say = step("waiting for the stream to count every event")
         counted = _wait_caught_up(settings, pipeline, say)
@@ -151,18 +152,18 @@ def _wait_caught_up(
 ) -> dict[str, Any]:
     deadline = time.monotonic() + _CATCH_UP_TIMEOUT_S
     while True:
-        info = stream_control.describe(settings, pipeline)
-        behind = info.get("lag", 0)
+        info = control.describe(settings, pipeline)
+        behind = info.lag or 0
         if behind == 0:
             return {
                 "source_records": sum(kafka.end_offsets(settings, pipeline.source.topic).values()),
-                "keys": info.get("heartbeat", {}).get("state_rows"),
-                "pid": info["pid"],
+                "keys": (info.heartbeat or {}).get("state_rows"),
+                "pid": info.pid,
             }
         if time.monotonic() > deadline:
             raise CheckFailed(
                 f"the stream of {pipeline.name} is still {behind:,} records behind after "
-                f"{_CATCH_UP_TIMEOUT_S:g}s; see {stream_control.log_file(settings, pipeline)}"
+                f"{_CATCH_UP_TIMEOUT_S:g}s; see {control.log_file(settings, pipeline)}"
             )
         say(f"{behind:,} records to go")
         time.sleep(1)

@@ -12,11 +12,13 @@ import shutil
 from datetime import UTC, datetime
 from typing import Any
 
-from duality import kafka, stream_control
+from duality import kafka
 from duality.config import Settings
 from duality.errors import UsageError
 from duality.spec import PipelineSpec
-from duality.stream_job import changelog_config, checkpoint_dir
+from duality.stream import control
+from duality.stream.seeding import checkpoint_dir
+from duality.stream.topics import changelog_config
 
 
 @dataclasses.dataclass
@@ -93,7 +95,7 @@ def plan(
     checkpoint = checkpoint_dir(settings, spec)
     return ResetPlan(
         pipeline=spec.name,
-        stop_pid=stream_control.running_pid(settings, spec),
+        stop_pid=control.running_pid(settings, spec),
         source_topic=source,
         offsets=offsets,
         checkpoint=str(checkpoint),
@@ -108,13 +110,13 @@ def plan(
 
 def execute(settings: Settings, spec: PipelineSpec, reset: ResetPlan) -> None:
     # The supervisor must not start the stream halfway through; afterwards it may again.
-    with stream_control.held(settings, spec):
+    with control.held(settings, spec):
         _execute(settings, spec, reset)
 
 
 def _execute(settings: Settings, spec: PipelineSpec, reset: ResetPlan) -> None:
-    if reset.stop_pid is not None or stream_control.running_pid(settings, spec) is not None:
-        stream_control.stop(settings, spec, hold=False)
+    if reset.stop_pid is not None or control.running_pid(settings, spec) is not None:
+        control.stop(settings, spec, hold=False)
     kafka.commit_offsets(settings, spec.consumer_group, spec.source.topic, reset.offsets)
     shutil.rmtree(reset.checkpoint, ignore_errors=True)
     if reset.changelog_partitions is not None:

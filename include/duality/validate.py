@@ -195,7 +195,7 @@ def recompute(
     """
     from pyspark.sql import functions as F
 
-    from duality.stream import (
+    from duality.stream.query import (
         aggregate,
         aggregate_columns,
         classify,

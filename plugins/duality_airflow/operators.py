@@ -130,14 +130,14 @@ class SuperviseStreamOperator(DualityTask):
         self.action = action
 
     def execute(self, context: Context) -> dict[str, Any]:
-        from duality import stream_control
         from duality.errors import DualityError, UsageError
         from duality.spec import find_spec
+        from duality.stream import health
 
         settings = self.hook.settings()
         try:
             spec = find_spec(settings, self.pipeline)
-            result = stream_control.supervise_once(settings, spec, self.action)  # type: ignore[arg-type]
+            result = health.supervise_once(settings, spec, self.action)  # type: ignore[arg-type]
         except UsageError as error:
             raise AirflowFailException(str(error)) from None
         except DualityError as error:
@@ -145,11 +145,11 @@ class SuperviseStreamOperator(DualityTask):
         self.log.info(
             "%s: %s (%s); action: %s",
             self.pipeline,
-            result.get("health", result.get("state")),
-            result.get("reason", ""),
-            result["action"],
+            result.health or result.state,
+            result.reason or "",
+            result.action,
         )
-        return {k: v for k, v in result.items() if k != "heartbeat"}
+        return {k: v for k, v in vars(result).items() if k != "heartbeat"}
 
 
 class RepartitionOperator(DualityTask):

@@ -21,18 +21,18 @@ if TYPE_CHECKING:
 
 def stream_health(settings: Settings, pipeline: str) -> dict[str, Any]:
     """The supervisor's diagnosis of a stream, without acting on it (blocking; run in a thread)."""
-    from duality import stream_control
     from duality.spec import find_spec
+    from duality.stream import control, health
 
     spec = find_spec(settings, pipeline)
-    info, health, reason = stream_control.check(settings, spec)
+    state, diagnosis, reason = health.check(settings, spec)
     return {
         "pipeline": pipeline,
-        "health": health,
+        "health": diagnosis,
         "reason": reason,
-        "pid": info["pid"],
-        "desired": stream_control.desired(settings, spec),
-        "lag": info.get("lag"),
+        "pid": state.pid,
+        "desired": control.desired(settings, spec),
+        "lag": state.lag,
     }
 
 

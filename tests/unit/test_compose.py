@@ -22,13 +22,8 @@ import pytest
 import yaml
 
 from duality.config import PREFIX, Settings
-from duality.local import (
-    AIRFLOW_COMPONENTS,
-    AIRFLOW_DB_DRIVER,
-    AIRFLOW_DB_NAME,
-    AIRFLOW_DB_USER,
-    AIRFLOW_MIGRATE,
-)
+from duality.local.airflow import AIRFLOW_COMPONENTS, AIRFLOW_MIGRATE
+from duality.local.postgres import AIRFLOW_DB_DRIVER, AIRFLOW_DB_NAME, AIRFLOW_DB_USER
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -754,7 +749,9 @@ def _option(command: list[str], flag: str) -> str:
 
 
 def test_local_topology_has_compose_brokers_and_workers():
-    from duality.local import PRODUCTION, local_cluster, local_spark
+    from duality.local.kraft import local_cluster
+    from duality.local.spark_cluster import local_spark
+    from duality.local.stack import PRODUCTION
 
     settings = Settings.from_env({"DUALITY_LOCAL_DIR": "/nonexistent/duality-compose-test"})
     assert len(KAFKA) == PRODUCTION.brokers

@@ -88,7 +88,7 @@ def test_every_setting_is_described():
 
 
 def test_cluster_ids_never_read_as_options():
-    from duality.local import new_cluster_id
+    from duality.local.broker import new_cluster_id
 
     ids = {new_cluster_id() for _ in range(5000)}
     assert len(ids) == 5000

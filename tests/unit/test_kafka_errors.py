@@ -15,7 +15,7 @@ from confluent_kafka import KafkaError, KafkaException
 from duality import kafka, skew
 from duality.config import Settings
 from duality.errors import BrokerUnavailable, UsageError
-from duality.local import free_port
+from duality.local.ports import free_port
 
 PASSWORD = "s3cret-never-printed"
 

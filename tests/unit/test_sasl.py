@@ -16,7 +16,9 @@ import pytest
 from duality import kafka
 from duality.config import Settings, jaas_quote, java_properties
 from duality.errors import UsageError
-from duality.local import LocalAirflow, Scram, _scram_argument
+from duality.local.airflow import LocalAirflow
+from duality.local.scram import Scram
+from duality.local.scram import scram_argument as _scram_argument
 from tests.harness import ROOT
 
 # Every character that needs escaping somewhere: quote, backslash, semicolon, equals, spaces,

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from duality.stream_control import STALL_AFTER_S, backoff_s, diagnose
+from duality.stream.health import STALL_AFTER_S, backoff_s, diagnose
 from tests.harness import ROOT
 
 NOW = 1_000_000.0
@@ -60,7 +60,7 @@ def test_unknown_action_is_a_usage_error(tmp_path):
     from duality.config import Settings
     from duality.errors import UsageError
     from duality.spec import find_spec
-    from duality.stream_control import supervise_once
+    from duality.stream.health import supervise_once
 
     settings = Settings.from_env().replace(local_dir=tmp_path)
     with pytest.raises(UsageError, match="unknown"):

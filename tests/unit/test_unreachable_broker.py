@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from duality.local import free_port
+from duality.local.ports import free_port
 from tests.harness import run_duality
 
 

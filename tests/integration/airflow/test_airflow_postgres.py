@@ -25,7 +25,8 @@ import yaml
 from duality import kafka, snapshot, workload
 from duality.airflow_api import AirflowClient
 from duality.config import Settings
-from duality.local import AIRFLOW_COMPONENTS, AIRFLOW_USER, LocalAirflow, free_port
+from duality.local.airflow import AIRFLOW_COMPONENTS, AIRFLOW_USER, LocalAirflow
+from duality.local.ports import free_port
 from duality.spec import PipelineSpec, load_spec
 from tests.harness import assert_eventually, make_pipeline, read_latest, run_duality
 
@@ -41,11 +42,11 @@ def root() -> Iterator[Path]:
 
 class StreamCount:
     """Counts, every 0.2 s on a thread, the running stream processes of one pipeline: its
-    supervisor (`jobs/stream_aggregate.py`) and its driver (`python -m duality.stream_job`)."""
+    supervisor (`python -m duality.stream`) and its driver (`python -m duality.stream.driver`)."""
 
     def __init__(self, name: str):
         self.name = name
-        self.most = {"stream_aggregate.py": 0, "duality.stream_job": 0}
+        self.most = {"duality.stream": 0, "duality.stream.driver": 0}
         self.seen: dict[str, set[int]] = {kind: set() for kind in self.most}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
@@ -92,10 +93,10 @@ def test_scheduler_killed_mid_snapshot_publishes_once_and_runs_one_stream(
     airflow = LocalAirflow(scoped)
     try:
         started = airflow.start()
-        assert started["db"] == "postgres" and started["healthy"], started
-        assert set(started["components"]) == set(AIRFLOW_COMPONENTS)
-        assert started["postgres"]["reachable"]
-        client = AirflowClient(scoped.airflow_url, AIRFLOW_USER, started["password"])
+        assert started.db == "postgres" and started.healthy, started
+        assert set(started.components) == set(AIRFLOW_COMPONENTS)
+        assert started.postgres is not None and started.postgres.reachable
+        client = AirflowClient(scoped.airflow_url, AIRFLOW_USER, str(started.password))
         with StreamCount(spec.name) as streams:
             _stream_and_snapshot(scoped, spec, airflow, client, streams)
             client.set_paused(f"duality_{spec.name}_stream", True)
@@ -112,12 +113,14 @@ def test_scheduler_killed_mid_snapshot_publishes_once_and_runs_one_stream(
     assert set(stopped["airflow"]["pids"]) == set(AIRFLOW_COMPONENTS), stopped["airflow"]
     assert stopped["airflow"]["postgres"]["was_running"], stopped["airflow"]
     assert [s["pipeline"] for s in stopped["streams"]] == [spec.name], stopped["streams"]
-    assert streams.most == {"stream_aggregate.py": 1, "duality.stream_job": 1}, (
+    assert streams.most == {"duality.stream": 1, "duality.stream.driver": 1}, (
         f"a pipeline ran two streams at once: {streams.seen}"
     )
     assert _processes_of(root) == [], "the stack left processes behind"
     status = airflow.status()
-    assert status["state"] == "stopped" and status["postgres"]["state"] == "stopped", status
+    assert status.state == "stopped" and status.postgres and status.postgres.state == "stopped", (
+        status
+    )
 
 
 def _stream_and_snapshot(
@@ -153,12 +156,12 @@ def _stream_and_snapshot(
     os.kill(scheduler, signal.SIGKILL)
     killed_at = time.time()
     assert_eventually(lambda: airflow.component_pid("scheduler") is None, timeout=10)
-    assert airflow.status()["state"] == "degraded"
+    assert airflow.status().state == "degraded"
 
     again = airflow.start()  # starts what does not run: the scheduler
-    assert not again["already_running"] and again["healthy"], again
-    assert again["components"]["scheduler"]["pid"] not in (None, scheduler)
-    assert {n: again["components"][n]["pid"] for n in before} == before, "others restarted"
+    assert not again.already_running and again.healthy, again
+    assert again.components["scheduler"].pid not in (None, scheduler)
+    assert {n: again.components[n].pid for n in before} == before, "others restarted"
 
     finished = client.wait_run(snapshot_dag, run_id, timeout=300)
     tasks = {t["task_id"]: t for t in client.task_instances(snapshot_dag, run_id)}
@@ -178,7 +181,7 @@ def _stream_and_snapshot(
     built = snapshot.table_state(path, version)
     latest = read_latest(settings, spec)
     assert built is not None and built.rows == sum(v is not None for v in latest.values()) > 0
-    assert streams.now()["stream_aggregate.py"], "the stream is not running any more"
+    assert streams.now()["duality.stream"], "the stream is not running any more"
 
 
 def _pipeline(settings: Settings) -> PipelineSpec:

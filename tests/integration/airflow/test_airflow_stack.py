@@ -14,8 +14,9 @@ from typing import Any
 import psutil
 import pytest
 
-from duality import kafka, process, stream_control
+from duality import kafka, process
 from duality.spec import find_spec
+from duality.stream import control
 from tests import truth
 from tests.harness import ROOT, assert_eventually, read_latest, read_topic
 from tests.stack import Stack, running_stack, stack_env
@@ -85,7 +86,7 @@ def test_supervisor_restarts_a_killed_stream_and_the_changelog_stays_exact(
 ):
     settings = stack.settings
     spec = find_spec(settings, "product_sales")
-    pid = stream_control.running_pid(settings, spec)
+    pid = control.running_pid(settings, spec)
     assert pid is not None, "the demo left the stream to the supervisor, running"
     dag_id = "duality_product_sales_stream"
     assert stack.client.dag(dag_id)["is_paused"] is False
@@ -98,7 +99,7 @@ def test_supervisor_restarts_a_killed_stream_and_the_changelog_stays_exact(
     assert_eventually(lambda: not psutil.pid_exists(pid) or _zombie(pid), timeout=30)
 
     def restarted() -> int | None:
-        new = stream_control.running_pid(settings, spec)
+        new = control.running_pid(settings, spec)
         return new if new not in (None, pid) else None
 
     new_pid = assert_eventually(

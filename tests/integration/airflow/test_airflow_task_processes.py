@@ -14,7 +14,7 @@ import pytest
 from duality import kafka
 from duality.airflow_api import AirflowClient
 from duality.config import Settings
-from duality.local import free_port
+from duality.local.ports import free_port
 from tests.harness import assert_eventually, make_pipeline
 from tests.stack import running_airflow
 

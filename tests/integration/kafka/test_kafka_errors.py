@@ -18,7 +18,8 @@ from confluent_kafka.admin import (
 from duality import cli, kafka, workload
 from duality.config import Settings
 from duality.errors import UsageError
-from duality.local import Scram, ephemeral_broker
+from duality.local.broker import ephemeral_broker
+from duality.local.scram import Scram
 from tests.harness import make_pipeline
 
 ADMIN_PASSWORD = "admin-secret"

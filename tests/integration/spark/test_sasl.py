@@ -22,7 +22,8 @@ import pytest
 
 from duality import kafka
 from duality.config import Settings, jaas_quote
-from duality.local import Scram, ephemeral_broker
+from duality.local.broker import ephemeral_broker
+from duality.local.scram import Scram
 from tests import truth
 from tests.harness import assert_eventually, make_pipeline, read_latest, read_topic, run_duality
 

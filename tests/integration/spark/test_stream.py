@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from duality import kafka, status, stream_job, workload
+from duality import kafka, workload
 from duality.config import Settings
-from duality.local import LocalBroker, ephemeral_broker
+from duality.local.broker import LocalBroker, ephemeral_broker
+from duality.stream import driver, heartbeat
 from tests import truth
 from tests.harness import (
     StreamProcess,
@@ -195,7 +196,7 @@ def test_driver_replaced_when_its_jvm_dies(settings: Settings, pipelines: Path, 
         stream.stop()
     log = stream.log.read_text()
     assert "the driver's JVM exited with -9" in log, log[-3000:]
-    assert f"driver exited with {stream_job.JVM_EXITED}" in log, log[-3000:]
+    assert f"driver exited with {driver.JVM_EXITED}" in log, log[-3000:]
     _verify(settings, spec, 6_000)
     assert not scratch.exists() and _leftover_scratch(settings) == []
 
@@ -258,7 +259,9 @@ def test_windowed_late_events_go_to_dead_letters(
         # The first batch's old events opened windows the watermark has passed since: they
         # are evicted from Spark's state store, which holds fewer windows than the table.
         assert_eventually(
-            lambda: status.latest(settings)[spec.name].get("state_rows", len(table)) < len(table),
+            lambda: (
+                heartbeat.latest(settings)[spec.name].get("state_rows", len(table)) < len(table)
+            ),
             timeout=60,
             message="no window was evicted from the state store",
         )
@@ -333,7 +336,7 @@ TRICKY = [
 
 def test_classification_agrees_with_the_ground_truth(settings: Settings, spark, tmp_path: Path):  # type: ignore[no-untyped-def]
     """Spark's verdict on each tricky record is the ground truth's, reason kind included."""
-    from duality.stream import classify
+    from duality.stream.query import classify
 
     spec = make_pipeline(settings, tmp_path, "product_sales")
     raw = spark.createDataFrame(

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import psutil
 
 from duality import kafka
 from duality.config import Settings
-from tests.harness import make_pipeline, run_duality
+from duality.stream import control
+from tests.harness import assert_eventually, make_pipeline, run_duality
 
 
 def _duality(settings: Settings, *args: str, timeout: float = 240) -> dict:
@@ -22,9 +26,13 @@ def _drivers(name: str) -> list[psutil.Process]:
     return [
         p
         for p in psutil.process_iter(["cmdline"])
-        if any(part.endswith("stream_aggregate.py") for part in p.info["cmdline"] or [])
-        and name in (p.info["cmdline"] or [])
+        if "duality.stream" in (p.info["cmdline"] or []) and name in (p.info["cmdline"] or [])
     ]
+
+
+def _running(name: str) -> list[psutil.Process]:
+    """The processes of pipeline `name`'s stream: its supervisor and its driver."""
+    return [p for p in psutil.process_iter(["cmdline"]) if name in (p.info["cmdline"] or [])]
 
 
 def test_stream_lifecycle_and_reset(settings: Settings, tmp_path: Path):
@@ -76,3 +84,41 @@ def test_stream_lifecycle_and_reset(settings: Settings, tmp_path: Path):
     }
     assert not (settings.checkpoint_root / spec.name).exists()
     assert sum(kafka.end_offsets(settings, spec.changelog_topic, "read_uncommitted").values()) == 0
+
+
+def test_down_stops_a_stream_started_in_the_foreground(settings: Settings, tmp_path: Path):
+    """`duality stream start --foreground` writes its own pid file, and `duality down`'s stream
+    part finds it there and stops it gracefully, driver and all."""
+    pipelines = tmp_path / "pipelines"
+    spec = make_pipeline(settings, pipelines, "product_sales")
+    kafka.create_topic(settings, spec.source.topic, 2)
+    with open(tmp_path / "stream.log", "wb") as log:
+        # In the test's own process group, as no shell would run it: stopping it must not
+        # take that group down.
+        stream = subprocess.Popen(
+            [sys.executable, "-m", "duality.cli", "stream", "start", spec.name, "--foreground"],
+            env={**os.environ, **settings.replace(pipelines=pipelines).as_env()},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        assert_eventually(
+            lambda: (control.describe(settings, spec).heartbeat or {}).get("state") == "running",
+            timeout=180,
+            message="the stream did not report running",
+        )
+        state = control.describe(settings, spec)
+        assert state.state == "running" and state.pid == stream.pid
+        assert state.heartbeat["ppid"] == stream.pid  # type: ignore[index]
+
+        stopped = control.stop_all(settings)
+        assert (spec.name, stream.pid) in [(s.pipeline, s.pid) for s in stopped], stopped
+        assert stream.wait(30) == 0  # SIGTERM: the driver finished its batch and exited
+        assert not control.pid_file(settings, spec).exists()
+        assert_eventually(
+            lambda: _running(spec.name) == [], timeout=30, message="the driver outlived it"
+        )
+    finally:
+        if stream.poll() is None:
+            stream.kill()
+            stream.wait(30)

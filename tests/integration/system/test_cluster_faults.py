@@ -23,10 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from duality import kafka, repartition, snapshot, status, stream_control, stream_job, workload
+from duality import kafka, repartition, snapshot, workload
 from duality.config import Settings
-from duality.local import LocalKafkaCluster, ephemeral_cluster
+from duality.local.kraft import LocalKafkaCluster, ephemeral_cluster
 from duality.spec import PipelineSpec
+from duality.stream import control, health, heartbeat, topics
 from tests.harness import ROOT, assert_eventually, make_pipeline, run_duality
 from tests.integration.snapshot.test_snapshot import _table, _truth
 from tests.integration.spark.test_repartition import _assert_exact_copy
@@ -161,10 +162,10 @@ def test_leader_killed_mid_stream_repartition_and_snapshot(
     kafka.create_topic(settings, spec.source.topic, 3)
     # The stream's changelog, kept uncompacted for the test: the truth of a snapshot version is
     # the changelog below the version's offsets, which compaction would thin out meanwhile.
-    config = {**stream_job.changelog_config(spec), "min.compaction.lag.ms": "3600000"}
+    config = {**topics.changelog_config(spec), "min.compaction.lag.ms": "3600000"}
     kafka.create_topic(settings, spec.changelog_topic, 3, config=config)
     workload.produce(settings, spec, events=3_000, keys=KEYS, bad_fraction=0.05, seed=61)
-    stream_control.start(settings, spec, wait=False, job_args=["--max-offsets-per-trigger", "2000"])
+    control.start(settings, spec, wait=False, job_args=["--max-offsets-per-trigger", "2000"])
 
     # The repartition's source, for a copy throttled to be still running when the broker dies.
     source, target = f"{spec.name}-hot", f"{spec.name}-hot-5p"
@@ -212,7 +213,7 @@ def test_leader_killed_mid_stream_repartition_and_snapshot(
         )
         # Changes since the first version: this run merges them when the broker dies.
         merging.start()
-        victim = _leaders(settings, status.STATUS_TOPIC)[0]
+        victim = _leaders(settings, heartbeat.STATUS_TOPIC)[0]
         for topic in (spec.source.topic, spec.changelog_topic, source, target):
             assert victim in _leaders(settings, topic).values(), (topic, victim)
         node = cluster.node(victim)
@@ -233,10 +234,10 @@ def test_leader_killed_mid_stream_repartition_and_snapshot(
         assert seen["state"] == "running" and seen["heartbeat"]["state"] == "running", seen
         lags = _cli(settings, "lag", "--group", group)["lag"]
         assert {row["topic"] for row in lags} == {spec.source.topic}, lags
-        look = stream_control.supervise_once(settings, spec)
-        assert look["health"] == "healthy" and look["action"] == "none", look
+        look = health.supervise_once(settings, spec)
+        assert look.health == "healthy" and look.action == "none", look
         while time.monotonic() < killed_at + DOWN_S:
-            assert stream_control.running_pid(settings, spec), "the stream gave up"
+            assert control.running_pid(settings, spec), "the stream gave up"
             assert copier.poll() in (None, 0), copy_log.read_text()[-3000:]
             time.sleep(1)
         node.start()
@@ -252,7 +253,7 @@ def test_leader_killed_mid_stream_repartition_and_snapshot(
         )
     finally:
         load.stopping.set()
-        stream_control.stop(settings, spec)
+        control.stop(settings, spec)
         if copier is not None:
             copier.wait(timeout=300)
         merging.done.wait(timeout=300)

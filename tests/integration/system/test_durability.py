@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 
-from duality import kafka, status, stream_job
+from duality import kafka
 from duality.config import Settings
-from duality.local import LocalKafkaCluster, ephemeral_cluster
+from duality.local.kraft import LocalKafkaCluster, ephemeral_cluster
 from duality.spec import PipelineSpec
+from duality.stream import heartbeat, topics
 from tests.harness import assert_eventually, make_pipeline, run_duality
 
 
@@ -34,7 +35,7 @@ def _duality(
 def _pipeline(settings: Settings, folder: Path) -> PipelineSpec:
     spec = make_pipeline(settings, folder, "product_sales")
     kafka.create_topic(settings, spec.source.topic, 3)
-    stream_job.ensure_topics(settings, spec)
+    topics.ensure_topics(settings, spec)
     return spec
 
 
@@ -51,7 +52,7 @@ def _listed(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def test_every_topic_is_replicated_as_configured(cluster: LocalKafkaCluster, tmp_path: Path):
     settings = cluster.settings
     spec = _pipeline(settings, tmp_path / "pipelines")
-    topics = [spec.source.topic, spec.changelog_topic, spec.dlq_topic, status.STATUS_TOPIC]
+    topics = [spec.source.topic, spec.changelog_topic, spec.dlq_topic, heartbeat.STATUS_TOPIC]
     # A new topic reaches each broker's metadata in its own time, and a request may go to any.
     assert_eventually(
         lambda: [
@@ -66,7 +67,7 @@ def test_every_topic_is_replicated_as_configured(cluster: LocalKafkaCluster, tmp
     scoped = settings.replace(
         pipelines=pipelines, repartition_config=pipelines / "no-repartition.yaml"
     )
-    ours = {spec.changelog_topic, spec.dlq_topic, status.STATUS_TOPIC}
+    ours = {spec.changelog_topic, spec.dlq_topic, heartbeat.STATUS_TOPIC}
     code, report, stderr = assert_eventually(
         lambda: _status(scoped),
         lambda seen: seen[0] == 0 and set(_listed(seen[1])) == ours,

@@ -9,7 +9,7 @@ from pathlib import Path
 import psutil
 
 from duality.config import Settings
-from duality.local import free_port
+from duality.local.ports import free_port
 from tests.harness import ended_pid, run_duality
 
 

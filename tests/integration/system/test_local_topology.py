@@ -22,7 +22,10 @@ import yaml
 from duality import kafka
 from duality.airflow_api import AirflowClient
 from duality.config import Settings
-from duality.local import AIRFLOW_COMPONENTS, _port_in_use, free_port, local_spark
+from duality.local.airflow import AIRFLOW_COMPONENTS
+from duality.local.ports import free_port
+from duality.local.ports import port_in_use as _port_in_use
+from duality.local.spark_cluster import local_spark
 from duality.spec import find_spec
 from tests.harness import ROOT, assert_eventually, run_duality
 from tests.integration.spark.test_sasl import PASSWORD, USER, _leaks

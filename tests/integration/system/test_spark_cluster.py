@@ -2,7 +2,7 @@
 `bin/spark-class`. The stream survives a worker SIGKILLed mid-stream and its changelog still
 equals the truth; the snapshot and the repartition give what local mode gives.
 
-The stream runs unchanged (`jobs/stream_aggregate.py` with `DUALITY_SPARK_MASTER=spark://…`);
+The stream runs unchanged (`python -m duality.stream` with `DUALITY_SPARK_MASTER=spark://…`);
 its executors get duality as a zip (`spark.submit.pyFiles`) and keep the state store in their
 workers' own folders.
 """
@@ -22,7 +22,7 @@ import pytest
 
 from duality import kafka, snapshot, workload
 from duality.config import Settings
-from duality.local import LocalSparkCluster
+from duality.local.spark_cluster import LocalSparkCluster
 from duality.spark import package_zip
 from tests.harness import ROOT, StreamProcess, assert_eventually, make_pipeline
 from tests.integration.spark.test_stream import _verify

@@ -1,146 +1,43 @@
-"""The stream's driver: creates the pipeline's topics, runs the query, and keeps it running.
+"""The stream's driver, the Spark driver process (`python -m duality.stream.driver PIPELINE`,
+started by the supervisor): creates the pipeline's topics, runs the query and keeps it running.
 
 A failed query (the broker went away, a transaction could not commit) is restarted with
 backoff from its checkpoint, so the stream recovers by itself; only a lost checkpoint makes it
-seed its state from the changelog. SIGTERM stops it gracefully. A lock file makes sure one
-checkpoint never has two drivers.
+seed its state from the changelog. SIGTERM stops it gracefully.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
-import fcntl
 import logging
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-from duality import kafka, status, stream
+from duality import kafka
 from duality.config import Settings
-from duality.errors import DualityError, LocalStackError, UsageError
+from duality.errors import DualityError
 from duality.spec import PipelineSpec
+from duality.stream import seeding
+from duality.stream.changelog_writer import ChangelogWriter
+from duality.stream.heartbeat import Heartbeat
+from duality.stream.options import StreamOptions
+from duality.stream.query import build_query_frame
+from duality.stream.topics import ensure_topics
 
 log = logging.getLogger("duality.stream")
 
-# Larger micro-batches read a backlog faster, but one that changed 1,000,000 keys ran the
-# driver's 1 GB heap out of memory (README, benchmark).
-MAX_OFFSETS_PER_TRIGGER = 500_000
-# A micro-batch running longer than this is taken as stalled (a lost broker connection that
-# never recovers): the query is stopped and restarted from the changelog.
-STALL_TIMEOUT_S = 300.0
+# A micro-batch ran longer than the stall timeout: the process exits for a new driver.
 STALLED_EXIT = 75
 # The driver's JVM is gone (killed, or ended by an OutOfMemoryError): no query can run in this
 # process again, so it exits and the supervisor starts a driver with a new JVM.
 JVM_EXITED = 76
 
 
-@dataclasses.dataclass(frozen=True)
-class StreamOptions:
-    """How a stream runs; the same arguments for `jobs/stream_aggregate.py` and its driver."""
-
-    max_offsets_per_trigger: int = MAX_OFFSETS_PER_TRIGGER
-    stall_timeout_s: float = STALL_TIMEOUT_S
-    trigger_seconds: float = 1.0
-
-    @staticmethod
-    def add_arguments(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument(
-            "--max-offsets-per-trigger",
-            type=int,
-            default=MAX_OFFSETS_PER_TRIGGER,
-            help="the most source records one micro-batch reads (default %(default)s)",
-        )
-        parser.add_argument(
-            "--stall-timeout",
-            type=float,
-            default=STALL_TIMEOUT_S,
-            help="seconds after which a running micro-batch is stalled (default %(default)s)",
-        )
-        parser.add_argument(
-            "--trigger-seconds",
-            type=float,
-            default=1.0,
-            help="the micro-batch trigger interval in seconds (default %(default)s)",
-        )
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> StreamOptions:
-        if args.max_offsets_per_trigger < 1:
-            raise UsageError("--max-offsets-per-trigger must be at least 1")
-        if args.trigger_seconds < 0 or args.stall_timeout <= 0:
-            raise UsageError("--trigger-seconds must be 0 or more and --stall-timeout positive")
-        return cls(args.max_offsets_per_trigger, args.stall_timeout, args.trigger_seconds)
-
-    def to_args(self) -> list[str]:
-        return [
-            "--max-offsets-per-trigger",
-            str(self.max_offsets_per_trigger),
-            "--stall-timeout",
-            str(self.stall_timeout_s),
-            "--trigger-seconds",
-            str(self.trigger_seconds),
-        ]
-
-
-def changelog_config(spec: PipelineSpec) -> dict[str, str]:
-    config = dict(kafka.FAST_COMPACTION)
-    if spec.window is not None:
-        config["cleanup.policy"] = "compact,delete"
-        # Windows are kept for a week after their last update, then deleted with their segment.
-        config["retention.ms"] = str(7 * 24 * 3600 * 1000)
-    return config
-
-
-def ensure_topics(settings: Settings, spec: PipelineSpec) -> None:
-    """Create the changelog, dead-letter and status topics when missing (never the source)."""
-    source_partitions = kafka.partition_count(settings, spec.source.topic)
-    kafka.create_topic(
-        settings,
-        spec.changelog_topic,
-        spec.changelog.partitions or source_partitions,
-        config=changelog_config(spec),
-        exist_ok=True,
-    )
-    kafka.create_topic(settings, spec.dlq_topic, source_partitions, exist_ok=True)
-    status.ensure_topic(settings)
-
-
-def checkpoint_dir(settings: Settings, spec: PipelineSpec) -> Path:
-    return settings.checkpoint_root / spec.name
-
-
-def lock_file(settings: Settings, spec: PipelineSpec) -> Path:
-    return settings.local_dir / "streams" / f"{spec.name}.lock"
-
-
-@contextlib.contextmanager
-def exclusive(settings: Settings, spec: PipelineSpec) -> Iterator[None]:
-    """Hold the pipeline's lock for the life of the driver, or fail if another driver holds it."""
-    path = lock_file(settings, spec)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise LocalStackError(
-                f"pipeline {spec.name} already runs (lock {path} is held): stop it first with "
-                f"`duality stream stop {spec.name}`"
-            ) from None
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _heartbeat_listener(heartbeat: status.Heartbeat, writer: stream.ChangelogWriter) -> Any:
+def _heartbeat_listener(heartbeat: Heartbeat, writer: ChangelogWriter) -> Any:
     """A StreamingQueryListener that turns query progress into heartbeats on `_duality-status`."""
     from pyspark.sql.streaming import StreamingQueryListener
 
@@ -211,7 +108,7 @@ class StreamDriver:
         from duality.spark import session
 
         spec, settings = self.spec, self.settings
-        # The lock is the supervisor's (supervise()); this process runs one driver.
+        # The lock is the supervisor's (`supervisor.supervise`); this process runs one driver.
         kafka.ensure_reachable(settings)
         ensure_topics(settings, spec)
         # glibc gives each thread that allocates its own malloc arena; RocksDB's and the JVM's
@@ -222,7 +119,7 @@ class StreamDriver:
             f"duality-stream-{spec.name}",
             {"spark.driver.memory": settings.stream_driver_memory},
         )
-        heartbeat = status.Heartbeat(settings, spec.name)
+        heartbeat = Heartbeat(settings, spec.name)
         backoff = 1.0
         try:
             while not self.stopping.is_set():
@@ -255,14 +152,14 @@ class StreamDriver:
             heartbeat.close()
         return 0
 
-    def _run_query(self, spark: Any, heartbeat: status.Heartbeat) -> None:
+    def _run_query(self, spark: Any, heartbeat: Heartbeat) -> None:
         spec, settings = self.spec, self.settings
-        checkpoint = checkpoint_dir(settings, spec)
+        checkpoint = seeding.checkpoint_dir(settings, spec)
         heartbeat.publish("restoring")
         # First fence any older driver and abort its open transaction, then read what the
         # changelog covers: the seed and the starting offsets below are a consistent pair.
-        writer = stream.ChangelogWriter(settings, spec, checkpoint)
-        if stream.checkpoint_usable(spec, checkpoint):
+        writer = ChangelogWriter(settings, spec, checkpoint)
+        if seeding.checkpoint_usable(spec, checkpoint):
             log.info(
                 "%s: resuming from the checkpoint %s (the state is in Spark's state store; the "
                 "changelog is not read)",
@@ -271,8 +168,8 @@ class StreamDriver:
             )
         else:
             started = time.monotonic()
-            stream.prepare_checkpoint(spec, checkpoint)
-            keys = stream.write_seed(spark, settings, spec, checkpoint)
+            seeding.prepare_checkpoint(spec, checkpoint)
+            keys = seeding.write_seed(spark, settings, spec, checkpoint)
             log.info(
                 "%s: restored %d keys from %s in %.1fs (seeding the state store); source resumes "
                 "at %s",
@@ -295,7 +192,7 @@ class StreamDriver:
             .option("kafka.isolation.level", "read_committed")
             .load()
         )
-        frame = stream.build_query_frame(spec, source, stream.seeds_stream(spark, spec, checkpoint))
+        frame = build_query_frame(spec, source, seeding.seeds_stream(spark, spec, checkpoint))
 
         def apply(batch: Any, batch_id: int) -> None:
             result = writer.write(batch, batch_id)
@@ -344,7 +241,7 @@ class StreamDriver:
             spark.streams.removeListener(listener)
             writer.close()
 
-    def _give_up_stalled(self, heartbeat: status.Heartbeat) -> None:
+    def _give_up_stalled(self, heartbeat: Heartbeat) -> None:
         """A batch hangs in a call that cannot be interrupted (a Kafka client waiting on a
         broker that went away): end the process at once; the supervisor starts a new one, which
         aborts the open transaction and restores from the changelog."""
@@ -352,7 +249,7 @@ class StreamDriver:
         self._exit_for_new_driver(heartbeat, "stalled", message, STALLED_EXIT)
 
     def _exit_for_new_driver(
-        self, heartbeat: status.Heartbeat, state: str, message: str, code: int
+        self, heartbeat: Heartbeat, state: str, message: str, code: int
     ) -> None:
         """Say why on the status topic and end this process with `code` at once (not a return:
         PySpark's exit handlers would wait on a JVM that hangs or is gone); the supervisor
@@ -383,54 +280,10 @@ def run_child(settings: Settings, spec: PipelineSpec, options: StreamOptions) ->
     return driver.run()
 
 
-def supervise(settings: Settings, spec: PipelineSpec, pipeline: str, options: StreamOptions) -> int:
-    """Hold the lock and keep a driver process running until SIGTERM.
-
-    A driver that exits on its own (stalled, crashed) is replaced after a backoff; one that
-    exits with a usage error (a bad spec, say) ends the supervision with that code.
-    """
-    stopping = threading.Event()
-    child: subprocess.Popen[bytes] | None = None
-
-    def request_stop(*_: Any) -> None:
-        stopping.set()
-        if child is not None and child.poll() is None:
-            child.send_signal(signal.SIGTERM)
-
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
-    command = [sys.executable, "-m", "duality.stream_job", pipeline, *options.to_args()]
-    backoff = 1.0
-    with exclusive(settings, spec):
-        while not stopping.is_set():
-            child = subprocess.Popen(command, preexec_fn=_die_with_parent)
-            code = child.wait()
-            if stopping.is_set():
-                break
-            if code == UsageError.exit_code:
-                return code
-            log.warning(
-                "%s: driver exited with %d; starting a new one in %.0fs", spec.name, code, backoff
-            )
-            stopping.wait(backoff)
-            backoff = min(backoff * 2, 30.0)
-    return 0
-
-
-def _die_with_parent() -> None:
-    """In the driver child: the kernel kills it when the supervisor dies (even by SIGKILL), so
-    a killed stream never leaves a driver running without the lock."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-
-
-def _child_main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     from duality.spec import find_spec
 
-    parser = argparse.ArgumentParser(prog="python -m duality.stream_job")
+    parser = argparse.ArgumentParser(prog="python -m duality.stream.driver")
     parser.add_argument("pipeline")
     StreamOptions.add_arguments(parser)
     args = parser.parse_args(argv)
@@ -447,4 +300,4 @@ def _child_main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_child_main())
+    sys.exit(main())

@@ -1,10 +1,10 @@
 """Stream heartbeats on the compacted `_duality-status` topic: written by a running stream's
-StreamingQueryListener, read by `duality stream status` and the supervisor.
-"""
+driver, read by `duality stream status` and the Airflow supervisor."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
@@ -12,6 +12,8 @@ from typing import Any
 
 from duality import kafka
 from duality.config import Settings
+
+log = logging.getLogger("duality.stream")
 
 STATUS_TOPIC = "_duality-status"
 
@@ -21,12 +23,12 @@ def ensure_topic(settings: Settings) -> None:
 
 
 class Heartbeat:
-    """Publishes a pipeline's state and progress; never raises into the stream."""
+    """Publishes a pipeline's state and progress."""
 
     def __init__(self, settings: Settings, pipeline: str):
         self.pipeline = pipeline
         self.producer = kafka.producer(settings, linger_ms=0)
-        # ppid: the supervisor that `duality stream start` launched (stream_job.supervise).
+        # ppid: the supervisor that `duality stream start` launched (`supervisor.supervise`).
         self.base = {
             "pipeline": pipeline,
             "host": socket.gethostname(),
@@ -45,16 +47,20 @@ class Heartbeat:
             self.producer.produce(
                 STATUS_TOPIC, key=self.pipeline.encode(), value=json.dumps(document, default=str)
             )
-            self.producer.poll(0)
-        except Exception:
-            pass
+        except BufferError:
+            # The producer's queue is full: the broker has been away a while, which the query
+            # finds out for itself. This beat is dropped; the next one says the state.
+            log.warning(
+                "%s: heartbeat %r dropped, the producer's queue is full", self.pipeline, state
+            )
+        self.producer.poll(0)
 
     def close(self) -> None:
         self.producer.flush(5)
 
 
 def latest(settings: Settings) -> dict[str, dict[str, Any]]:
-    """The latest heartbeat of every pipeline."""
+    """The latest heartbeat of every pipeline (a record that is no JSON object is skipped)."""
     if not kafka.topic_exists(settings, STATUS_TOPIC):
         return {}
     documents: dict[str, dict[str, Any]] = {}
@@ -62,5 +68,11 @@ def latest(settings: Settings) -> dict[str, dict[str, Any]]:
         key, value = message.key(), message.value()
         if key is None or value is None:
             continue
-        documents[key.decode()] = json.loads(value)
+        try:
+            document = json.loads(value)
+            pipeline = key.decode()
+        except (UnicodeDecodeError, ValueError):
+            continue
+        if isinstance(document, dict):
+            documents[pipeline] = document
     return documents
