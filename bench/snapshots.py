@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from baselines import Figure
-from duality import changelog, kafka, snapshot, validate
+from duality import changelog, kafka, validate
 from duality.config import Settings
+from duality.snapshot import build, delta_log
 from duality.spec import PipelineSpec
 from streaming import bench_spec
 from tests.harness import read_latest
@@ -138,9 +139,9 @@ def snapshot_scenarios(
     write_changelog(settings, spec, {p: _row(rng) for p in products})
     figures: list[SnapshotFigure] = []
 
-    def timed(scenario: str, mode: snapshot.Mode) -> SnapshotFigure:
+    def timed(scenario: str, mode: build.Mode) -> SnapshotFigure:
         started = time.perf_counter()
-        result = snapshot.build(settings, spec, mode, spark=spark)
+        result = build.build(settings, spec, mode, spark=spark)
         seconds = time.perf_counter() - started
         assert result.mode == mode, (result.mode, result.fallback_reason)
         figure = SnapshotFigure(
@@ -183,13 +184,13 @@ def _warm_up(
     kafka.create_topic(settings, spec.changelog_topic, 6, config={"cleanup.policy": "compact"})
     products = [f"w{i:07d}" for i in range(keys)]
     write_changelog(settings, spec, {p: _row(rng) for p in products})
-    snapshot.build(settings, spec, "full", spark=spark)
+    build.build(settings, spec, "full", spark=spark)
     for _ in range(WARM_UP_MERGES):
         changed = rng.sample(products, max(1, int(keys * CHANGED)))
         write_changelog(
             settings, spec, {p: None if i % 10 == 9 else _row(rng) for i, p in enumerate(changed)}
         )
-        result = snapshot.build(settings, spec, "incremental", spark=spark)
+        result = build.build(settings, spec, "incremental", spark=spark)
         assert result.mode == "incremental", result.fallback_reason
 
 
@@ -210,7 +211,7 @@ def _assert_equal(
 ) -> None:
     """The snapshot's latest version holds exactly the changelog's live keys and values."""
     columns = list(spec.aggregates)
-    table = snapshot.load(spark, spec.snapshot_path(settings))
+    table = delta_log.load(spark, spec.snapshot_path(settings))
     rows = table.select("product", *columns).toArrow().to_pylist()
     actual = {row["product"]: tuple(row[c] for c in columns) for row in rows}
     if actual != truth:

@@ -60,7 +60,7 @@ from spark_aggregation import spec_table
 
 from baselines import Figure, order_events, preload, unique_events
 from duality import kafka
-from duality.config import Settings
+from duality.config import SHIPPED_PIPELINES, Settings
 from duality.process import kill_group
 from duality.spec import PipelineSpec, parse_spec
 from duality.stream import heartbeat
@@ -68,9 +68,9 @@ from duality.stream.options import MAX_OFFSETS_PER_TRIGGER
 
 # The checkout, for the stream process the bench shares with the tests.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.harness import ROOT, StreamProcess
+from tests.harness import StreamProcess
 
-SPEC = ROOT / "include" / "pipelines" / "product_sales.yaml"
+SPEC = SHIPPED_PIPELINES / "product_sales.yaml"
 SPARK_AGGREGATION = Path(__file__).resolve().parent / "spark_aggregation.py"
 PARTITIONS = 6
 

@@ -9,14 +9,15 @@ JSON on stdout; exits 2 on bad input, 1 when the run failed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
 
-from duality import snapshot
 from duality.arguments import snapshot_arguments
 from duality.config import Settings
 from duality.errors import DualityError
+from duality.snapshot import build, maintain
 from duality.spec import find_spec
 
 log = logging.getLogger("duality.snapshot")
@@ -33,18 +34,18 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings.from_env()
         spec = find_spec(settings, args.pipeline)
         if args.maintain:
-            result = snapshot.maintain(
+            result: build.SnapshotResult | maintain.Maintenance = maintain.maintain(
                 settings, spec, retain_hours=args.retain_hours, progress=log.info
             )
         else:
-            mode: snapshot.Mode = (
+            mode: build.Mode = (
                 "full" if args.full else "incremental" if args.incremental else "auto"
             )
-            result = snapshot.build(settings, spec, mode, progress=log.info).as_dict()
+            result = build.build(settings, spec, mode, progress=log.info)
     except DualityError as error:
         log.error("%s", error)
         return error.exit_code
-    print(json.dumps(result, default=str))
+    print(json.dumps(dataclasses.asdict(result), default=str))
     return 0
 
 

@@ -29,7 +29,7 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from duality import kafka, process
-from duality.config import Settings
+from duality.config import SHIPPED_PIPELINES, Settings
 from duality.spec import PipelineSpec, load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -214,7 +214,7 @@ def read_latest(settings: Settings, spec: PipelineSpec) -> dict[bytes, dict[str,
 
 def make_pipeline(settings: Settings, folder: Path, template: str, **source: Any) -> PipelineSpec:
     """A copy of a demo spec with unique names, written to `folder` (DUALITY_PIPELINES)."""
-    data = yaml.safe_load((ROOT / "include" / "pipelines" / f"{template}.yaml").read_text())
+    data = yaml.safe_load((SHIPPED_PIPELINES / f"{template}.yaml").read_text())
     name = f"t{uuid.uuid4().hex[:10]}"
     data["name"] = name
     data["source"]["topic"] = f"{name}-source"

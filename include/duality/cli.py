@@ -391,13 +391,13 @@ def _cmd_reset(settings: Settings, args: argparse.Namespace, console: Console) -
     return {**plan.as_dict(), "dry_run": args.dry_run}
 
 
-def _cmd_snapshot(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    from duality import snapshot
+def _cmd_snapshot(settings: Settings, args: argparse.Namespace, console: Console) -> Any:
+    from duality.snapshot import build, maintain
 
     pipeline = spec.find_spec(settings, args.pipeline)
     if args.maintain:
         with console.status(f"maintaining the snapshot of {pipeline.name}") as status:
-            result = snapshot.maintain(
+            done = maintain.maintain(
                 settings,
                 pipeline,
                 retain_hours=args.retain_hours,
@@ -405,15 +405,15 @@ def _cmd_snapshot(settings: Settings, args: argparse.Namespace, console: Console
             )
         if not args.json:
             console.print(
-                f"{result['path']}: OPTIMIZE compacted {result['files_removed_by_optimize']} files "
-                f"into {result['files_added_by_optimize']}; VACUUM (retention "
-                f"{result['retention_hours']:g} h) deleted {result['files_deleted_by_vacuum']} "
-                f"files; published version {result['published_version']} stays readable"
+                f"{done.path}: OPTIMIZE compacted {done.files_removed_by_optimize} files "
+                f"into {done.files_added_by_optimize}; VACUUM (retention "
+                f"{done.retention_hours:g} h) deleted {done.files_deleted_by_vacuum} "
+                f"files; published version {done.published_version} stays readable"
             )
-        return result
-    mode: snapshot.Mode = "full" if args.full else "incremental" if args.incremental else "auto"
+        return done
+    mode: build.Mode = "full" if args.full else "incremental" if args.incremental else "auto"
     with console.status(f"snapshot of {pipeline.name}") as status:
-        built = snapshot.build(settings, pipeline, mode, progress=lambda text: status.update(text))
+        built = build.build(settings, pipeline, mode, progress=lambda text: status.update(text))
     if not args.json:
         if built.fallback_reason:
             console.print(
@@ -432,10 +432,10 @@ def _cmd_snapshot(settings: Settings, args: argparse.Namespace, console: Console
                 f"updated, {built.deleted:,} deleted in {built.seconds:.1f}s. Validate and "
                 f"publish it with `duality validate {pipeline.name}`."
             )
-    return built.as_dict()
+    return built
 
 
-def _cmd_validate(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+def _cmd_validate(settings: Settings, args: argparse.Namespace, console: Console) -> Any:
     from duality import validate
 
     pipeline = spec.find_spec(settings, args.pipeline)
@@ -452,42 +452,42 @@ def _cmd_validate(settings: Settings, args: argparse.Namespace, console: Console
     if not args.json:
         console.print(validate.summary(report))
         console.print(f"report: {report.json_report}; Data Docs: {report.data_docs}")
-    return report.as_dict()
+    return report
 
 
-def _cmd_publish(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    from duality import validate
+def _cmd_publish(settings: Settings, args: argparse.Namespace, console: Console) -> Any:
+    from duality.snapshot import publish
 
     pipeline = spec.find_spec(settings, args.pipeline)
     with console.status(f"publishing version {args.version} of {pipeline.name}"):
-        result = validate.publish_validated(settings, pipeline, args.version)
+        result = publish.publish(settings, pipeline, args.version)
     if not args.json:
-        verb = "was already" if result["already_published"] else "is now"
+        verb = "was already" if result.already_published else "is now"
         console.print(
             f"version {args.version} of {pipeline.name} {verb} the published version "
-            f"(validated in {result['report']})"
+            f"(validated in {result.report})"
         )
     return result
 
 
 def _cmd_read(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    from duality import snapshot
+    from duality.snapshot import publish
 
     pipeline = spec.find_spec(settings, args.pipeline)
     path = pipeline.snapshot_path(settings)
     # No rows asked for: the version and its size come from the table's log, without Spark.
-    size = snapshot.published_size(pipeline, path) if args.limit == 0 else None
+    size = publish.published_size(pipeline, path) if args.limit == 0 else None
     if size is not None:
-        version, coverage, total = size
+        found, total = size
         rows: list[dict[str, Any]] = []
     else:
         with console.status(f"reading the published snapshot of {pipeline.name}"):
-            frame, version, coverage = snapshot.read(settings, pipeline)
+            frame, found = publish.read(settings, pipeline)
             total = frame.count()
             ordered = frame.orderBy(*pipeline.key_columns).limit(args.limit)
             rows = [row.asDict() for row in ordered.collect()]
     if not args.json:
-        table = Table(title=f"{pipeline.name}: published version {version} ({total:,} rows)")
+        table = Table(title=f"{pipeline.name}: published version {found.version} ({total:,} rows)")
         columns = list(rows[0]) if rows else pipeline.snapshot_columns
         for column in columns:
             table.add_column(column)
@@ -498,9 +498,9 @@ def _cmd_read(settings: Settings, args: argparse.Namespace, console: Console) ->
             console.print(f"showing {len(rows)} of {total:,} rows (--limit)")
     return {
         "pipeline": pipeline.name,
-        "version": version,
+        "version": found.version,
         "rows": total,
-        "coverage": coverage.as_dict(),
+        "coverage": found.coverage.as_dict(),
         "data": rows,
     }
 

@@ -26,6 +26,8 @@ LOGIN_MODULES = {
 }
 # What the local stack runs Airflow on: standalone on SQLite, or its components on PostgreSQL.
 AIRFLOW_DBS = ("sqlite", "postgres")
+# The pipelines shipped in the package (the demo's), whether installed or checked out.
+SHIPPED_PIPELINES = Path(__file__).parent / "pipelines"
 
 
 def _checkout_root() -> Path:
@@ -67,7 +69,7 @@ class Settings:
     warehouse: Path = Path(".local/warehouse")
     checkpoint_root: Path = Path(".local/checkpoints")
     jar_cache: Path = Path(".cache/jars")
-    pipelines: Path = Path("include/pipelines")
+    pipelines: Path = SHIPPED_PIPELINES
     repartition_config: Path = Path("include/repartition.yaml")
     local_dir: Path = Path(".local")
     reports: Path = Path(".local/reports")
@@ -356,7 +358,7 @@ def describe() -> list[tuple[str, str, str]]:
         "warehouse": "folder of Delta tables",
         "checkpoint_root": "folder of streaming checkpoints",
         "jar_cache": "folder the Maven-fetched jars are copied into",
-        "pipelines": "folder of pipeline specs",
+        "pipelines": "folder of pipeline specs (default: the shipped ones, in the package)",
         "repartition_config": "topics the scheduled repartition DAG checks and copies",
         "local_dir": (
             "data, logs and pid files of the local stack; the temporary files of Spark's JVMs "
@@ -382,5 +384,7 @@ def describe() -> list[tuple[str, str, str]]:
     rows = []
     for field in dataclasses.fields(Settings):
         default = "" if field.default is dataclasses.MISSING else str(field.default)
+        if isinstance(field.default, Path) and field.default.is_absolute():  # in the package
+            default = f"duality/{field.default.relative_to(Path(__file__).parent)}"
         rows.append((PREFIX + field.name.upper(), default, meanings[field.name]))
     return rows

@@ -1,4 +1,4 @@
-"""Pipeline specs: the YAML files of `include/pipelines/`, loaded and validated with pydantic.
+"""Pipeline specs: the YAML files of `DUALITY_PIPELINES`, loaded and validated with pydantic.
 
 Aggregates are parsed by a strict grammar (`count()`, `sum(f)`, `min(f)`, `max(f)`, `avg(f)`)
 into data; nothing from a spec is ever evaluated or pasted into SQL.

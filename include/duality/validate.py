@@ -1,4 +1,4 @@
-"""Snapshot validation with Great Expectations, then publication (write-audit-publish).
+"""Snapshot validation with Great Expectations: the audit of write-audit-publish.
 
 The suite is the spec's `expectations` plus built-in checks: the columns and their types are the
 spec's, key columns are not null and unique, counts are positive, and min ≤ avg ≤ max for every
@@ -9,11 +9,9 @@ recomputed from the source topic up to the source offsets the version covers.
 The snapshot is read once into a cached DataFrame; GE computes its metrics on it (aggregate
 metrics of one column domain share a Spark pass). Every expectation is found in GE's registry by
 its name and carries its origin (built-in, the spec's, reconciliation) in its `meta`, which the
-results give back. The verdict is recorded in the Delta table itself, in a commit of its own
-(`snapshot.record_validation`): publishing reads it from there, so `validate` and `publish` may
-run on different machines. Results also go to `<reports>/<pipeline>/` as JSON and as Data Docs
-HTML, as reports. Only a version that passes is published
-(docs/decisions/0010-publish-gate-in-delta.md).
+results give back. The verdict is recorded in the Delta table itself
+(`snapshot.publish.record_validation`), which publishes the version in the same commit when it
+passes. Results also go to `<reports>/<pipeline>/` as JSON and as Data Docs HTML, as reports.
 """
 
 from __future__ import annotations
@@ -28,9 +26,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from duality import kafka, snapshot
+from duality import kafka
 from duality.config import Settings
 from duality.errors import CheckFailed, UsageError
+from duality.snapshot import delta_log
+from duality.snapshot.build import Progress, column_types, quiet
+from duality.snapshot.coverage import Coverage
+from duality.snapshot.publish import Verdict, published, record_validation
+from duality.spark import session
 from duality.spec import PipelineSpec
 
 if TYPE_CHECKING:
@@ -70,54 +73,41 @@ def _q(column: str) -> str:
 
 
 def built_in_checks(spec: PipelineSpec) -> list[Check]:
-    types = snapshot.column_types(spec)
-    checks = [
-        Check(
-            "expect_table_columns_to_match_ordered_list",
-            {"column_list": list(types)},
-            "built-in: the columns are the spec's",
-        )
-    ]
+    checks: list[Check] = []
+
+    def add(type: str, origin: str, **kwargs: Any) -> None:
+        checks.append(Check(type, kwargs, f"built-in: {origin}"))
+
+    types = column_types(spec)
+    add(
+        "expect_table_columns_to_match_ordered_list",
+        "the columns are the spec's",
+        column_list=list(types),
+    )
     for column, kind in types.items():
-        checks.append(
-            Check(
-                "expect_column_values_to_be_of_type",
-                {"column": column, "type_": _GE_TYPES[kind]},
-                f"built-in: {column} is {kind}",
-            )
+        add(
+            "expect_column_values_to_be_of_type",
+            f"{column} is {kind}",
+            column=column,
+            type_=_GE_TYPES[kind],
         )
     for column in spec.key_columns:
-        checks.append(
-            Check(
-                "expect_column_values_to_not_be_null",
-                {"column": column},
-                "built-in: key columns are not null",
-            )
-        )
+        add("expect_column_values_to_not_be_null", "key columns are not null", column=column)
     if len(spec.key_columns) == 1:
-        checks.append(
-            Check(
-                "expect_column_values_to_be_unique",
-                {"column": spec.key_columns[0]},
-                "built-in: keys are unique",
-            )
-        )
+        add("expect_column_values_to_be_unique", "keys are unique", column=spec.key_columns[0])
     else:
-        checks.append(
-            Check(
-                "expect_compound_columns_to_be_unique",
-                {"column_list": list(spec.key_columns)},
-                "built-in: keys are unique",
-            )
+        add(
+            "expect_compound_columns_to_be_unique",
+            "keys are unique",
+            column_list=list(spec.key_columns),
         )
     for column, aggregate in spec.aggregates.items():
         if aggregate.function == "count":
-            checks.append(
-                Check(
-                    "expect_column_values_to_be_between",
-                    {"column": column, "min_value": 1},
-                    f"built-in: {column} = count() is positive",
-                )
+            add(
+                "expect_column_values_to_be_between",
+                f"{column} = count() is positive",
+                column=column,
+                min_value=1,
             )
     by_field: dict[str, dict[str, str]] = {}
     for column, aggregate in spec.aggregates.items():
@@ -131,12 +121,11 @@ def built_in_checks(spec: PipelineSpec) -> list[Check]:
                 f"SELECT {keys}, {_q(low)}, {_q(high)} FROM {{batch}} WHERE {_q(low)} - "
                 f"{_q(high)} > {FLOAT_TOLERANCE} * greatest(1, abs({_q(low)}), abs({_q(high)}))"
             )
-            checks.append(
-                Check(
-                    "unexpected_rows_expectation",
-                    {"unexpected_rows_query": query, "description": f"{low} <= {high}"},
-                    f"built-in: {low} <= {high} (aggregates of {field})",
-                )
+            add(
+                "unexpected_rows_expectation",
+                f"{low} <= {high} (aggregates of {field})",
+                unexpected_rows_query=query,
+                description=f"{low} <= {high}",
             )
     return checks
 
@@ -204,7 +193,7 @@ def recompute(
     )
 
     topic = spec.source.topic
-    types = snapshot.column_types(spec)
+    types = column_types(spec)
     wanted = {p: end for p, end in source_offsets.items() if end > 0}
     if wanted:
         beginning = kafka.beginning_offsets(settings, topic)
@@ -255,7 +244,7 @@ def reconciliation(spec: PipelineSpec, table: DataFrame, truth: DataFrame) -> Da
     """Key columns and `_mismatch` (null when the row agrees) of a full outer join."""
     from pyspark.sql import functions as F
 
-    types = snapshot.column_types(spec)
+    types = column_types(spec)
     s, t = table.alias("s"), truth.alias("t")
     on = [F.col(f"s.`{c}`") == F.col(f"t.`{c}`") for c in spec.key_columns]
     joined = s.join(t, on, "full_outer")
@@ -293,7 +282,20 @@ def reconciliation(spec: PipelineSpec, table: DataFrame, truth: DataFrame) -> Da
 # -- running it -----------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """A failed expectation, where it comes from, and the keys of a few failing rows."""
+
+    expectation: str
+    kwargs: dict[str, Any]
+    origin: str
+    unexpected_count: Any
+    keys: list[Any]
+    error: str | None = None  # the exception the check raised
+    observed: Any = None  # GE's observed value, for checks that count no rows
+
+
+@dataclasses.dataclass(frozen=True)
 class Report:
     pipeline: str
     path: str
@@ -303,16 +305,13 @@ class Report:
     published: bool
     published_version: int | None
     reconciled: bool
-    failed: list[dict[str, Any]]
+    failed: list[Failure]
     checks: int
     seconds: float
     json_report: str
     data_docs: str
-    coverage: dict[str, Any] | None
+    coverage: Coverage | None
     validation_commit: int  # the table's commit that records this verdict
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def run(
@@ -323,7 +322,7 @@ def run(
     publish: bool = True,
     version: int | None = None,
     spark: SparkSession | None = None,
-    progress: snapshot.Progress = snapshot.quiet,
+    progress: Progress = quiet,
 ) -> Report:
     """Validate a snapshot version (default: the latest), record the verdict in the table, and
     publish the version when it passes."""
@@ -333,18 +332,15 @@ def run(
         suite_checks.append(RECONCILE_CHECK)
     expectations = [_expectation(check, origin) for check in suite_checks]
     path = spec.snapshot_path(settings)
-    snapshot.require_table(spec, path)
+    delta_log.require_table(spec, path)
     started = time.monotonic()
-    if spark is None:
-        from duality.spark import session
-
-        spark = session(settings, f"duality-validate-{spec.name}")
-    versions = snapshot.history(path)
+    spark = spark or session(settings, f"duality-validate-{spec.name}")
+    versions = delta_log.history(path)
     if version is None:
-        version = snapshot.latest_data_version(versions)
+        version = delta_log.latest_data_version(versions)
     elif version not in {v.version for v in versions}:
         raise UsageError(f"{path} has no version {version}: versions are 0..{versions[0].version}")
-    coverage = snapshot.version_coverage(versions, version)
+    coverage, _ = delta_log.version_coverage(versions, version)
     if reconcile and coverage is None:
         raise UsageError(
             f"version {version} of {path} does not record what it covers (it was written outside "
@@ -352,7 +348,7 @@ def run(
         )
 
     progress(f"reading version {version} of {path}")
-    table = snapshot.load(spark, path, version).persist()
+    table = delta_log.load(spark, path, version).persist()
     diff = None
     try:
         rows = table.count()
@@ -369,25 +365,23 @@ def run(
         if diff is not None:
             diff.unpersist()
     success = not failed
-    current = snapshot.published(spark, path)
-    published_version = current[0] if current is not None else None
+    current = published(spark, path)
+    published_version = current.version if current is not None else None
     # A version written outside duality does not say what it covers: it is never published.
     publishing = success and publish and coverage is not None
     report_dir = settings.reports / spec.name
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     json_report = report_dir / f"{stamp}-v{version}.json"
-    verdict = {
-        "version": version,
-        "success": success,
-        "checks": len(expectations),
-        "failed": [f"{item['expectation']} [{item['origin']}]" for item in failed],
-        "reconciled": reconcile,
-        "validated_at": stamp,
-        "json_report": str(json_report),
-    }
-    commit = snapshot.record_validation(
-        spark, path, verdict, publish=coverage if publishing else None
+    verdict = Verdict(
+        version=version,
+        success=success,
+        checks=len(expectations),
+        failed=[f"{item.expectation} [{item.origin}]" for item in failed],
+        reconciled=reconcile,
+        validated_at=stamp,
+        json_report=str(json_report),
     )
+    commit = record_validation(spark, path, verdict, publish=coverage if publishing else None)
     if publishing:
         published_version = version
         progress(f"published version {version}")
@@ -405,7 +399,7 @@ def run(
         seconds=round(time.monotonic() - started, 2),
         json_report=str(report_dir / "latest.json"),
         data_docs=str(report_dir / "data_docs" / "index.html"),
-        coverage=coverage.as_dict() if coverage else None,
+        coverage=coverage,
         validation_commit=commit,
     )
     _write_json(json_report, report, results, stamp)
@@ -502,7 +496,7 @@ def _failures(
     spec: PipelineSpec,
     table: DataFrame,
     results: list[dict[str, Any]],
-) -> list[dict[str, Any]]:
+) -> list[Failure]:
     """The failed expectations, each with its origin (from its `meta`) and the keys of a few
     failing rows."""
     failed = []
@@ -517,81 +511,36 @@ def _failures(
                 if k not in ("batch_id", "result_format") and v is not None
             }
             outcome = item.get("result") or {}
-            entry: dict[str, Any] = {
-                "expectation": config["type"],
-                "kwargs": kwargs,
-                "origin": (config.get("meta") or {}).get(ORIGIN, "(unknown)"),
-                "unexpected_count": outcome.get("unexpected_count", outcome.get("observed_value")),
-                "keys": outcome.get("partial_unexpected_index_list", [])[:SAMPLE_KEYS],
-            }
-            exception = item.get("exception_info") or {}
-            if exception.get("raised_exception"):
-                entry["error"] = exception.get("exception_message")
+            keys = outcome.get("partial_unexpected_index_list", [])[:SAMPLE_KEYS]
             if config["type"] == "unexpected_rows_expectation":
                 query = kwargs["unexpected_rows_query"]
                 view = f"duality_validate_{spec.name}"
                 table.createOrReplaceTempView(view)
                 sample = spark.sql(query.replace("{batch}", view)).limit(SAMPLE_KEYS).collect()
-                entry["keys"] = [row.asDict() for row in sample]
-            if "observed_value" in outcome and "unexpected_count" not in outcome:
-                entry["observed"] = outcome["observed_value"]
-            failed.append(entry)
+                keys = [row.asDict() for row in sample]
+            raised = item.get("exception_info") or {}
+            error = raised.get("exception_message") if raised.get("raised_exception") else None
+            observed = outcome.get("observed_value")
+            failed.append(
+                Failure(
+                    expectation=config["type"],
+                    kwargs=kwargs,
+                    origin=(config.get("meta") or {}).get(ORIGIN, "(unknown)"),
+                    unexpected_count=outcome.get("unexpected_count", observed),
+                    keys=keys,
+                    error=error,
+                    observed=None if "unexpected_count" in outcome else observed,
+                )
+            )
     return failed
 
 
 def _write_json(path: Path, report: Report, results: list[dict[str, Any]], stamp: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    document = {**report.as_dict(), "validated_at": stamp, "results": results}
+    document = {**dataclasses.asdict(report), "validated_at": stamp, "results": results}
     text = json.dumps(document, indent=2, default=str)
     path.write_text(text)
     (path.parent / "latest.json").write_text(text)
-
-
-def publish_validated(
-    settings: Settings,
-    spec: PipelineSpec,
-    version: int,
-    *,
-    spark: SparkSession | None = None,
-) -> dict[str, Any]:
-    """Publish a version that passed `validate --no-publish` (the audit step before this), by
-    the verdict the table records for it: no report on this machine is needed or read."""
-    path = spec.snapshot_path(settings)
-    snapshot.require_table(spec, path)
-    if spark is None:
-        from duality.spark import session
-
-        spark = session(settings, f"duality-publish-{spec.name}")
-    versions = snapshot.history(path)
-    verdict = snapshot.validation(versions, version)
-    if verdict is None or not verdict["success"]:
-        found = (
-            "has no validation recorded in the table"
-            if verdict is None
-            else f"failed validation (commit {verdict['commit']}: {'; '.join(verdict['failed'])})"
-        )
-        raise CheckFailed(
-            f"version {version} of {spec.name}'s snapshot {found}: it needs a passing "
-            f"`duality validate {spec.name} --version {version}` first; nothing was published"
-        )
-    coverage = snapshot.version_coverage(versions, version)
-    if coverage is None:
-        raise CheckFailed(
-            f"version {version} of {path} does not record what it covers (written outside "
-            f"duality): it is never published; rebuild with `duality snapshot {spec.name} --full`"
-        )
-    result = {
-        "pipeline": spec.name,
-        "published_version": version,
-        "already_published": False,
-        "validation_commit": verdict["commit"],
-        "report": verdict.get("json_report"),  # where the validating machine wrote it
-        "coverage": coverage.as_dict(),
-    }
-    current = snapshot.published(spark, path)
-    if current is not None and current[0] == version:
-        return {**result, "already_published": True}
-    return {**result, "commit": snapshot.publish(spark, path, version, coverage)}
 
 
 def summary(report: Report) -> str:
@@ -607,11 +556,11 @@ def summary(report: Report) -> str:
         f"{report.published_version if report.published_version is not None else '(none)'}:"
     ]
     for item in report.failed:
-        target = item["kwargs"].get("column") or item["kwargs"].get("column_list") or ""
-        keys = "; ".join(json.dumps(k, default=str) for k in item["keys"][:3])
+        target = item.kwargs.get("column") or item.kwargs.get("column_list") or ""
+        keys = "; ".join(json.dumps(k, default=str) for k in item.keys[:3])
         lines.append(
-            f"  - {item['expectation']}({target}) [{item['origin']}]: "
-            f"{item['unexpected_count']} unexpected" + (f", e.g. {keys}" if keys else "")
+            f"  - {item.expectation}({target}) [{item.origin}]: "
+            f"{item.unexpected_count} unexpected" + (f", e.g. {keys}" if keys else "")
         )
     lines.append(f"report: {report.json_report}; Data Docs: {report.data_docs}")
     return "\n".join(lines)
@@ -619,5 +568,5 @@ def summary(report: Report) -> str:
 
 def require_success(report: Report) -> Report:
     if not report.success:
-        raise CheckFailed(summary(report), details=report.as_dict())
+        raise CheckFailed(summary(report), details=dataclasses.asdict(report))
     return report

@@ -11,6 +11,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from duality.config import SHIPPED_PIPELINES
 from tests.harness import ROOT
 
 DAG_FILES = sorted((ROOT / "dags").glob("*.py"))
@@ -42,7 +43,7 @@ def test_every_dag_file_imports_without_errors_in_under_two_seconds(bags):
 
 
 def test_the_dags_of_every_pipeline_and_the_global_ones_exist(dags):
-    pipelines = sorted(p.stem for p in (ROOT / "include" / "pipelines").glob("*.yaml"))
+    pipelines = sorted(p.stem for p in SHIPPED_PIPELINES.glob("*.yaml"))
     assert pipelines
     expected = {"duality_repartition"}
     for name in pipelines:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from duality import snapshot, validate
+from duality import validate
 from duality.config import Settings
+from duality.snapshot.build import column_types
 from duality.spec import load_spec, spec_files
 
 
@@ -13,7 +14,7 @@ def _specs() -> dict:
 
 def test_snapshot_columns_and_types_follow_the_spec():
     sales, sensors = _specs()["product_sales"], _specs()["sensor_stats"]
-    assert snapshot.column_types(sales) == {
+    assert column_types(sales) == {
         "product": "string",
         "orders": "bigint",
         "units": "bigint",
@@ -23,9 +24,9 @@ def test_snapshot_columns_and_types_follow_the_spec():
         "avg_amount": "double",
         "_updated_at": "timestamp",
     }
-    assert list(snapshot.column_types(sensors))[:3] == ["sensor_id", "window_start", "readings"]
-    assert snapshot.column_types(sensors)["window_start"] == "timestamp"
-    assert list(snapshot.column_types(sales)) == sales.snapshot_columns
+    assert list(column_types(sensors))[:3] == ["sensor_id", "window_start", "readings"]
+    assert column_types(sensors)["window_start"] == "timestamp"
+    assert list(column_types(sales)) == sales.snapshot_columns
 
 
 def test_built_in_checks():

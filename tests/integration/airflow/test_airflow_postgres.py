@@ -22,11 +22,13 @@ import psutil
 import pytest
 import yaml
 
-from duality import kafka, snapshot, workload
+from duality import kafka, workload
 from duality.airflow_api import AirflowClient
 from duality.config import Settings
 from duality.local.airflow import AIRFLOW_COMPONENTS, AIRFLOW_USER, LocalAirflow
 from duality.local.ports import free_port
+from duality.snapshot import delta_log
+from duality.snapshot.publish import PUBLISHED_VERSION
 from duality.spec import PipelineSpec, load_spec
 from tests.harness import assert_eventually, make_pipeline, read_latest, run_duality
 
@@ -172,13 +174,13 @@ def _stream_and_snapshot(
     # One publication, of the version this run's snapshot task built, holding every key of
     # the changelog (read from the table's log, without Spark).
     path = spec.snapshot_path(settings)
-    history = snapshot.history(path)
+    history = delta_log.history(path)
     publications = [v.metadata["published"] for v in history if "published" in (v.metadata or {})]
     version = client.xcom(snapshot_dag, run_id, "snapshot")["version"]
     assert [p["version"] for p in publications] == [version], publications
-    newest = snapshot.table_state(path, history[0].version)
-    assert newest is not None and newest.properties[snapshot.PUBLISHED_VERSION] == str(version)
-    built = snapshot.table_state(path, version)
+    newest = delta_log.table_state(path, history[0].version)
+    assert newest is not None and newest.properties[PUBLISHED_VERSION] == str(version)
+    built = delta_log.table_state(path, version)
     latest = read_latest(settings, spec)
     assert built is not None and built.rows == sum(v is not None for v in latest.values()) > 0
     assert streams.now()["duality.stream"], "the stream is not running any more"

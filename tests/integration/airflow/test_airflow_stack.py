@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from duality import kafka, process
+from duality.config import SHIPPED_PIPELINES
 from duality.spec import find_spec
 from duality.stream import control
 from tests import truth
@@ -29,7 +30,7 @@ DEMO_EVENTS = 3000
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("stack")
     env = stack_env(root)
-    shutil.copy(ROOT / "include" / "pipelines" / "product_sales.yaml", root / "pipelines")
+    shutil.copy(SHIPPED_PIPELINES / "product_sales.yaml", root / "pipelines")
     shutil.copy(ROOT / "include" / "repartition.yaml", root / "repartition.yaml")
     with running_stack(root, env) as running:
         yield running

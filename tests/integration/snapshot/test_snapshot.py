@@ -16,8 +16,10 @@ from typing import Any
 
 import pytest
 
-from duality import changelog, kafka, snapshot, validate
+from duality import changelog, kafka, validate
 from duality.config import Settings
+from duality.snapshot import build, delta_log, publish
+from duality.snapshot.coverage import Coverage
 from duality.spec import PipelineSpec
 from tests.harness import ROOT, StreamProcess, make_pipeline, read_latest, read_topic, run_duality
 
@@ -124,26 +126,26 @@ def test_full_then_incremental_equal_the_changelog(spark, pipeline) -> None:  # 
     # An aborted transaction's records must never reach a snapshot.
     _write(settings, spec, {f"p{i:04d}": _row("x", 999, rng) for i in range(100)}, abort=True)
 
-    full = snapshot.build(settings, spec, "full", spark=spark)
+    full = build.build(settings, spec, "full", spark=spark)
     path = spec.snapshot_path(settings)
     truth = _truth(settings, spec)
     assert len(truth) == 400 - 30
-    assert _table(snapshot.load(spark, path, full.version), spec) == truth
+    assert _table(delta_log.load(spark, path, full.version), spec) == truth
     # The offsets the version covers are in its commit.
     ends = kafka.end_offsets(settings, spec.changelog_topic)
-    recorded = snapshot.history(path)[0].metadata
+    recorded = delta_log.history(path)[0].metadata
     assert recorded is not None
-    assert snapshot.Coverage.from_dict(recorded["coverage"]).changelog == ends
+    assert Coverage.from_dict(recorded["coverage"]).changelog == ends
 
     # More changes: updates, new keys, deletes, a deleted key coming back, another abort.
     _write(settings, spec, _history(rng, range(350, 450)))
     _write(settings, spec, {f"p{i:04d}": None for i in range(100, 120)})
     _write(settings, spec, {"p0000": _row("p0000", 5, rng)})
     _write(settings, spec, {f"p{i:04d}": None for i in range(200, 300)}, abort=True)
-    incremental = snapshot.build(settings, spec, "incremental", spark=spark)
+    incremental = build.build(settings, spec, "incremental", spark=spark)
     assert incremental.mode == "incremental" and incremental.fallback_reason is None
     truth = _truth(settings, spec)
-    incremental_rows = _table(snapshot.load(spark, path, incremental.version), spec)
+    incremental_rows = _table(delta_log.load(spark, path, incremental.version), spec)
     assert incremental_rows == truth
     # It read only the records after the recorded offsets (the job's own figures).
     assert {int(p): r[0] for p, r in incremental.read_ranges.items()} == {
@@ -153,11 +155,11 @@ def test_full_then_incremental_equal_the_changelog(spark, pipeline) -> None:  # 
     assert incremental.records_read < full.records_read
     assert incremental.deleted == 20 and incremental.inserted == 51  # 400..449 and p0000
 
-    rebuilt = snapshot.build(settings, spec, "full", spark=spark)
-    assert _table(snapshot.load(spark, path, rebuilt.version), spec) == incremental_rows
+    rebuilt = build.build(settings, spec, "full", spark=spark)
+    assert _table(delta_log.load(spark, path, rebuilt.version), spec) == incremental_rows
 
     # Nothing new: no new version.
-    assert snapshot.build(settings, spec, "incremental", spark=spark).version is None
+    assert build.build(settings, spec, "incremental", spark=spark).version is None
 
     # A recreated changelog (the reset tool) cannot be merged: full rebuild, and why.
     kafka.delete_topic(settings, spec.changelog_topic)
@@ -175,7 +177,7 @@ def test_full_then_incremental_equal_the_changelog(spark, pipeline) -> None:  # 
     after_reset = json.loads(job.stdout)
     assert after_reset["mode"] == "full" and "recreated" in after_reset["fallback_reason"]
     assert after_reset["fallback_reason"] in job.stderr  # said in the log too
-    assert _table(snapshot.load(spark, path, after_reset["version"]), spec) == _truth(
+    assert _table(delta_log.load(spark, path, after_reset["version"]), spec) == _truth(
         settings, spec
     )
 
@@ -201,7 +203,7 @@ def test_failed_validation_keeps_the_published_version(spark, pipeline) -> None:
     settings, spec = pipeline
     rng = random.Random(11)
     _write(settings, spec, _history(rng, range(200)))
-    first = snapshot.build(settings, spec, "full", spark=spark)
+    first = build.build(settings, spec, "full", spark=spark)
     report = validate.run(settings, spec, spark=spark)
     assert report.success and report.published and report.published_version == first.version
     assert Path(report.data_docs).is_file() and Path(report.json_report).is_file()
@@ -209,9 +211,9 @@ def test_failed_validation_keeps_the_published_version(spark, pipeline) -> None:
 
     # A new version with a bad row: a duplicate key with a negative count.
     _write(settings, spec, _history(rng, range(200, 220)))
-    second = snapshot.build(settings, spec, spark=spark)
+    second = build.build(settings, spec, spark=spark)
     path = spec.snapshot_path(settings)
-    bad = snapshot.load(spark, path, second.version).where("product = 'p0003'")
+    bad = delta_log.load(spark, path, second.version).where("product = 'p0003'")
     columns = [
         "CAST(-5 AS BIGINT) AS orders" if c == "orders" else f"`{c}`" for c in spec.snapshot_columns
     ]
@@ -238,8 +240,9 @@ def test_failed_validation_keeps_the_published_version(spark, pipeline) -> None:
     assert Path(output["data_docs"]).is_file()
 
     # `read --limit 0` answers from the checksum files: the published version, not the latest.
-    published_coverage = snapshot.Coverage.from_dict(first.coverage)
-    assert snapshot.published_size(spec, path) == (first.version, published_coverage, len(good))
+    assert first.version is not None
+    expected = publish.Published(first.version, first.coverage)
+    assert publish.published_size(spec, path) == (expected, len(good))
     refused = _cli(settings, "read", spec.name, "--limit", "-1")
     assert refused.returncode == 2 and "--limit" in refused.stderr, refused.stderr
     read = _cli(settings, "read", spec.name, "--limit", "1000")
@@ -251,7 +254,7 @@ def test_failed_validation_keeps_the_published_version(spark, pipeline) -> None:
     }
 
     # The foreign commit is not built upon: the next incremental run rebuilds in full.
-    rebuilt = snapshot.build(settings, spec, "incremental", spark=spark)
+    rebuilt = build.build(settings, spec, "incremental", spark=spark)
     assert rebuilt.mode == "full" and "outside duality" in (rebuilt.fallback_reason or "")
     assert validate.run(settings, spec, spark=spark).published
 
@@ -263,8 +266,8 @@ def test_failed_validation_keeps_the_published_version(spark, pipeline) -> None:
     maintained = json.loads(run.stdout)
     assert maintained["files_removed_by_optimize"] > maintained["files_added_by_optimize"] >= 1
     assert maintained["retention_hours"] >= 1 and maintained["published_version"] == rebuilt.version
-    frame, version, _ = snapshot.read(settings, spec, spark=spark)
-    assert version == rebuilt.version and _table(frame, spec) == _truth(settings, spec)
+    frame, found = publish.read(settings, spec, spark=spark)
+    assert found.version == rebuilt.version and _table(frame, spec) == _truth(settings, spec)
 
 
 def test_reconcile_with_the_source(spark, pipeline, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -277,7 +280,7 @@ def test_reconcile_with_the_source(spark, pipeline, tmp_path: Path) -> None:  # 
     )
     StreamProcess(settings, spec, settings.pipelines, tmp_path / "stream.log").run_until_caught_up()
 
-    snapshot.build(settings, spec, spark=spark)
+    build.build(settings, spec, spark=spark)
     report = validate.run(settings, spec, reconcile=True, spark=spark)
     assert report.success, report.failed
     assert report.reconciled and report.checks > 10
@@ -289,7 +292,7 @@ def test_reconcile_with_the_source(spark, pipeline, tmp_path: Path) -> None:  # 
     producer = kafka.producer(settings)
     kafka.send(producer, spec.changelog_topic, key, json.dumps(value).encode())
     producer.flush(30)
-    tampered = snapshot.build(settings, spec, spark=spark)
+    tampered = build.build(settings, spec, spark=spark)
     assert tampered.mode == "incremental" and tampered.records_read == 1
 
     result = _cli(settings, "validate", spec.name, "--reconcile")
@@ -309,12 +312,12 @@ def test_publish_reads_the_verdict_from_the_table_not_from_a_report(
     settings, spec = pipeline
     rng = random.Random(3)
     _write(settings, spec, _history(rng, range(50)))
-    passed = snapshot.build(settings, spec, "full", spark=spark).version
+    passed = build.build(settings, spec, "full", spark=spark).version
     _write(settings, spec, _history(rng, range(50, 60)))
-    unvalidated = snapshot.build(settings, spec, spark=spark).version
+    unvalidated = build.build(settings, spec, spark=spark).version
     negative = {"orders": -5, "units": 1, "revenue": 1.0, "max_amount": 1.0}
     _write(settings, spec, {"p0001": {**negative, "min_amount": 1.0, "avg_amount": 1.0}})
-    failed = snapshot.build(settings, spec, spark=spark).version
+    failed = build.build(settings, spec, spark=spark).version
 
     def worker(name: str) -> Settings:
         return settings.replace(reports=tmp_path / name / "reports", local_dir=tmp_path / name)
@@ -323,7 +326,7 @@ def test_publish_reads_the_verdict_from_the_table_not_from_a_report(
         report = validate.run(worker("a"), spec, version=version, publish=False, spark=spark)
         assert report.success is success and not report.published
 
-    def publish(version: int) -> subprocess.CompletedProcess[str]:
+    def run_publish(version: int) -> subprocess.CompletedProcess[str]:
         return run_duality(
             worker("b"),
             *("publish", spec.name, "--version", str(version), "--json"),
@@ -331,12 +334,12 @@ def test_publish_reads_the_verdict_from_the_table_not_from_a_report(
             timeout=300,
         )
 
-    refused = publish(unvalidated)
+    refused = run_publish(unvalidated)
     assert refused.returncode == 1 and "no validation recorded" in refused.stderr, refused.stderr
-    refused = publish(failed)
+    refused = run_publish(failed)
     assert refused.returncode == 1 and "failed validation" in refused.stderr, refused.stderr
-    done = publish(passed)
+    done = run_publish(passed)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout)["published_version"] == passed
-    assert snapshot.published(spark, spec.snapshot_path(settings))[0] == passed  # type: ignore[index]
+    assert publish.published(spark, spec.snapshot_path(settings)).version == passed  # type: ignore[union-attr]
     assert not (tmp_path / "b" / "reports").exists()

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from duality import kafka, repartition, snapshot, workload
+from duality import kafka, repartition, workload
 from duality.config import Settings
 from duality.local.kraft import LocalKafkaCluster, ephemeral_cluster
+from duality.snapshot import build, delta_log
 from duality.spec import PipelineSpec
 from duality.stream import control, health, heartbeat, topics
 from tests.harness import ROOT, assert_eventually, make_pipeline, run_duality
@@ -83,7 +84,7 @@ class _Snapshot(threading.Thread):
 
     def run(self) -> None:
         try:
-            snapshot.build(
+            build.build(
                 self.settings, self.spec, "auto", spark=self.spark, progress=self.said.append
             )
         except BaseException as error:  # kept for the test to judge
@@ -133,11 +134,12 @@ def _job(settings: Settings, log: Path, job: str, *args: str) -> subprocess.Pope
 
 
 def _version(spark, settings: Settings, spec: PipelineSpec, version: int) -> dict[str, dict]:  # type: ignore[no-untyped-def]
-    return _table(snapshot.load(spark, spec.snapshot_path(settings), version), spec)
+    return _table(delta_log.load(spark, spec.snapshot_path(settings), version), spec)
 
 
 def _assert_snapshot_exact(spark, settings: Settings, spec: PipelineSpec, version: int) -> None:  # type: ignore[no-untyped-def]
-    coverage = snapshot.version_coverage(snapshot.history(spec.snapshot_path(settings)), version)
+    versions = delta_log.history(spec.snapshot_path(settings))
+    coverage, _ = delta_log.version_coverage(versions, version)
     assert coverage is not None, f"version {version} records no coverage"
     wanted = _truth(settings, spec, coverage.changelog)
     actual = _version(spark, settings, spec, version)
@@ -187,7 +189,7 @@ def test_leader_killed_mid_stream_repartition_and_snapshot(
             timeout=180,
             message="the stream never caught up with the first records",
         )
-        before = snapshot.build(settings, spec, "auto", spark=spark).version
+        before = build.build(settings, spec, "auto", spark=spark).version
         copier = _job(
             settings,
             copy_log,
@@ -265,14 +267,14 @@ def test_leader_killed_mid_stream_repartition_and_snapshot(
     _assert_exact_copy(settings, source, target)
 
     # The snapshot run committed a correct version or left the previous one; the next is exact.
-    latest = snapshot.latest_data_version(snapshot.history(spec.snapshot_path(settings)))
+    latest = delta_log.latest_data_version(delta_log.history(spec.snapshot_path(settings)))
     if merging.error is None:
         assert latest > before, merging.said
     else:
         assert latest == before, merging.error
     _assert_snapshot_exact(spark, settings, spec, latest)
     # The load went on after the merging run read its offsets, so the changelog has moved since.
-    version = snapshot.build(settings, spec, "auto", spark=spark).version
+    version = build.build(settings, spec, "auto", spark=spark).version
     assert version is not None and version > latest, (version, latest, merging.said)
     _assert_snapshot_exact(spark, settings, spec, version)
     assert _version(spark, settings, spec, version).keys() == _truth(settings, spec).keys()

@@ -21,13 +21,13 @@ import yaml
 
 from duality import kafka
 from duality.airflow_api import AirflowClient
-from duality.config import Settings
+from duality.config import SHIPPED_PIPELINES, Settings
 from duality.local.airflow import AIRFLOW_COMPONENTS
 from duality.local.ports import free_port
 from duality.local.ports import port_in_use as _port_in_use
 from duality.local.spark_cluster import local_spark
 from duality.spec import find_spec
-from tests.harness import ROOT, assert_eventually, run_duality
+from tests.harness import assert_eventually, run_duality
 from tests.integration.spark.test_sasl import PASSWORD, USER, _leaks
 from tests.integration.spark.test_stream import _verify
 from tests.stack import Stack, stack_env
@@ -99,7 +99,7 @@ def topology() -> Iterator[Stack]:
     )
     # The demo pipeline, its snapshot DAG run only when triggered (the schedule's next time is
     # years ahead), so that the test's run is the only one.
-    spec = yaml.safe_load((ROOT / "include" / "pipelines" / "product_sales.yaml").read_text())
+    spec = yaml.safe_load((SHIPPED_PIPELINES / "product_sales.yaml").read_text())
     spec["snapshot"] = {**spec.get("snapshot", {}), "schedule": "0 0 29 2 *"}
     (root / "pipelines" / "product_sales.yaml").write_text(yaml.safe_dump(spec))
     later = {

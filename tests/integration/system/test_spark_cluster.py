@@ -20,9 +20,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from duality import kafka, snapshot, workload
+from duality import kafka, workload
 from duality.config import Settings
 from duality.local.spark_cluster import LocalSparkCluster
+from duality.snapshot import delta_log
 from duality.spark import package_zip
 from tests.harness import ROOT, StreamProcess, assert_eventually, make_pipeline
 from tests.integration.spark.test_stream import _verify
@@ -225,7 +226,7 @@ def test_snapshot_and_repartition_run_on_the_workers(
 
     built = _job(on_cluster, str(ROOT / "jobs" / "rebuild_snapshot.py"), spec.name)
     _ran_on_both_workers(cluster, f"duality-snapshot-{spec.name}")
-    rows = _table(snapshot.load(spark, spec.snapshot_path(on_cluster), built["version"]), spec)
+    rows = _table(delta_log.load(spark, spec.snapshot_path(on_cluster), built["version"]), spec)
     assert len(rows) == 570
     assert rows == _truth(on_cluster, spec)
 
