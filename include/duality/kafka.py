@@ -35,12 +35,7 @@ from confluent_kafka import (
     TopicCollection,
     TopicPartition,
 )
-from confluent_kafka.admin import (
-    AdminClient,
-    ConfigResource,
-    ConfigSource,
-    NewTopic,
-)
+from confluent_kafka.admin import AdminClient, ConfigResource, ConfigSource, NewTopic
 
 from duality.config import Settings
 from duality.errors import BrokerUnavailable, DualityError, TopicMissing, UsageError

@@ -217,10 +217,7 @@ def hot_keys(
 
 
 def predicted_loads(
-    estimates: Counter[bytes | None],
-    partitions: int,
-    hot: list[str] | None = None,
-    salts: int = 1,
+    estimates: Counter[bytes | None], partitions: int, hot: list[str] | None = None, salts: int = 1
 ) -> list[float]:
     """The load per partition a copy into `partitions` would give, from the key estimates."""
     loads = [0.0] * partitions

@@ -171,10 +171,7 @@ def check_spec_expectations(spec: PipelineSpec, origin: str) -> None:
 
 
 def recompute(
-    settings: Settings,
-    spec: PipelineSpec,
-    spark: SparkSession,
-    source_offsets: dict[int, int],
+    settings: Settings, spec: PipelineSpec, spark: SparkSession, source_offsets: dict[int, int]
 ) -> DataFrame:
     """The aggregates recomputed from the source records below `source_offsets`.
 
@@ -492,10 +489,7 @@ def _run_ge(
 
 
 def _failures(
-    spark: SparkSession,
-    spec: PipelineSpec,
-    table: DataFrame,
-    results: list[dict[str, Any]],
+    spark: SparkSession, spec: PipelineSpec, table: DataFrame, results: list[dict[str, Any]]
 ) -> list[Failure]:
     """The failed expectations, each with its origin (from its `meta`) and the keys of a few
     failing rows."""

@@ -330,11 +330,7 @@ def build(
 
 
 def _incremental_blocker(
-    settings: Settings,
-    spec: PipelineSpec,
-    table_columns: list[str],
-    base: Coverage,
-    now: Coverage,
+    settings: Settings, spec: PipelineSpec, table_columns: list[str], base: Coverage, now: Coverage
 ) -> str | None:
     """Why the changelog records after `base` cannot simply be merged, or None when they can."""
     if base.changelog_topic != now.changelog_topic:
