@@ -1,17 +1,5 @@
-"""The one Kafka module, and the only one that imports confluent_kafka: admin operations,
-producers and consumers built from Settings, and what their failures mean for the user.
-
-Every Python producer uses `partitioner=murmur2_random` so that a key lands in the partition
-Java's default partitioner (and so Spark's Kafka sink) would choose, and every consumer states
-its isolation level, because librdkafka and the Java client default to different ones.
-
-One admin client serves each connection (bootstrap servers, security protocol, SASL login) for
-the life of the process. A call that Kafka answers with "not yet" (a group coordinator that
-moves or loads, offsets a transaction is still committing) is asked again by `retrying`. A
-failed call becomes an error that says what happened: Kafka did not answer in time (naming the
-call and the bootstrap servers), refused the SASL login, or denied the operation
-(docs/decisions/0011-one-kafka-module.md).
-"""
+"""The only module that imports confluent_kafka: clients built from Settings, admin calls, and
+what their failures mean for the user (docs/decisions/0011-one-kafka-module.md)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,5 @@
-"""Repartitioning a topic: copy SOURCE into TARGET with N partitions, every record exactly once.
-
-One Spark task per source partition copies that partition's slice, from the offset its consumer
-group `duality-repartition-<target>` has committed up to the end offset fixed when the run
-started, with a transactional producer whose id is derived from (target, source partition).
-Each transaction holds a bounded number of copied records and the commit of the next source
-offset (`send_offsets_to_transaction`), so the target and the progress never disagree. A task
-of a new run calls `init_transactions` with the same id, which fences a task of a killed run
-and aborts its open transaction; only then does it read where to resume
-(docs/decisions/0005-exactly-once-repartition.md).
-
-Where a record goes is computed by `duality.partitioning` (key-hash or salted), not by a
-producer's partitioner.
-"""
+"""Repartitioning a topic: copy SOURCE into TARGET with N partitions, every record exactly once
+(docs/decisions/0005-exactly-once-repartition.md)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Skew of a topic's partitions: load per partition, the heaviest keys, and what to do about it.
-
-Everything comes from the broker without waiting: record counts from the offsets, the rate over
-a window from the offsets at (now - window) found by record timestamp, consumer lag from a
-group's committed offsets, and the heaviest keys and the record size from a bounded sample (the
-last records of each partition). confluent-kafka has no DescribeLogDirs, so bytes are the
-sampled mean record size times the record count (labelled as an estimate).
-"""
+"""Skew of a topic's partitions: load per partition, the heaviest keys, and what to do about it
+(docs/repartition.md: what each figure is measured from)."""
 
 from __future__ import annotations
 
@@ -292,9 +286,7 @@ def analyse(
                 records=records[p],
                 bytes=round(size * scale),
                 rate=recent / window_s,
-                lag=(max(0, ends[p] - committed[p][0]) if p in committed else None)
-                if group
-                else None,
+                lag=max(0, ends[p] - committed[p][0]) if p in committed else None,
                 sampled=n,
                 top_keys=[
                     (_decode(k) or repr(k), round(c * scale)) for k, c in keys.most_common(top)
@@ -306,12 +298,7 @@ def analyse(
     heaviest = [(_decode(k) or repr(k), n, n / total) for k, n in estimates.most_common(top)]
     skew_now = max(ratio([p.rate for p in loads]), ratio([p.records for p in loads]))
     return SkewReport(
-        topic=topic,
-        group=group,
-        window_s=window_s,
-        partitions=loads,
-        keys=heaviest,
-        recommendation=recommend(estimates, count, skew_now),
+        topic, group, window_s, loads, heaviest, recommend(estimates, count, skew_now)
     )
 
 

@@ -1,11 +1,4 @@
-"""Building a snapshot version: a full rebuild from the changelog, or an incremental MERGE of
-the changelog records after the offsets the table's newest version covers (decisions 17, 19).
-
-It rebuilds in full, and says why, when the table has no such record, the changelog was
-recreated or truncated, the table was changed outside duality, or its columns no longer match
-the spec. Each run is one Delta commit, so an interrupted run leaves the previous version as it
-was.
-"""
+"""Building a snapshot version: a full rebuild or an incremental MERGE (docs/snapshots.md#write)."""
 
 from __future__ import annotations
 

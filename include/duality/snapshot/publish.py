@@ -1,9 +1,5 @@
-"""Publishing: the verdicts of validation recorded in the table, the published version in its
-properties (`duality.published.*`), and reading that version, never a newer unvalidated one.
-
-Only a version whose recorded verdict passed is published, so `validate` and `publish` may run
-on different machines (docs/decisions/0010-publish-gate-in-delta.md).
-"""
+"""Verdicts recorded in the table, the published version in its properties, and reading it
+(docs/decisions/0010-publish-gate-in-delta.md)."""
 
 from __future__ import annotations
 
