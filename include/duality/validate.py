@@ -311,8 +311,7 @@ def run(
     if reconcile:
         suite_checks.append(RECONCILE_CHECK)
     expectations = [_expectation(check, origin) for check in suite_checks]
-    path = spec.snapshot_path(settings)
-    delta_log.require_table(spec, path)
+    path = delta_log.require_table(spec, spec.snapshot_path(settings))
     started = time.monotonic()
     spark = spark or session(settings, f"duality-validate-{spec.name}")
     versions = delta_log.history(path)

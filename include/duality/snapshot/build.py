@@ -46,8 +46,6 @@ def column_types(spec: PipelineSpec) -> dict[str, str]:
         else:
             kind = fields[aggregate.field or ""]
             types[column] = "bigint" if kind in ("long", "int") else SQL_TYPES[kind]
-            if aggregate.function == "sum" and kind == "int":
-                types[column] = "bigint"
     types["_updated_at"] = "timestamp"
     return types
 

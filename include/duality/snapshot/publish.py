@@ -90,8 +90,7 @@ def read(
     settings: Settings, spec: PipelineSpec, *, spark: SparkSession | None = None
 ) -> tuple[DataFrame, Published]:
     """The published snapshot (time travel to the validated version)."""
-    path = spec.snapshot_path(settings)
-    delta_log.require_table(spec, path)
+    path = delta_log.require_table(spec, spec.snapshot_path(settings))
     spark = spark or session(settings, f"duality-read-{spec.name}")
     found = published(spark, path)
     if found is None:
@@ -133,8 +132,7 @@ def publish(
 ) -> Publication:
     """Publish a version that passed `validate --no-publish` (the audit step before this), by
     the verdict the table records for it: no report on this machine is needed or read."""
-    path = spec.snapshot_path(settings)
-    delta_log.require_table(spec, path)
+    path = delta_log.require_table(spec, spec.snapshot_path(settings))
     spark = spark or session(settings, f"duality-publish-{spec.name}")
     versions = delta_log.history(path)
     found = validation(versions, version)
