@@ -479,13 +479,6 @@ def delete_topic(settings: Settings, name: str) -> None:
     _result(futures[name], settings, f"delete topic {name!r}")
 
 
-def _missing(settings: Settings, name: str) -> TopicMissing:
-    return TopicMissing(
-        f"topic {name!r} does not exist on {settings.bootstrap_servers}: "
-        "check the name, or create it first"
-    )
-
-
 # A topic just created reaches each broker's metadata in its own time, and a request may go to
 # any broker (the client cannot choose): a lookup that finds no topic asks again for this long
 # before it says the topic does not exist.
@@ -494,7 +487,7 @@ _NEW_TOPIC_REACHES_BROKERS_S = 5.0
 
 def _until_known(settings: Settings, name: str, call: Callable[[], T]) -> T:
     """`call()`, asked again while it raises UNKNOWN_TOPIC_OR_PART (or Kafka says "not yet");
-    `_missing` once the topic has been unknown for `_NEW_TOPIC_REACHES_BROKERS_S`."""
+    TopicMissing once the topic has been unknown for `_NEW_TOPIC_REACHES_BROKERS_S`."""
     try:
         return retrying(
             settings,
@@ -505,7 +498,10 @@ def _until_known(settings: Settings, name: str, call: Callable[[], T]) -> T:
         )
     except KafkaException as exc:
         if _code(exc) == KafkaError.UNKNOWN_TOPIC_OR_PART:
-            raise _missing(settings, name) from None
+            raise TopicMissing(
+                f"topic {name!r} does not exist on {settings.bootstrap_servers}: "
+                "check the name, or create it first"
+            ) from None
         raise
 
 

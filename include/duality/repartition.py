@@ -143,14 +143,8 @@ def plan(
             chosen = tuple(k for k in (k.strip() for k in hot_keys.split(",")) if k)
             if not chosen:
                 raise UsageError(f"--hot-keys {hot_keys!r} names no key: write k1,k2 or auto")
-    result = Plan(
-        source,
-        target,
-        partitions,
-        strategy,
-        chosen,
-        (salts or partitions) if strategy == "salted" else 1,
-    )
+    spread = (salts or partitions) if strategy == "salted" else 1
+    result = Plan(source, target, partitions, strategy, chosen, spread)
     if len(result.metadata()) > _PLAN_METADATA_LIMIT:
         raise UsageError("--hot-keys names too many or too long keys: name fewer keys")
     if kafka.topic_exists(settings, target):
