@@ -639,9 +639,7 @@ def partition_count(settings: Settings, topic: str) -> int:
 # -- offsets -----------------------------------------------------------------------------------
 
 
-# What a consumer's offset lookup answers for a partition whose leader died: no answer (in time,
-# or a connection that broke), librdkafka's "unknown partition" while no leader is known, or the
-# dead broker's handle destroyed once the metadata no longer names it.
+# What a consumer's offset lookup answers for a partition whose leader died (decision 21).
 _LEADER_GONE = (*_NO_ANSWER, KafkaError._UNKNOWN_PARTITION, KafkaError._DESTROY_BROKER)
 
 
@@ -650,16 +648,11 @@ def _list_offsets(
 ) -> dict[int, int]:
     """Per partition of `topic`, the first offset still stored, the next to be written, or the
     first at or after the timestamp `at` (ms; -1 where there is none), asked through a consumer
-    that never subscribes (its group id is never used). Not the admin client's ListOffsets:
-    librdkafka 2.16 keeps a core busy for as long as a dead leader leaves it unanswered, and two
-    such calls starve a small machine's brokers until their controllers cannot fail over."""
+    that never subscribes, not the admin client (decision 21)."""
     timeout = settings.connect_timeout_s
 
     def ask() -> dict[int, int]:
-        # Each attempt asks through a consumer of its own: librdkafka's consumer keeps the leaders
-        # it first learnt and, never subscribing, does not refresh them, so after a broker died
-        # a kept consumer would ask the dead one again and again. A new one reads the topic's
-        # metadata afresh and asks the leader the controller elected in the dead one's place.
+        # A consumer per attempt: a kept one would ask a dead leader again and again.
         partitions = [TopicPartition(topic, p) for p in range(partition_count(settings, topic))]
         reader = consumer(settings, "duality-offsets", isolation_level=isolation)
         try:
