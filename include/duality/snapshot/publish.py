@@ -74,9 +74,7 @@ def published_size(spec: PipelineSpec, path: Path) -> tuple[Published, int] | No
     latest = delta_log.table_state(path, delta_log.history(path)[0].version)
     found = _published_in(latest.properties) if latest is not None else None
     state = delta_log.table_state(path, found.version) if found is not None else None
-    if found is None or state is None or state.rows is None:
-        return None
-    return found, state.rows
+    return (found, state.rows) if found and state and state.rows is not None else None
 
 
 def _published_in(properties: dict[str, str]) -> Published | None:
