@@ -1,17 +1,5 @@
-"""The one Kafka module, and the only one that imports confluent_kafka: admin operations,
-producers and consumers built from Settings, and what their failures mean for the user.
-
-Every Python producer uses `partitioner=murmur2_random` so that a key lands in the partition
-Java's default partitioner (and so Spark's Kafka sink) would choose, and every consumer states
-its isolation level, because librdkafka and the Java client default to different ones.
-
-One admin client serves each connection (bootstrap servers, security protocol, SASL login) for
-the life of the process. A call that Kafka answers with "not yet" (a group coordinator that
-moves or loads, offsets a transaction is still committing) is asked again by `retrying`. A
-failed call becomes an error that says what happened: Kafka did not answer in time (naming the
-call and the bootstrap servers), refused the SASL login, or denied the operation
-(docs/decisions/0011-one-kafka-module.md).
-"""
+"""The only module that imports confluent_kafka: clients built from Settings, admin calls, and
+what their failures mean for the user (docs/decisions/0011-one-kafka-module.md)."""
 
 from __future__ import annotations
 
@@ -35,12 +23,7 @@ from confluent_kafka import (
     TopicCollection,
     TopicPartition,
 )
-from confluent_kafka.admin import (
-    AdminClient,
-    ConfigResource,
-    ConfigSource,
-    NewTopic,
-)
+from confluent_kafka.admin import AdminClient, ConfigResource, ConfigSource, NewTopic
 
 from duality.config import Settings
 from duality.errors import BrokerUnavailable, DualityError, TopicMissing, UsageError
@@ -496,13 +479,6 @@ def delete_topic(settings: Settings, name: str) -> None:
     _result(futures[name], settings, f"delete topic {name!r}")
 
 
-def _missing(settings: Settings, name: str) -> TopicMissing:
-    return TopicMissing(
-        f"topic {name!r} does not exist on {settings.bootstrap_servers}: "
-        "check the name, or create it first"
-    )
-
-
 # A topic just created reaches each broker's metadata in its own time, and a request may go to
 # any broker (the client cannot choose): a lookup that finds no topic asks again for this long
 # before it says the topic does not exist.
@@ -511,7 +487,7 @@ _NEW_TOPIC_REACHES_BROKERS_S = 5.0
 
 def _until_known(settings: Settings, name: str, call: Callable[[], T]) -> T:
     """`call()`, asked again while it raises UNKNOWN_TOPIC_OR_PART (or Kafka says "not yet");
-    `_missing` once the topic has been unknown for `_NEW_TOPIC_REACHES_BROKERS_S`."""
+    TopicMissing once the topic has been unknown for `_NEW_TOPIC_REACHES_BROKERS_S`."""
     try:
         return retrying(
             settings,
@@ -522,7 +498,10 @@ def _until_known(settings: Settings, name: str, call: Callable[[], T]) -> T:
         )
     except KafkaException as exc:
         if _code(exc) == KafkaError.UNKNOWN_TOPIC_OR_PART:
-            raise _missing(settings, name) from None
+            raise TopicMissing(
+                f"topic {name!r} does not exist on {settings.bootstrap_servers}: "
+                "check the name, or create it first"
+            ) from None
         raise
 
 
@@ -660,9 +639,7 @@ def partition_count(settings: Settings, topic: str) -> int:
 # -- offsets -----------------------------------------------------------------------------------
 
 
-# What a consumer's offset lookup answers for a partition whose leader died: no answer (in time,
-# or a connection that broke), librdkafka's "unknown partition" while no leader is known, or the
-# dead broker's handle destroyed once the metadata no longer names it.
+# What a consumer's offset lookup answers for a partition whose leader died (decision 21).
 _LEADER_GONE = (*_NO_ANSWER, KafkaError._UNKNOWN_PARTITION, KafkaError._DESTROY_BROKER)
 
 
@@ -671,16 +648,11 @@ def _list_offsets(
 ) -> dict[int, int]:
     """Per partition of `topic`, the first offset still stored, the next to be written, or the
     first at or after the timestamp `at` (ms; -1 where there is none), asked through a consumer
-    that never subscribes (its group id is never used). Not the admin client's ListOffsets:
-    librdkafka 2.16 keeps a core busy for as long as a dead leader leaves it unanswered, and two
-    such calls starve a small machine's brokers until their controllers cannot fail over."""
+    that never subscribes, not the admin client (decision 21)."""
     timeout = settings.connect_timeout_s
 
     def ask() -> dict[int, int]:
-        # Each attempt asks through a consumer of its own: librdkafka's consumer keeps the leaders
-        # it first learnt and, never subscribing, does not refresh them, so after a broker died
-        # a kept consumer would ask the dead one again and again. A new one reads the topic's
-        # metadata afresh and asks the leader the controller elected in the dead one's place.
+        # A consumer per attempt: a kept one would ask a dead leader again and again.
         partitions = [TopicPartition(topic, p) for p in range(partition_count(settings, topic))]
         reader = consumer(settings, "duality-offsets", isolation_level=isolation)
         try:

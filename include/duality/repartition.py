@@ -1,17 +1,5 @@
-"""Repartitioning a topic: copy SOURCE into TARGET with N partitions, every record exactly once.
-
-One Spark task per source partition copies that partition's slice, from the offset its consumer
-group `duality-repartition-<target>` has committed up to the end offset fixed when the run
-started, with a transactional producer whose id is derived from (target, source partition).
-Each transaction holds a bounded number of copied records and the commit of the next source
-offset (`send_offsets_to_transaction`), so the target and the progress never disagree. A task
-of a new run calls `init_transactions` with the same id, which fences a task of a killed run
-and aborts its open transaction; only then does it read where to resume
-(docs/decisions/0005-exactly-once-repartition.md).
-
-Where a record goes is computed by `duality.partitioning` (key-hash or salted), not by a
-producer's partitioner.
-"""
+"""Repartitioning a topic: copy SOURCE into TARGET with N partitions, every record exactly once
+(docs/decisions/0005-exactly-once-repartition.md)."""
 
 from __future__ import annotations
 
@@ -155,14 +143,8 @@ def plan(
             chosen = tuple(k for k in (k.strip() for k in hot_keys.split(",")) if k)
             if not chosen:
                 raise UsageError(f"--hot-keys {hot_keys!r} names no key: write k1,k2 or auto")
-    result = Plan(
-        source,
-        target,
-        partitions,
-        strategy,
-        chosen,
-        (salts or partitions) if strategy == "salted" else 1,
-    )
+    spread = (salts or partitions) if strategy == "salted" else 1
+    result = Plan(source, target, partitions, strategy, chosen, spread)
     if len(result.metadata()) > _PLAN_METADATA_LIMIT:
         raise UsageError("--hot-keys names too many or too long keys: name fewer keys")
     if kafka.topic_exists(settings, target):

@@ -1,11 +1,5 @@
-"""Skew of a topic's partitions: load per partition, the heaviest keys, and what to do about it.
-
-Everything comes from the broker without waiting: record counts from the offsets, the rate over
-a window from the offsets at (now - window) found by record timestamp, consumer lag from a
-group's committed offsets, and the heaviest keys and the record size from a bounded sample (the
-last records of each partition). confluent-kafka has no DescribeLogDirs, so bytes are the
-sampled mean record size times the record count (labelled as an estimate).
-"""
+"""Skew of a topic's partitions: load per partition, the heaviest keys, and what to do about it
+(docs/repartition.md: what each figure is measured from)."""
 
 from __future__ import annotations
 
@@ -30,6 +24,7 @@ SALTED_GOAL = 1.15
 MIN_GAIN = 0.02
 SAMPLE_PER_PARTITION = 2_000
 MAX_HOT_KEYS = 16
+TOP_KEYS = 5  # the heaviest keys a report names, per partition and for the topic
 
 
 def ratio(values: list[float] | list[int]) -> float:
@@ -134,15 +129,13 @@ def _decode(key: bytes | None) -> str | None:
         return None  # only UTF-8 keys can be named on the command line
 
 
-def sample(
-    settings: Settings, topic: str, per_partition: int = SAMPLE_PER_PARTITION
-) -> dict[int, tuple[Counter[bytes | None], int, int]]:
+def sample(settings: Settings, topic: str) -> dict[int, tuple[Counter[bytes | None], int, int]]:
     """Per partition: key counts, record count and bytes of (at most) its last records."""
     keys: dict[int, Counter[bytes | None]] = {}
     counts: Counter[int] = Counter()
     sizes: Counter[int] = Counter()
     for message in kafka.read_to_end(
-        settings, topic, isolation="read_uncommitted", last=per_partition, timeout=60
+        settings, topic, isolation="read_uncommitted", last=SAMPLE_PER_PARTITION, timeout=60
     ):
         partition, key = message.partition(), message.key()
         assert partition is not None
@@ -170,15 +163,12 @@ def key_estimates(
 
 
 def hot_keys(
-    estimates: Counter[bytes | None],
-    target_partitions: int,
-    salts: int | None = None,
-    limit: int = MAX_HOT_KEYS,
+    estimates: Counter[bytes | None], target_partitions: int, salts: int | None = None
 ) -> list[str]:
     """The keys to salt: every key above half a partition's fair share (1 / partitions); then,
     while the predicted skew is above SALTED_GOAL, the heaviest key of the most loaded
     partition, as long as salting it lowers the predicted skew by MIN_GAIN or more (so light
-    keys are not salted to chase the sample's noise); at most `limit` keys."""
+    keys are not salted to chase the sample's noise); at most MAX_HOT_KEYS keys."""
     total = sum(estimates.values())
     if not total:
         return []
@@ -189,10 +179,10 @@ def hot_keys(
         name
         for key, count in estimates.most_common()
         if key is not None and count / total > threshold and (name := named[key]) is not None
-    ][:limit]
+    ][:MAX_HOT_KEYS]
     if not chosen:
         return []  # no key dominates: the skew is not the keys' doing; salting won't help
-    while len(chosen) < limit:
+    while len(chosen) < MAX_HOT_KEYS:
         loads = predicted_loads(estimates, target_partitions, chosen, salts)
         now = ratio(loads)
         if now <= SALTED_GOAL:
@@ -217,10 +207,7 @@ def hot_keys(
 
 
 def predicted_loads(
-    estimates: Counter[bytes | None],
-    partitions: int,
-    hot: list[str] | None = None,
-    salts: int = 1,
+    estimates: Counter[bytes | None], partitions: int, hot: list[str] | None = None, salts: int = 1
 ) -> list[float]:
     """The load per partition a copy into `partitions` would give, from the key estimates."""
     loads = [0.0] * partitions
@@ -268,13 +255,7 @@ def recommend(estimates: Counter[bytes | None], current: int, skew_now: float) -
 
 
 def analyse(
-    settings: Settings,
-    topic: str,
-    *,
-    group: str | None = None,
-    window_s: float = 60.0,
-    per_partition: int = SAMPLE_PER_PARTITION,
-    top: int = 5,
+    settings: Settings, topic: str, *, group: str | None = None, window_s: float = 60.0
 ) -> SkewReport:
     """Load per partition of `topic` and a recommendation; reads only a bounded sample."""
     count = kafka.partition_count(settings, topic)  # UsageError when the topic is missing
@@ -282,7 +263,7 @@ def analyse(
     starts = kafka.beginning_offsets(settings, topic)
     since = kafka.offsets_for_time(settings, topic, int((time.time() - window_s) * 1000))
     committed = kafka.committed_offsets(settings, group, topic) if group else {}
-    sampled = sample(settings, topic, per_partition)
+    sampled = sample(settings, topic)
     records = {p: ends[p] - starts[p] for p in range(count)}
     loads = []
     for p in range(count):
@@ -295,26 +276,19 @@ def analyse(
                 records=records[p],
                 bytes=round(size * scale),
                 rate=recent / window_s,
-                lag=(max(0, ends[p] - committed[p][0]) if p in committed else None)
-                if group
-                else None,
+                lag=max(0, ends[p] - committed[p][0]) if p in committed else None,
                 sampled=n,
                 top_keys=[
-                    (_decode(k) or repr(k), round(c * scale)) for k, c in keys.most_common(top)
+                    (_decode(k) or repr(k), round(c * scale)) for k, c in keys.most_common(TOP_KEYS)
                 ],
             )
         )
     estimates = key_estimates(sampled, records)
     total = sum(estimates.values()) or 1
-    heaviest = [(_decode(k) or repr(k), n, n / total) for k, n in estimates.most_common(top)]
+    heaviest = [(_decode(k) or repr(k), n, n / total) for k, n in estimates.most_common(TOP_KEYS)]
     skew_now = max(ratio([p.rate for p in loads]), ratio([p.records for p in loads]))
     return SkewReport(
-        topic=topic,
-        group=group,
-        window_s=window_s,
-        partitions=loads,
-        keys=heaviest,
-        recommendation=recommend(estimates, count, skew_now),
+        topic, group, window_s, loads, heaviest, recommend(estimates, count, skew_now)
     )
 
 

@@ -1,18 +1,5 @@
-"""Snapshot validation with Great Expectations: the audit of write-audit-publish.
-
-The suite is the spec's `expectations` plus built-in checks: the columns and their types are the
-spec's, key columns are not null and unique, counts are positive, and min ≤ avg ≤ max for every
-field that has those aggregates (with a relative tolerance of FLOAT_TOLERANCE, since an average
-is a floating division). `reconcile=True` adds a row-by-row comparison with the aggregates
-recomputed from the source topic up to the source offsets the version covers.
-
-The snapshot is read once into a cached DataFrame; GE computes its metrics on it (aggregate
-metrics of one column domain share a Spark pass). Every expectation is found in GE's registry by
-its name and carries its origin (built-in, the spec's, reconciliation) in its `meta`, which the
-results give back. The verdict is recorded in the Delta table itself
-(`snapshot.publish.record_validation`), which publishes the version in the same commit when it
-passes. Results also go to `<reports>/<pipeline>/` as JSON and as Data Docs HTML, as reports.
-"""
+"""Snapshot validation with Great Expectations, the audit of write-audit-publish
+(docs/snapshots.md#audit)."""
 
 from __future__ import annotations
 
@@ -171,10 +158,7 @@ def check_spec_expectations(spec: PipelineSpec, origin: str) -> None:
 
 
 def recompute(
-    settings: Settings,
-    spec: PipelineSpec,
-    spark: SparkSession,
-    source_offsets: dict[int, int],
+    settings: Settings, spec: PipelineSpec, spark: SparkSession, source_offsets: dict[int, int]
 ) -> DataFrame:
     """The aggregates recomputed from the source records below `source_offsets`.
 
@@ -184,13 +168,7 @@ def recompute(
     """
     from pyspark.sql import functions as F
 
-    from duality.stream.query import (
-        aggregate,
-        aggregate_columns,
-        classify,
-        late_records,
-        source_rows,
-    )
+    from duality.stream import query
 
     topic = spec.source.topic
     types = column_types(spec)
@@ -216,13 +194,15 @@ def recompute(
         .load()
     )
     if spec.window is not None:
-        late = spark.createDataFrame(late_records(settings, spec), "partition int, offset bigint")
+        late = spark.createDataFrame(
+            query.late_records(settings, spec), "partition int, offset bigint"
+        )
         raw = raw.join(late, ["partition", "offset"], "left_anti")
-    table = aggregate(spec, source_rows(spec, classify(spec, raw)))
+    table = query.aggregate(spec, query.source_rows(spec, query.classify(spec, raw)))
     columns: list[Column] = [F.col(f).alias(f) for f in spec.source.key]
     if spec.window is not None:
         columns.append(F.col("_window.start").alias("window_start"))
-    for column, value in aggregate_columns(spec).items():
+    for column, value in query.aggregate_columns(spec).items():
         if types[column] == "timestamp":
             value = F.timestamp_millis(value)  # min and max of a timestamp are kept in ms
         columns.append(value.cast(types[column]).alias(column))
@@ -331,8 +311,7 @@ def run(
     if reconcile:
         suite_checks.append(RECONCILE_CHECK)
     expectations = [_expectation(check, origin) for check in suite_checks]
-    path = spec.snapshot_path(settings)
-    delta_log.require_table(spec, path)
+    path = delta_log.require_table(spec, spec.snapshot_path(settings))
     started = time.monotonic()
     spark = spark or session(settings, f"duality-validate-{spec.name}")
     versions = delta_log.history(path)
@@ -492,10 +471,7 @@ def _run_ge(
 
 
 def _failures(
-    spark: SparkSession,
-    spec: PipelineSpec,
-    table: DataFrame,
-    results: list[dict[str, Any]],
+    spark: SparkSession, spec: PipelineSpec, table: DataFrame, results: list[dict[str, Any]]
 ) -> list[Failure]:
     """The failed expectations, each with its origin (from its `meta`) and the keys of a few
     failing rows."""

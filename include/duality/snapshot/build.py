@@ -1,11 +1,4 @@
-"""Building a snapshot version: a full rebuild from the changelog, or an incremental MERGE of
-the changelog records after the offsets the table's newest version covers (decisions 17, 19).
-
-It rebuilds in full, and says why, when the table has no such record, the changelog was
-recreated or truncated, the table was changed outside duality, or its columns no longer match
-the spec. Each run is one Delta commit, so an interrupted run leaves the previous version as it
-was.
-"""
+"""Building a snapshot version: a full rebuild or an incremental MERGE (docs/snapshots.md#write)."""
 
 from __future__ import annotations
 
@@ -53,8 +46,6 @@ def column_types(spec: PipelineSpec) -> dict[str, str]:
         else:
             kind = fields[aggregate.field or ""]
             types[column] = "bigint" if kind in ("long", "int") else SQL_TYPES[kind]
-            if aggregate.function == "sum" and kind == "int":
-                types[column] = "bigint"
     types["_updated_at"] = "timestamp"
     return types
 
@@ -330,11 +321,7 @@ def build(
 
 
 def _incremental_blocker(
-    settings: Settings,
-    spec: PipelineSpec,
-    table_columns: list[str],
-    base: Coverage,
-    now: Coverage,
+    settings: Settings, spec: PipelineSpec, table_columns: list[str], base: Coverage, now: Coverage
 ) -> str | None:
     """Why the changelog records after `base` cannot simply be merged, or None when they can."""
     if base.changelog_topic != now.changelog_topic:

@@ -13,11 +13,8 @@ from duality.spec import PipelineSpec
 
 @dataclasses.dataclass(frozen=True)
 class Coverage:
-    """The changelog offsets a snapshot version covers, and the source offsets that match them.
-
-    `source` holds the offsets the stream had committed (in the same Kafka transactions as the
-    changelog records) at the moment the changelog offsets were taken.
-    """
+    """The changelog offsets a snapshot version covers, and the source offsets the stream had
+    committed with them (in the same Kafka transactions)."""
 
     changelog_topic: str
     changelog_topic_id: str

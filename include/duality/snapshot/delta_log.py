@@ -97,12 +97,13 @@ def is_table(path: Path) -> bool:
     return (path / "_delta_log").is_dir()
 
 
-def require_table(spec: PipelineSpec, path: Path) -> None:
+def require_table(spec: PipelineSpec, path: Path) -> Path:
     if not is_table(path):
         raise UsageError(
             f"pipeline {spec.name} has no snapshot at {path}: build one with "
             f"`duality snapshot {spec.name}`"
         )
+    return path
 
 
 def version_coverage(versions: list[Version], version: int) -> tuple[Coverage | None, str | None]:

@@ -41,19 +41,13 @@ def maintain(
     spark: SparkSession | None = None,
     progress: Progress = quiet,
 ) -> Maintenance:
-    """OPTIMIZE (compact small files) and VACUUM, keeping the published version readable.
-
-    VACUUM deletes files no version within the retention needs, and files no commit ever
-    referenced (left by interrupted runs) once they are older than it. Delta counts the
-    retention in whole hours (it rounds), so the retention used is the requested one rounded up,
-    and never less than the published version's age: every file it reads stays.
-    """
+    """OPTIMIZE and VACUUM; the retention is rounded up to whole hours (Delta rounds it) and never
+    less than the published version's age, so every file it reads stays (docs/snapshots.md)."""
     from delta.tables import DeltaTable
 
     if retain_hours < 0:
         raise UsageError(f"--retain-hours {retain_hours:g}: must be zero or more")
-    path = spec.snapshot_path(settings)
-    delta_log.require_table(spec, path)
+    path = delta_log.require_table(spec, spec.snapshot_path(settings))
     spark = spark or session(settings, f"duality-maintain-{spec.name}")
     versions = delta_log.history(path)
     found = published(spark, path)

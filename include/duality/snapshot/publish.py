@@ -1,9 +1,5 @@
-"""Publishing: the verdicts of validation recorded in the table, the published version in its
-properties (`duality.published.*`), and reading that version, never a newer unvalidated one.
-
-Only a version whose recorded verdict passed is published, so `validate` and `publish` may run
-on different machines (docs/decisions/0010-publish-gate-in-delta.md).
-"""
+"""Verdicts recorded in the table, the published version in its properties, and reading it
+(docs/decisions/0010-publish-gate-in-delta.md)."""
 
 from __future__ import annotations
 
@@ -78,9 +74,7 @@ def published_size(spec: PipelineSpec, path: Path) -> tuple[Published, int] | No
     latest = delta_log.table_state(path, delta_log.history(path)[0].version)
     found = _published_in(latest.properties) if latest is not None else None
     state = delta_log.table_state(path, found.version) if found is not None else None
-    if found is None or state is None or state.rows is None:
-        return None
-    return found, state.rows
+    return (found, state.rows) if found and state and state.rows is not None else None
 
 
 def _published_in(properties: dict[str, str]) -> Published | None:
@@ -94,8 +88,7 @@ def read(
     settings: Settings, spec: PipelineSpec, *, spark: SparkSession | None = None
 ) -> tuple[DataFrame, Published]:
     """The published snapshot (time travel to the validated version)."""
-    path = spec.snapshot_path(settings)
-    delta_log.require_table(spec, path)
+    path = delta_log.require_table(spec, spec.snapshot_path(settings))
     spark = spark or session(settings, f"duality-read-{spec.name}")
     found = published(spark, path)
     if found is None:
@@ -137,8 +130,7 @@ def publish(
 ) -> Publication:
     """Publish a version that passed `validate --no-publish` (the audit step before this), by
     the verdict the table records for it: no report on this machine is needed or read."""
-    path = spec.snapshot_path(settings)
-    delta_log.require_table(spec, path)
+    path = delta_log.require_table(spec, spec.snapshot_path(settings))
     spark = spark or session(settings, f"duality-publish-{spec.name}")
     versions = delta_log.history(path)
     found = validation(versions, version)
