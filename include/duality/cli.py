@@ -187,33 +187,15 @@ def _print_status(report: stack.StackStatus, console: Console) -> None:
 
 def _cmd_lag(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
     rows = kafka.lag(settings, args.group or None)
+    result = [{**dataclasses.asdict(r), "lag": r.lag} for r in rows]
     if not args.json:
         table = Table(title=f"consumer lag on {settings.bootstrap_servers}")
         for column in ("group", "topic", "partition", "committed", "end", "lag"):
             table.add_column(column, justify="right" if column != "group" else "left")
-        for row in rows:
-            table.add_row(
-                row.group,
-                row.topic,
-                str(row.partition),
-                str(row.committed),
-                str(row.end),
-                str(row.lag),
-            )
+        for row in result:
+            table.add_row(*map(str, row.values()))
         console.print(table if rows else "no consumer group has committed offsets")
-    return {
-        "lag": [
-            {
-                "group": r.group,
-                "topic": r.topic,
-                "partition": r.partition,
-                "committed": r.committed,
-                "end": r.end,
-                "lag": r.lag,
-            }
-            for r in rows
-        ]
-    }
+    return {"lag": result}
 
 
 def _cmd_demo(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
@@ -629,9 +611,6 @@ def _cmd_repartition(
     return result
 
 
-# -- arguments that a job shares with its command -------------------------------------------
-
-
 # -- parser --------------------------------------------------------------------------------
 
 
@@ -643,10 +622,19 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     commands.required = True
 
-    def add(name: str, handler: Handler, help_text: str) -> argparse.ArgumentParser:
-        sub = commands.add_parser(name, help=help_text, description=help_text)
+    def add(
+        name: str, handler: Handler, help_text: str, pipeline: bool = False, under: Any = commands
+    ) -> argparse.ArgumentParser:
+        sub: argparse.ArgumentParser = under.add_parser(name, help=help_text, description=help_text)
         sub.add_argument("--json", action="store_true", help="print the result as JSON")
         sub.set_defaults(handler=handler)
+        if pipeline:
+            sub.add_argument("pipeline", help="pipeline name or spec file")
+        return sub
+
+    def actions(name: str, dest: str, help_text: str) -> Any:
+        sub = commands.add_parser(name, help=help_text).add_subparsers(dest=dest, metavar="ACTION")
+        sub.required = True
         return sub
 
     up = add("up", _cmd_up, "start the local stack (idempotent)")
@@ -675,21 +663,16 @@ def build_parser() -> argparse.ArgumentParser:
     add("status", _cmd_status, "report the local stack")
     lag = add("lag", _cmd_lag, "consumer lag per group, topic and partition")
     lag.add_argument("--group", action="append", help="only this consumer group (repeatable)")
-    spec_parser = commands.add_parser("spec", help="validate pipeline specs or print their schema")
-    spec_commands = spec_parser.add_subparsers(dest="spec_command", metavar="ACTION")
-    spec_commands.required = True
-    for name, handler, help_text in (
-        ("validate", _cmd_spec_validate, "validate specs (default: every spec in the folder)"),
-        ("schema", _cmd_spec_schema, "print the JSON schema of a pipeline spec"),
-    ):
-        sub = spec_commands.add_parser(name, help=help_text, description=help_text)
-        sub.add_argument("--json", action="store_true", help="print the result as JSON")
-        sub.set_defaults(handler=handler)
-        if name == "validate":
-            sub.add_argument("specs", nargs="*", metavar="SPEC", help="spec files or names")
+    specs = actions("spec", "spec_command", "validate pipeline specs or print their schema")
+    add(
+        "validate",
+        _cmd_spec_validate,
+        "validate specs (default: every spec in the folder)",
+        under=specs,
+    ).add_argument("specs", nargs="*", metavar="SPEC", help="spec files or names")
+    add("schema", _cmd_spec_schema, "print the JSON schema of a pipeline spec", under=specs)
 
-    produce = add("produce", _cmd_produce, "produce a demo workload to a pipeline's source")
-    produce.add_argument("pipeline", help="pipeline name or spec file")
+    produce = add("produce", _cmd_produce, "produce a demo workload to a pipeline's source", True)
     produce.add_argument("--events", type=int, default=20_000, help="events to produce")
     produce.add_argument("--keys", type=int, default=1_000, help="distinct group keys")
     produce.add_argument("--zipf", type=float, default=1.1, help="key skew (0 is uniform)")
@@ -710,34 +693,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="partitions of the source topic when it is created",
     )
 
-    stream_parser = commands.add_parser("stream", help="start, stop or inspect a pipeline's stream")
-    stream_commands = stream_parser.add_subparsers(dest="stream_command", metavar="ACTION")
-    stream_commands.required = True
-    for name, help_text in (
-        ("start", "start the stream (detached, or --foreground)"),
-        ("stop", "stop the stream gracefully"),
-        ("status", "process, last heartbeat and lag of the stream"),
-    ):
-        sub = stream_commands.add_parser(name, help=help_text, description=help_text)
-        sub.add_argument("--json", action="store_true", help="print the result as JSON")
-        sub.set_defaults(handler=_cmd_stream)
-        if name == "start":
-            stream_arguments(sub)
-            sub.add_argument("--foreground", action="store_true", help="run in this process")
-        else:
-            sub.add_argument("pipeline", help="pipeline name or spec file")
+    streams = actions("stream", "stream_command", "start, stop or inspect a pipeline's stream")
+    start = add("start", _cmd_stream, "start the stream (detached, or --foreground)", under=streams)
+    stream_arguments(start)
+    start.add_argument("--foreground", action="store_true", help="run in this process")
+    add("stop", _cmd_stream, "stop the stream gracefully", True, streams)
+    add("status", _cmd_stream, "process, last heartbeat and lag of the stream", True, streams)
 
-    reset_parser = add("reset", _cmd_reset, "reset a pipeline to reprocess its source")
-    reset_parser.add_argument("pipeline", help="pipeline name or spec file")
-    reset_parser.add_argument("--to-datetime", help="reprocess from this time (ISO-8601)")
-    reset_parser.add_argument("--to-offsets", help="reprocess from these offsets (0:100,1:250)")
-    reset_parser.add_argument("--dry-run", action="store_true", help="print the plan only")
+    rewind = add("reset", _cmd_reset, "reset a pipeline to reprocess its source", True)
+    rewind.add_argument("--to-datetime", help="reprocess from this time (ISO-8601)")
+    rewind.add_argument("--to-offsets", help="reprocess from these offsets (0:100,1:250)")
+    rewind.add_argument("--dry-run", action="store_true", help="print the plan only")
 
     snapshot_arguments(
         add("snapshot", _cmd_snapshot, "rebuild a pipeline's Delta snapshot from its changelog")
     )
-    check = add("validate", _cmd_validate, "validate a snapshot version and publish it")
-    check.add_argument("pipeline", help="pipeline name or spec file")
+    check = add("validate", _cmd_validate, "validate a snapshot version and publish it", True)
     check.add_argument(
         "--reconcile",
         action="store_true",
@@ -747,24 +718,22 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--no-publish", action="store_true", help="validate only; do not publish on success"
     )
-    publisher = add("publish", _cmd_publish, "publish a version that passed validation")
-    publisher.add_argument("pipeline", help="pipeline name or spec file")
+    publisher = add("publish", _cmd_publish, "publish a version that passed validation", True)
     publisher.add_argument(
         "--version", type=int, required=True, help="the version `validate --no-publish` passed"
     )
-    reader = add("read", _cmd_read, "the published (validated) snapshot of a pipeline")
-    reader.add_argument("pipeline", help="pipeline name or spec file")
+    reader = add("read", _cmd_read, "the published (validated) snapshot of a pipeline", True)
     reader.add_argument(
         "--limit",
         type=not_negative,
         default=20,
         help="rows to show, ordered by key (0: only the version and its row count, without Spark)",
     )
-    skew_parser = add("skew", _cmd_skew, "load per partition, hot partitions and keys of a topic")
-    skew_parser.add_argument("topic", help="the topic to inspect")
-    skew_parser.add_argument("--group", help="also show this consumer group's lag")
-    skew_parser.add_argument("--window", default="60s", help="rate window (60s, 5m, 1h)")
-    skew_parser.add_argument("--plot", type=Path, help="draw the load per partition to FILE.png")
+    skewed = add("skew", _cmd_skew, "load per partition, hot partitions and keys of a topic")
+    skewed.add_argument("topic", help="the topic to inspect")
+    skewed.add_argument("--group", help="also show this consumer group's lag")
+    skewed.add_argument("--window", default="60s", help="rate window (60s, 5m, 1h)")
+    skewed.add_argument("--plot", type=Path, help="draw the load per partition to FILE.png")
 
     repartition_arguments(
         add(
@@ -787,16 +756,8 @@ def _json_value(value: Any) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    command = " ".join(
-        filter(
-            None,
-            (
-                args.command,
-                getattr(args, "spec_command", None),
-                getattr(args, "stream_command", None),
-            ),
-        )
-    )
+    action = getattr(args, "spec_command", None) or getattr(args, "stream_command", None)
+    command = f"{args.command} {action}" if action else args.command
     console = _err if args.json else _out
     settings: Settings | None = None
     try:
