@@ -10,7 +10,7 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -116,53 +116,53 @@ def _cmd_status(
     return report
 
 
+def _table(
+    title: str, columns: Sequence[str], rows: Iterable[Sequence[str]], right: Sequence[str] = ()
+) -> Table:
+    """A table of text cells, left-justified but for the columns named in `right`."""
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column, justify="right" if column in right else "left")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
 def _print_status(report: stack.StackStatus, console: Console) -> None:
-    table = Table(title="duality local stack", show_header=True)
-    for column in ("service", "state", "address", "pid", "reachable", "log"):
-        table.add_column(column)
-    broker = report.broker
+    broker, spark, airflow = report.broker, report.spark, report.airflow
     if report.topology.brokers == 1:
-        rows = [("kafka", broker.state, broker.bootstrap_servers, broker.pid, broker.reachable)]
+        nodes = [("kafka", broker.state, broker.bootstrap_servers, broker.pid, broker.reachable)]
     else:
-        rows = [
+        nodes = [
             (f"kafka-{n.node_id}", n.state, n.bootstrap_servers, n.pid, n.reachable)
             for n in broker.nodes
         ]
-    for (name, state, address, pid, reachable), node in zip(rows, broker.nodes, strict=True):
-        table.add_row(
-            name, state, address, str(pid or "-"), "yes" if reachable else "no", str(node.log)
-        )
-    spark = report.spark
+    rows = [
+        (name, state, address, str(pid or "-"), "yes" if reachable else "no", str(node.log))
+        for (name, state, address, pid, reachable), node in zip(nodes, broker.nodes, strict=True)
+    ]
     if spark is not None:
-        table.add_row(
-            "spark",
-            spark.state,
-            spark.master_url or "-",
-            str(spark.master_pid or "-"),
-            f"{sum(w.registered for w in spark.workers)}/{len(spark.workers)} workers",
-            str(spark.log),
-        )
-    airflow = report.airflow
+        alive = f"{sum(w.registered for w in spark.workers)}/{len(spark.workers)} workers"
+        pid = str(spark.master_pid or "-")
+        rows.append(("spark", spark.state, spark.master_url or "-", pid, alive, str(spark.log)))
     for name, component in airflow.components.items():
-        table.add_row(
-            "airflow" if name == "standalone" else f"airflow {name}",
-            "running" if component.pid else "stopped",
-            airflow.url if name in ("standalone", "api-server") else "",
-            str(component.pid or "-"),
-            "yes" if airflow.healthy else "no",
-            str(component.log),
+        rows.append(
+            (
+                "airflow" if name == "standalone" else f"airflow {name}",
+                "running" if component.pid else "stopped",
+                airflow.url if name in ("standalone", "api-server") else "",
+                str(component.pid or "-"),
+                "yes" if airflow.healthy else "no",
+                str(component.log),
+            )
         )
     database = airflow.postgres
     if database is not None:
-        table.add_row(
-            "postgres",
-            database.state,
-            f"127.0.0.1:{database.port}" if database.port else "-",
-            str(database.pid or "-"),
-            "",
-            str(database.log),
-        )
-    console.print(table)
+        address = f"127.0.0.1:{database.port}" if database.port else "-"
+        pid = str(database.pid or "-")
+        rows.append(("postgres", database.state, address, pid, "", str(database.log)))
+    columns = ("service", "state", "address", "pid", "reachable", "log")
+    console.print(_table("duality local stack", columns, rows))
     durable = broker.durability
     if durable is None:
         return
@@ -171,29 +171,26 @@ def _print_status(report: stack.StackStatus, console: Console) -> None:
         f"min.insync.replicas {durable.min_insync_replicas} "
         f"({durable.brokers} brokers; chosen by {durable.chosen_by})"
     )
-    replicas = Table(title="duality's topics", show_header=True)
-    for column in ("topic", "replicas", "min.insync.replicas", "below min ISR now"):
-        replicas.add_column(column)
-    for topic in broker.topics:
-        flag = " [red](fewer than configured)[/red]" if topic.below_configured else ""
-        replicas.add_row(
-            topic.topic + flag,
-            str(topic.replication_factor),
-            str(topic.min_insync_replicas),
-            str(topic.below_min_isr),
+    header = ("topic", "replicas", "min.insync.replicas", "below min ISR now")
+    topics = [
+        (
+            t.topic + (" [red](fewer than configured)[/red]" if t.below_configured else ""),
+            str(t.replication_factor),
+            str(t.min_insync_replicas),
+            str(t.below_min_isr),
         )
-    console.print(replicas)
+        for t in broker.topics
+    ]
+    console.print(_table("duality's topics", header, topics))
 
 
 def _cmd_lag(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
     rows = kafka.lag(settings, args.group or None)
     result = [{**dataclasses.asdict(r), "lag": r.lag} for r in rows]
     if not args.json:
-        table = Table(title=f"consumer lag on {settings.bootstrap_servers}")
-        for column in ("group", "topic", "partition", "committed", "end", "lag"):
-            table.add_column(column, justify="right" if column != "group" else "left")
-        for row in result:
-            table.add_row(*map(str, row.values()))
+        columns = ("group", "topic", "partition", "committed", "end", "lag")
+        cells = [list(map(str, row.values())) for row in result]
+        table = _table(f"consumer lag on {settings.bootstrap_servers}", columns, cells, columns[1:])
         console.print(table if rows else "no consumer group has committed offsets")
     return {"lag": result}
 
@@ -469,13 +466,9 @@ def _cmd_read(settings: Settings, args: argparse.Namespace, console: Console) ->
             ordered = frame.orderBy(*pipeline.key_columns).limit(args.limit)
             rows = [row.asDict() for row in ordered.collect()]
     if not args.json:
-        table = Table(title=f"{pipeline.name}: published version {found.version} ({total:,} rows)")
+        title = f"{pipeline.name}: published version {found.version} ({total:,} rows)"
         columns = list(rows[0]) if rows else pipeline.snapshot_columns
-        for column in columns:
-            table.add_column(column)
-        for row in rows:
-            table.add_row(*(_cell(row[c]) for c in columns))
-        console.print(table)
+        console.print(_table(title, columns, [[_cell(row[c]) for c in columns] for row in rows]))
         if total > len(rows):
             console.print(f"showing {len(rows)} of {total:,} rows (--limit)")
     return {
@@ -507,21 +500,20 @@ def _cmd_skew(settings: Settings, args: argparse.Namespace, console: Console) ->
     if args.plot is not None:
         result["plot"] = str(skew.plot(report, args.plot))
     if not args.json:
-        hot_set = set(report.hot_partitions)
-        table = Table(title=f"load per partition of {args.topic} (window {window:g}s)")
-        for column in ("partition", "records", "bytes (est.)", "records/s", "lag", "top keys"):
-            table.add_column(column, justify="left" if column == "top keys" else "right")
-        for load in report.partitions:
-            mark = "[red]" if load.partition in hot_set else ""
-            table.add_row(
-                f"{mark}{load.partition}",
+        columns = ("partition", "records", "bytes (est.)", "records/s", "lag", "top keys")
+        rows = [
+            (
+                f"{'[red]' if load.partition in report.hot_partitions else ''}{load.partition}",
                 f"{load.records:,}",
                 f"{load.bytes:,}",
                 f"{load.rate:,.1f}",
                 "-" if load.lag is None else f"{load.lag:,}",
                 ", ".join(f"{k} ({n:,})" for k, n in load.top_keys[:3]),
             )
-        console.print(table)
+            for load in report.partitions
+        ]
+        title = f"load per partition of {args.topic} (window {window:g}s)"
+        console.print(_table(title, columns, rows, columns[:-1]))
         advice = report.recommendation
         console.print(
             f"skew (max/mean): rate {report.skew_rate:.2f}, size {report.skew_size:.2f}; "
@@ -592,16 +584,15 @@ def _cmd_repartition(
         )
     result = report.as_dict()
     if not args.json:
-        table = Table(title=f"{plan.source} -> {plan.target} ({plan.strategy})")
-        for column in ("side", "partition", "records"):
-            table.add_column(column, justify="left" if column == "side" else "right")
-        for side, counts in (
-            ("source", result["source_partitions"]),
-            ("target", result["target_partitions"]),
-        ):
-            for partition, records in counts.items():
-                table.add_row(side, partition, f"{records:,}")
-        console.print(table)
+        rows = [
+            (side, partition, f"{records:,}")
+            for side in ("source", "target")
+            for partition, records in result[f"{side}_partitions"].items()
+        ]
+        title = f"{plan.source} -> {plan.target} ({plan.strategy})"
+        console.print(
+            _table(title, ("side", "partition", "records"), rows, ("partition", "records"))
+        )
         console.print(
             f"copied {report.copied:,} records in {report.seconds:.1f}s "
             f"({report.records_per_s:,.0f} records/s; the Spark job copying took "
