@@ -45,9 +45,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
-# -- commands ------------------------------------------------------------------------------
-
-
 def _cmd_up(settings: Settings, args: argparse.Namespace, console: Console) -> stack.StackUp:
     with console.status("starting the local stack") as spinner:
         started = stack.up(
@@ -600,9 +597,6 @@ def _cmd_repartition(
             f"skew (max/mean) before {report.skew_before:.2f}, after {report.skew_after:.2f}"
         )
     return result
-
-
-# -- parser --------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -157,8 +157,6 @@ class LocalAirflow:
         saved.write_text(json.dumps(ports))
         return ports
 
-    # -- what runs -------------------------------------------------------------------------
-
     def pid(self) -> int | None:  # of `airflow standalone`
         return live_pid(
             self.pid_file,
@@ -222,8 +220,6 @@ class LocalAirflow:
             healthy=state != "stopped" and _healthy(self.health()),
             postgres=database,
         )
-
-    # -- start -----------------------------------------------------------------------------
 
     def start(self, progress: Callable[[str], None] = lambda _: None) -> AirflowStatus:
         """Start what does not run; wait until every component is healthy."""
@@ -351,8 +347,6 @@ class LocalAirflow:
             stop=self.stop,
             interval=1,
         )
-
-    # -- stop ------------------------------------------------------------------------------
 
     def stop(self) -> AirflowStopped:
         """Stop whichever runs, whatever DUALITY_AIRFLOW_DB says now, its `leftovers` and

@@ -114,8 +114,6 @@ class LocalBroker:
         self.tmp_dir = self.root / "tmp"
         self.jar_dir = settings.jar_cache / "broker"
 
-    # -- what is there ---------------------------------------------------------------------
-
     @property
     def log_file(self) -> Path:
         return self.logs_dir / "server.log"
@@ -151,8 +149,6 @@ class LocalBroker:
             log=self.log_file,
             node_id=self.node_id,
         )
-
-    # -- start -----------------------------------------------------------------------------
 
     def start(self) -> BrokerStatus:
         already_running = self.pid() is not None
@@ -345,8 +341,6 @@ class LocalBroker:
         except (BrokerUnavailable, UsageError):
             # A login refused while the broker loads its SCRAM users is not the last word.
             return False
-
-    # -- stop ------------------------------------------------------------------------------
 
     def stop(self) -> int | None:
         """Idempotent; returns the pid it stopped, if it ran."""

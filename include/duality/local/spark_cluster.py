@@ -95,8 +95,6 @@ class LocalSparkCluster:
         self.state_file = self.root / "cluster.json"
         self.properties_file = self.root / "spark-defaults.conf"
 
-    # -- folders and ports -----------------------------------------------------------------
-
     @property
     def master_dir(self) -> Path:
         return self.root / "master"
@@ -148,8 +146,6 @@ class LocalSparkCluster:
     @property
     def master_ui(self) -> str:
         return f"http://127.0.0.1:{self.ports()['master_ui']}"
-
-    # -- what runs -------------------------------------------------------------------------
 
     def master_pid(self) -> int | None:
         return live_pid(
@@ -214,8 +210,6 @@ class LocalSparkCluster:
             root=self.root,
             log=self.master_dir / "master.log",
         )
-
-    # -- start -----------------------------------------------------------------------------
 
     def start(self) -> SparkStatus:
         """Start what does not run; wait until the master lists every worker ALIVE."""
@@ -317,8 +311,6 @@ class LocalSparkCluster:
             timeout=_SPARK_START_TIMEOUT_S,
             stop=self.stop,
         )
-
-    # -- faults and stop -------------------------------------------------------------------
 
     def kill_worker(self, index: int) -> int:
         """SIGKILL worker `index` and its executors, as if its machine died."""

@@ -67,9 +67,6 @@ def _kafka(
     return local_cluster(settings, topology.brokers, scram=scram)
 
 
-# -- up ------------------------------------------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class StackUp:
     topology: Topology
@@ -137,9 +134,6 @@ def up(
     return StackUp(topology, broker, airflow, spark)
 
 
-# -- down ----------------------------------------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class StackDown:
     brokers: list[NodeStopped]
@@ -163,9 +157,6 @@ def down(settings: Settings) -> StackDown:
     brokers = stop_brokers(settings)
     (settings.local_dir / STACK_FILE).unlink(missing_ok=True)
     return StackDown(brokers, spark, airflow, streams)
-
-
-# -- status --------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
