@@ -256,7 +256,7 @@ def _cmd_spec_schema(
 ) -> dict[str, Any]:
     schema = spec.json_schema()
     if not args.json:
-        print(json.dumps(schema, indent=2))
+        _print_json(schema)
     return schema
 
 
@@ -732,6 +732,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2, default=_json_value))
+
+
 def _json_value(value: Any) -> Any:
     """What `json.dumps` cannot write itself: a result dataclass as its fields, else text."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -760,13 +764,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DualityError as error:
         if args.json:
             details = getattr(error, "details", {})
-            print(
-                json.dumps(
-                    {**details, "error": str(error), "exit_code": error.exit_code},
-                    indent=2,
-                    default=_json_value,
-                )
-            )
+            _print_json({**details, "error": str(error), "exit_code": error.exit_code})
         _err.print(f"duality {command}: error: {error}", style="red", markup=False, soft_wrap=True)
         return error.exit_code
     except KeyboardInterrupt:
@@ -777,7 +775,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         if args.json:
-            print(json.dumps(result, indent=2, default=_json_value))
+            _print_json(result)
     except BrokenPipeError:
         sys.stderr.close()
     return 0

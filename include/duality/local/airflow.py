@@ -26,7 +26,6 @@ from duality.local.startup import tail, wait_started
 from duality.process import end_processes, kill_group, live_pid, start_daemon, wait_exited
 
 _START_TIMEOUT_S = 300.0
-_STOP_TIMEOUT_S = 30.0
 AIRFLOW_USER = "admin"
 # Airflow's long-running components, each `airflow <name>` in a process of its own on
 # PostgreSQL, after `airflow db migrate`: the commands of docker-compose.yml's Airflow services.
@@ -254,13 +253,7 @@ class LocalAirflow:
             return False
         self._check_port()
         self.password()  # the file Airflow reads the admin's password from
-        process = start_daemon(
-            [str(_airflow()), "standalone"],
-            self.log_file,
-            self.pid_file,
-            cwd=self.home,
-            env=self.environment(),
-        )
+        process = self._launch("standalone", self.environment())
         progress("starting Airflow (database, scheduler, DAG processor, triggerer, API server)")
         self._wait_healthy({"standalone": process})
         return True
@@ -283,16 +276,15 @@ class LocalAirflow:
         since = time.time()
         for name in missing:
             self._clear_predecessor(name)
-            launched[name] = start_daemon(
-                [str(_airflow()), name],
-                self.component_log(name),
-                self.home / f"{name}.pid",
-                cwd=self.home,
-                env=environment,
-            )
+            launched[name] = self._launch(name, environment)
         progress(f"starting Airflow's {', '.join(missing)} on PostgreSQL")
         self._wait_healthy(launched, since)
         return True
+
+    def _launch(self, name: str, environment: dict[str, str]) -> subprocess.Popen[bytes]:
+        """`airflow <name>` (`standalone`, or a component), its log and pid file named for it."""
+        log, pid_file = self.component_log(name), self.home / f"{name}.pid"
+        return start_daemon([str(_airflow()), name], log, pid_file, cwd=self.home, env=environment)
 
     def _migrate(self, environment: dict[str, str]) -> None:
         log = self.home / "db-migrate.log"
@@ -359,7 +351,7 @@ class LocalAirflow:
                 process = psutil.Process(pid)
                 process.send_signal(signal.SIGINT if name == "standalone" else signal.SIGTERM)
                 processes.append(process)
-        wait_exited(processes, _STOP_TIMEOUT_S)
+        wait_exited(processes, 30.0)
         for pid in running.values():  # each leads its own group (start_daemon)
             kill_group(pid)
         left = self.leftovers()

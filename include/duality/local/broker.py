@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from duality.local.kraft import LocalKafkaCluster
 
 _MAIN_CLASS = "kafka.Kafka"
-_START_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 30.0
 
 # Tuned so that compaction is visible within seconds: short segments, an eager cleaner.
@@ -132,18 +131,16 @@ class LocalBroker:
 
     def status(self) -> BrokerStatus:
         pid = self.pid()
+        address = self._listening() or self.settings.bootstrap_servers
         reachable = False
         if pid is not None:
-            address = self._listening() or self.settings.bootstrap_servers
-            try:
+            with contextlib.suppress(DualityError):  # no answer, or a refused login
                 kafka.ensure_reachable(self.settings.replace(bootstrap_servers=address), timeout=3)
                 reachable = True
-            except DualityError:  # no answer, or a refused login
-                reachable = False
         return BrokerStatus(
             state="running" if pid is not None else "stopped",
             pid=pid,
-            bootstrap_servers=self._listening() or self.settings.bootstrap_servers,
+            bootstrap_servers=address,
             reachable=reachable,
             data_dir=self.data_dir,
             log=self.log_file,
@@ -329,7 +326,7 @@ class LocalBroker:
             [self.log_file, self.logs_dir / "stdout.log"],
             self._answers,
             failure=f"the broker did not answer on {self.settings.bootstrap_servers}",
-            timeout=_START_TIMEOUT_S,
+            timeout=90.0,
             stop=self.stop,
             interval=0,  # each try waits for an answer
         )

@@ -17,8 +17,6 @@ from duality.local.ports import free_port, port_in_use
 from duality.local.startup import wait_started
 from duality.process import live_pid, start_daemon, stop_group
 
-_START_TIMEOUT_S = 60.0
-_STOP_TIMEOUT_S = 30.0
 # The role and database Airflow uses: the same names as docker-compose.yml's postgres service.
 AIRFLOW_DB_USER = "airflow"
 AIRFLOW_DB_NAME = "airflow"
@@ -178,7 +176,7 @@ class LocalPostgres:
             [self.log_file],
             lambda: self._answers("postgres"),
             failure=f"PostgreSQL did not answer on 127.0.0.1:{port}",
-            timeout=_START_TIMEOUT_S,
+            timeout=60.0,
             stop=self.stop,
         )
         self._create_database()
@@ -245,7 +243,7 @@ class LocalPostgres:
         """Fast shutdown (SIGINT: a clean checkpoint); returns the pid it stopped, if it ran."""
         pid = self.pid()
         if pid is not None:
-            stop_group(pid, _STOP_TIMEOUT_S, signal.SIGINT)
+            stop_group(pid, 30.0, signal.SIGINT)
         self.pid_file.unlink(missing_ok=True)
         return pid
 

@@ -20,17 +20,8 @@ from duality.local.ports import LOCAL_HOSTS, free_port
 from duality.local.startup import wait_started
 from duality.process import kill_group, live_pid, start_daemon, stop_group
 
-_SPARK_START_TIMEOUT_S = 120.0
-_SPARK_STOP_GRACE_S = 15.0
 _SPARK_MASTER_CLASS = "org.apache.spark.deploy.master.Master"
 _SPARK_WORKER_CLASS = "org.apache.spark.deploy.worker.Worker"
-
-# Read by the master and the workers, not by applications: a taken port fails the start instead
-# of moving silently to the next port, and no REST submission server opens a port of its own.
-_SPARK_DAEMON_PROPERTIES = {
-    "spark.port.maxRetries": "0",
-    "spark.master.rest.enabled": "false",
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,8 +216,10 @@ class LocalSparkCluster:
         ports = self._choose_ports()
         self.root.mkdir(parents=True, exist_ok=True)
         self.state_file.write_text(json.dumps(ports))
+        # Read by the master and workers, not by applications: a taken port fails the start
+        # instead of moving on silently, and no REST submission server opens a port of its own.
         self.properties_file.write_text(
-            "".join(f"{k} {v}\n" for k, v in _SPARK_DAEMON_PROPERTIES.items())
+            "spark.port.maxRetries 0\nspark.master.rest.enabled false\n"
         )
         launched: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
         if self.master_pid() is None:
@@ -308,7 +301,7 @@ class LocalSparkCluster:
             [log for _, log in launched.values()],
             ready,
             failure=f"{failure} ({self.master_ui}/json/)",
-            timeout=_SPARK_START_TIMEOUT_S,
+            timeout=120.0,
             stop=self.stop,
         )
 
@@ -325,7 +318,7 @@ class LocalSparkCluster:
         pids = [self.worker_pid(i) for i in range(self.workers)] + [self.master_pid()]
         running = [pid for pid in pids if pid is not None]
         for pid in running:
-            stop_group(pid, _SPARK_STOP_GRACE_S)
+            stop_group(pid, 15.0)
         # A process that left its group (none should) still belongs to the cluster's folders.
         for process in self.processes():
             with contextlib.suppress(psutil.Error):
