@@ -230,31 +230,20 @@ class LocalSparkCluster:
                 ["--port", str(ports["master"]), "--webui-port", str(ports["master_ui"])],
                 {},
             )
-        # Workers that find no master retry only after several seconds: start them once it
-        # answers.
+        # Workers that find no master retry only after several seconds: start them once it answers.
         self._wait(launched, lambda: self.master_state() is not None, "the master did not answer")
         for i in range(self.workers):
             if self.worker_pid(i) is not None:
                 continue
             self.work_dir(i).mkdir(parents=True, exist_ok=True)
             self.local_dir(i).mkdir(parents=True, exist_ok=True)
+            port, ui = ports["workers"][i]["port"], ports["workers"][i]["ui"]
+            options = f"--port {port} --webui-port {ui} --cores {self.cores} --memory {self.memory}"
             launched[f"worker {i}"] = self._launch(
                 "worker",
                 self.worker_dir(i),
                 _SPARK_WORKER_CLASS,
-                [
-                    self.master_url,
-                    "--port",
-                    str(ports["workers"][i]["port"]),
-                    "--webui-port",
-                    str(ports["workers"][i]["ui"]),
-                    "--cores",
-                    str(self.cores),
-                    "--memory",
-                    self.memory,
-                    "--work-dir",
-                    str(self.work_dir(i)),
-                ],
+                [self.master_url, *options.split(), "--work-dir", str(self.work_dir(i))],
                 {"SPARK_LOCAL_DIRS": str(self.local_dir(i))},
             )
         self._wait(
@@ -269,15 +258,9 @@ class LocalSparkCluster:
     ) -> tuple[subprocess.Popen[bytes], Path]:
         folder.mkdir(parents=True, exist_ok=True)
         log = folder / f"{name}.log"
-        command = [
-            str(spark_home() / "bin" / "spark-class"),
-            main,
-            "--host",
-            "127.0.0.1",
-            *args,
-            "--properties-file",
-            str(self.properties_file),
-        ]
+        spark_class, properties = spark_home() / "bin" / "spark-class", self.properties_file
+        command = [str(spark_class), main, "--host", "127.0.0.1", *args]
+        command += ["--properties-file", str(properties)]
         environment = {
             **os.environ,
             "SPARK_HOME": str(spark_home()),
