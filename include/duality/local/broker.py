@@ -161,7 +161,12 @@ class LocalBroker:
         self._write_config()
         if not (self.data_dir / "meta.properties").is_file():
             self._format_storage()
-        return self._launch()
+        return start_daemon(
+            self._java(_MAIN_CLASS, str(self.config_file), heap="1g"),
+            self.logs_dir / "stdout.log",
+            self.pid_file,
+            cwd=self.root,
+        )
 
     def _check_can_start(self) -> None:
         host = self.settings.first_bootstrap[0]
@@ -269,32 +274,17 @@ class LocalBroker:
         return path.read_text()
 
     def _java(self, main: str, *args: str, heap: str = "256m") -> list[str]:
-        return [
-            "java",
-            f"-Xmx{heap}",
-            "-XX:+UseG1GC",
-            "-Djava.awt.headless=true",
-            f"-Djava.io.tmpdir={self.tmp_dir}",
-            f"-Dlog4j2.configurationFile={self.root / 'log4j2.properties'}",
-            f"-Dkafka.logs.dir={self.logs_dir}",
-            "-cp",
-            f"{self.jar_dir}/*",
-            main,
-            *args,
-        ]
+        command = ["java", f"-Xmx{heap}", "-XX:+UseG1GC", "-Djava.awt.headless=true"]
+        command += [f"-Djava.io.tmpdir={self.tmp_dir}"]
+        command += [f"-Dlog4j2.configurationFile={self.root / 'log4j2.properties'}"]
+        command += [f"-Dkafka.logs.dir={self.logs_dir}", "-cp", f"{self.jar_dir}/*", main]
+        return [*command, *args]
 
     def _format_storage(self) -> None:
         cluster_id = self.cluster_id or new_cluster_id()
-        command = self._java(
-            "kafka.tools.StorageTool",
-            "format",
-            "--cluster-id",
-            cluster_id,
-            "--config",
-            str(self.config_file),
-            "--ignore-formatted",
-            *self._scram_arguments(),
-        )
+        options = ["--cluster-id", cluster_id, "--config", str(self.config_file)]
+        options += ["--ignore-formatted", *self._scram_arguments()]
+        command = self._java("kafka.tools.StorageTool", "format", *options)
         result = subprocess.run(command, capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             raise LocalStackError(
@@ -311,14 +301,6 @@ class LocalBroker:
             for user, password in users.items()
             for part in ("--add-scram", scram_argument(user, password))
         ]
-
-    def _launch(self) -> subprocess.Popen[bytes]:
-        return start_daemon(
-            self._java(_MAIN_CLASS, str(self.config_file), heap="1g"),
-            self.logs_dir / "stdout.log",
-            self.pid_file,
-            cwd=self.root,
-        )
 
     def _wait_until_ready(self, process: subprocess.Popen[bytes]) -> None:
         wait_started(

@@ -157,17 +157,8 @@ class LocalPostgres:
         if port is None or port_in_use("127.0.0.1", port):
             port = free_port()
             self.port_file.write_text(f"{port}\n")
-        command = [
-            str(programs / "postgres"),
-            "-D",
-            str(self.data_dir),
-            "-h",
-            "127.0.0.1",
-            "-p",
-            str(port),
-            "-k",
-            str(self.socket_dir),
-        ]
+        command = [str(programs / "postgres"), "-D", str(self.data_dir), "-h", "127.0.0.1"]
+        command += ["-p", str(port), "-k", str(self.socket_dir)]
         process = start_daemon(
             command, self.log_file, self.pid_file, cwd=self.root, env=_server_env(), **as_owner
         )
@@ -201,18 +192,9 @@ class LocalPostgres:
                     f"reach {self.data_dir}: let others pass through the folders above it "
                     "(chmod o+x), or set DUALITY_LOCAL_DIR to a folder they can reach"
                 )
-        command = [
-            str(programs / "initdb"),
-            "-D",
-            str(self.data_dir),
-            "-U",
-            AIRFLOW_DB_USER,
-            f"--pwfile={self.password_file}",
-            "--auth=scram-sha-256",
-            "--encoding=UTF8",
-            "--no-locale",
-            "--no-instructions",
-        ]
+        command = [str(programs / "initdb"), "-D", str(self.data_dir), "-U", AIRFLOW_DB_USER]
+        command += [f"--pwfile={self.password_file}", "--auth=scram-sha-256", "--encoding=UTF8"]
+        command += ["--no-locale", "--no-instructions"]
         result = subprocess.run(
             command,
             capture_output=True,
