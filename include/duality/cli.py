@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import sys
+from argparse import Namespace
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from duality.local import stack
 from duality.local.broker import BrokerStatus
 from duality.stream.options import StreamOptions
 
-Handler = Callable[[Settings, argparse.Namespace, Console], Any]
+Handler = Callable[[Settings, Namespace, Console], Any]
 
 _out = Console(highlight=False)
 _err = Console(stderr=True, highlight=False)
@@ -45,7 +46,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
-def _cmd_up(settings: Settings, args: argparse.Namespace, console: Console) -> stack.StackUp:
+def _cmd_up(settings: Settings, args: Namespace, console: Console) -> stack.StackUp:
     with console.status("starting the local stack") as spinner:
         started = stack.up(
             settings,
@@ -84,7 +85,7 @@ def _cmd_up(settings: Settings, args: argparse.Namespace, console: Console) -> s
     return started
 
 
-def _cmd_down(settings: Settings, args: argparse.Namespace, console: Console) -> stack.StackDown:
+def _cmd_down(settings: Settings, args: Namespace, console: Console) -> stack.StackDown:
     stopped = stack.down(settings)
     if args.json:
         return stopped
@@ -103,9 +104,7 @@ def _cmd_down(settings: Settings, args: argparse.Namespace, console: Console) ->
     return stopped
 
 
-def _cmd_status(
-    settings: Settings, args: argparse.Namespace, console: Console
-) -> stack.StackStatus:
+def _cmd_status(settings: Settings, args: Namespace, console: Console) -> stack.StackStatus:
     report = stack.status(settings)
     if not args.json:
         _print_status(report, console)
@@ -181,7 +180,7 @@ def _print_status(report: stack.StackStatus, console: Console) -> None:
     console.print(_table("duality's topics", header, topics))
 
 
-def _cmd_lag(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+def _cmd_lag(settings: Settings, args: Namespace, console: Console) -> dict[str, Any]:
     rows = kafka.lag(settings, args.group or None)
     result = [{**dataclasses.asdict(r), "lag": r.lag} for r in rows]
     if not args.json:
@@ -192,7 +191,7 @@ def _cmd_lag(settings: Settings, args: argparse.Namespace, console: Console) -> 
     return {"lag": result}
 
 
-def _cmd_demo(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+def _cmd_demo(settings: Settings, args: Namespace, console: Console) -> dict[str, Any]:
     from duality import demo
 
     result = demo.run(settings, args.events, console, seed=args.seed)
@@ -227,9 +226,7 @@ def _cmd_demo(settings: Settings, args: argparse.Namespace, console: Console) ->
     return result
 
 
-def _cmd_spec_validate(
-    settings: Settings, args: argparse.Namespace, console: Console
-) -> dict[str, Any]:
+def _cmd_spec_validate(settings: Settings, args: Namespace, console: Console) -> dict[str, Any]:
     paths = [Path(p) for p in args.specs] or spec.spec_files(settings)
     if not paths:
         raise UsageError(f"no pipeline specs in {settings.pipelines}: add one, or name a file")
@@ -251,16 +248,14 @@ def _cmd_spec_validate(
     return {"valid": valid}
 
 
-def _cmd_spec_schema(
-    settings: Settings, args: argparse.Namespace, console: Console
-) -> dict[str, Any]:
+def _cmd_spec_schema(settings: Settings, args: Namespace, console: Console) -> dict[str, Any]:
     schema = spec.json_schema()
     if not args.json:
         _print_json(schema)
     return schema
 
 
-def _cmd_produce(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+def _cmd_produce(settings: Settings, args: Namespace, console: Console) -> dict[str, Any]:
     from rich.progress import Progress
 
     from duality import workload
@@ -290,7 +285,7 @@ def _cmd_produce(settings: Settings, args: argparse.Namespace, console: Console)
     return result
 
 
-def _cmd_stream(settings: Settings, args: argparse.Namespace, console: Console) -> Any:
+def _cmd_stream(settings: Settings, args: Namespace, console: Console) -> Any:
     from duality.stream import control
 
     pipeline = spec.find_spec(settings, args.pipeline)
@@ -337,7 +332,7 @@ def _cmd_stream(settings: Settings, args: argparse.Namespace, console: Console) 
     return state
 
 
-def _cmd_reset(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+def _cmd_reset(settings: Settings, args: Namespace, console: Console) -> dict[str, Any]:
     from datetime import datetime
 
     from duality import reset
@@ -367,7 +362,7 @@ def _cmd_reset(settings: Settings, args: argparse.Namespace, console: Console) -
     return {**plan.as_dict(), "dry_run": args.dry_run}
 
 
-def _cmd_snapshot(settings: Settings, args: argparse.Namespace, console: Console) -> Any:
+def _cmd_snapshot(settings: Settings, args: Namespace, console: Console) -> Any:
     from duality.snapshot import build, maintain
 
     pipeline = spec.find_spec(settings, args.pipeline)
@@ -411,7 +406,7 @@ def _cmd_snapshot(settings: Settings, args: argparse.Namespace, console: Console
     return built
 
 
-def _cmd_validate(settings: Settings, args: argparse.Namespace, console: Console) -> Any:
+def _cmd_validate(settings: Settings, args: Namespace, console: Console) -> Any:
     from duality import validate
 
     pipeline = spec.find_spec(settings, args.pipeline)
@@ -431,7 +426,7 @@ def _cmd_validate(settings: Settings, args: argparse.Namespace, console: Console
     return report
 
 
-def _cmd_publish(settings: Settings, args: argparse.Namespace, console: Console) -> Any:
+def _cmd_publish(settings: Settings, args: Namespace, console: Console) -> Any:
     from duality.snapshot import publish
 
     pipeline = spec.find_spec(settings, args.pipeline)
@@ -446,7 +441,7 @@ def _cmd_publish(settings: Settings, args: argparse.Namespace, console: Console)
     return result
 
 
-def _cmd_read(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+def _cmd_read(settings: Settings, args: Namespace, console: Console) -> dict[str, Any]:
     from duality.snapshot import publish
 
     pipeline = spec.find_spec(settings, args.pipeline)
@@ -485,7 +480,7 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-def _cmd_skew(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+def _cmd_skew(settings: Settings, args: Namespace, console: Console) -> dict[str, Any]:
     from duality import skew
 
     window = skew.parse_window(args.window)
@@ -534,9 +529,7 @@ def _cmd_skew(settings: Settings, args: argparse.Namespace, console: Console) ->
     return result
 
 
-def _cmd_repartition(
-    settings: Settings, args: argparse.Namespace, console: Console
-) -> dict[str, Any]:
+def _cmd_repartition(settings: Settings, args: Namespace, console: Console) -> dict[str, Any]:
     import signal
     import threading
 
