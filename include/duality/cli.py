@@ -1,7 +1,4 @@
-"""The `duality` command line: parses arguments, calls the library, renders text or JSON.
-
-Exit codes: 0 success, 1 a check failed, 2 bad input or usage (including an unreachable broker).
-"""
+"""The `duality` command line; exits 1 when a check failed, 2 on bad usage or no broker."""
 
 from __future__ import annotations
 

@@ -342,8 +342,7 @@ def new_cluster_id() -> str:
 def ephemeral_broker(
     settings: Settings, *, scram: Scram | None = None, user: str | None = None
 ) -> Iterator[Settings]:
-    """A throw-away broker on free ports; the settings yielded reach it (as `user` of `scram`,
-    default its first)."""
+    """A throw-away broker on free ports; yields settings that reach it (as `user` of `scram`)."""
     root = Path(tempfile.mkdtemp(prefix="duality-broker-"))
     scoped = settings.replace(
         bootstrap_servers=f"localhost:{free_port()}",

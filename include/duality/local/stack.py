@@ -108,13 +108,9 @@ def up(
     chosen = {"DUALITY_BOOTSTRAP_SERVERS": where}
     if scram is not None:
         # Who logs in, and how; the password stays in the environment, never on disk.
-        chosen.update(
-            {
-                "DUALITY_SECURITY_PROTOCOL": settings.security_protocol,
-                "DUALITY_SASL_MECHANISM": str(settings.sasl_mechanism),
-                "DUALITY_SASL_USERNAME": str(settings.sasl_username),
-            }
-        )
+        chosen["DUALITY_SECURITY_PROTOCOL"] = settings.security_protocol
+        chosen["DUALITY_SASL_MECHANISM"] = str(settings.sasl_mechanism)
+        chosen["DUALITY_SASL_USERNAME"] = str(settings.sasl_username)
     spark = None
     if topology.spark_workers:
         cluster = local_spark(settings, topology.spark_workers)
@@ -143,8 +139,7 @@ class StackDown:
 
 
 def down(settings: Settings) -> StackDown:
-    """Stop all, whatever the topology: Airflow first (a supervisor run could start a stream
-    again), the streams, Spark, then Kafka."""
+    """Airflow first (a supervisor run could start a stream again), the streams, Spark, Kafka."""
     airflow = LocalAirflow(settings).stop()
     streams = control.stop_all(settings)
     # What the stopped (or once killed) drivers' JVMs left in their temporary folders.
