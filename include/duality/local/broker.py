@@ -345,9 +345,7 @@ def ephemeral_broker(
     """A throw-away broker on free ports; yields settings that reach it (as `user` of `scram`)."""
     root = Path(tempfile.mkdtemp(prefix="duality-broker-"))
     scoped = settings.replace(
-        bootstrap_servers=f"localhost:{free_port()}",
-        controller_port=free_port(),
-        local_dir=root,
+        bootstrap_servers=f"localhost:{free_port()}", controller_port=free_port(), local_dir=root
     )
     if scram is not None:
         scoped = scram.login(scoped, user or next(iter(scram.users)))

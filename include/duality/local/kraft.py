@@ -128,11 +128,7 @@ def stop_brokers(settings: Settings) -> list[NodeStopped]:
 
 @contextlib.contextmanager
 def ephemeral_cluster(
-    settings: Settings,
-    brokers: int = 3,
-    *,
-    scram: Scram | None = None,
-    user: str | None = None,
+    settings: Settings, brokers: int = 3, *, scram: Scram | None = None, user: str | None = None
 ) -> Iterator[LocalKafkaCluster]:
     """A throw-away cluster on free ports (`ephemeral_broker`); `.node(i)` to stop and start."""
     root = Path(tempfile.mkdtemp(prefix="duality-cluster-"))
