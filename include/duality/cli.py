@@ -306,11 +306,8 @@ def _cmd_stream(settings: Settings, args: Namespace, console: Console) -> Any:
         with console.status(f"stopping the stream of {pipeline.name}"):
             stopped = control.stop(settings, pipeline)
         if not args.json:
-            console.print(
-                f"stream {pipeline.name} stopped"
-                if stopped.was_running
-                else f"stream {pipeline.name} was not running"
-            )
+            verb = "stopped" if stopped.was_running else "was not running"
+            console.print(f"stream {pipeline.name} {verb}")
         return stopped
     state = control.describe(settings, pipeline)
     if not args.json:
@@ -366,10 +363,7 @@ def _cmd_snapshot(settings: Settings, args: Namespace, console: Console) -> Any:
     if args.maintain:
         with console.status(f"maintaining the snapshot of {pipeline.name}") as status:
             done = maintain.maintain(
-                settings,
-                pipeline,
-                retain_hours=args.retain_hours,
-                progress=lambda text: status.update(text),
+                settings, pipeline, retain_hours=args.retain_hours, progress=status.update
             )
         if not args.json:
             console.print(
@@ -381,7 +375,7 @@ def _cmd_snapshot(settings: Settings, args: Namespace, console: Console) -> Any:
         return done
     mode: build.Mode = "full" if args.full else "incremental" if args.incremental else "auto"
     with console.status(f"snapshot of {pipeline.name}") as status:
-        built = build.build(settings, pipeline, mode, progress=lambda text: status.update(text))
+        built = build.build(settings, pipeline, mode, progress=status.update)
     if not args.json:
         if built.fallback_reason:
             console.print(
@@ -414,7 +408,7 @@ def _cmd_validate(settings: Settings, args: Namespace, console: Console) -> Any:
             reconcile=args.reconcile,
             publish=not args.no_publish,
             version=args.version,
-            progress=lambda text: status.update(text),
+            progress=status.update,
         )
     validate.require_success(report)
     if not args.json:
