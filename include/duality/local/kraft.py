@@ -47,20 +47,18 @@ class LocalKafkaCluster:
         *,
         scram: Scram | None = None,
     ):
-        host = "localhost"
-        self.settings = settings.replace(
-            bootstrap_servers=",".join(f"{host}:{node.port}" for node in quorum)
-        )
+        addresses = [f"localhost:{node.port}" for node in quorum]
+        self.settings = settings.replace(bootstrap_servers=",".join(addresses))
         # Each node's settings reach that node alone.
         self.nodes = [
             LocalBroker(
-                settings.replace(bootstrap_servers=f"{host}:{node.port}"),
+                settings.replace(bootstrap_servers=address),
                 node.node_id,
                 quorum,
                 cluster_id,
                 scram=scram,
             )
-            for node in quorum
+            for address, node in zip(addresses, quorum, strict=True)
         ]
 
     def start(self) -> ClusterStatus:
