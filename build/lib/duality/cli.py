@@ -1,0 +1,841 @@
+"""The `duality` command line: parses arguments, calls the library, renders text or JSON.
+
+Exit codes: 0 success, 1 a check failed, 2 bad input or usage (including an unreachable broker).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from duality import kafka, spec
+from duality.arguments import (
+    at_least_one,
+    not_negative,
+    repartition_arguments,
+    snapshot_arguments,
+    stream_arguments,
+)
+from duality.config import AIRFLOW_DBS, Settings
+from duality.errors import DualityError, UsageError
+from duality.local import stack
+from duality.local.broker import BrokerStatus
+from duality.stream.options import StreamOptions
+
+Handler = Callable[[Settings, argparse.Namespace, Console], Any]
+
+_out = Console(highlight=False)
+_err = Console(stderr=True, highlight=False)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that says what to do next when the usage is wrong (exit code 2)."""
+
+    def error(self, message: str) -> Any:
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+# -- commands ------------------------------------------------------------------------------
+
+
+def _cmd_up(settings: Settings, args: argparse.Namespace, console: Console) -> stack.StackUp:
+    with console.status("starting the local stack") as spinner:
+        started = stack.up(
+            settings,
+            brokers=args.brokers,
+            spark_workers=args.spark_workers,
+            airflow_db=args.airflow_db,
+            sasl=args.sasl,
+            progress=spinner.update,
+        )
+    if args.json:
+        return started
+    broker = started.broker
+    if isinstance(broker, BrokerStatus):
+        verb = "already running" if broker.already_running else "started"
+        console.print(
+            f"Kafka broker {verb} at [bold]{broker.bootstrap_servers}[/] (pid {broker.pid}); "
+            f"logs in {broker.log}"
+        )
+    else:
+        console.print(
+            f"Kafka cluster of {len(broker.nodes)} brokers running at "
+            f"[bold]{broker.bootstrap_servers}[/]"
+        )
+    spark = started.spark
+    if spark is not None:
+        console.print(
+            f"Spark master at [bold]{spark.master_url}[/] with {len(spark.workers)} workers "
+            f"(UI {spark.master_ui}); logs in {spark.root}"
+        )
+    web = started.airflow
+    verb = "already running" if web.already_running else "started"
+    console.print(
+        f"Airflow {verb} at [bold]{web.url}[/] (pid {web.pid}); log in as [bold]{web.user}[/] "
+        f"with password [bold]{web.password}[/] (kept in {web.password_file}); logs in {web.log}"
+    )
+    return started
+
+
+def _cmd_down(settings: Settings, args: argparse.Namespace, console: Console) -> stack.StackDown:
+    stopped = stack.down(settings)
+    if args.json:
+        return stopped
+    for stream in stopped.streams:
+        console.print(f"stream {stream.pipeline} stopped (pid {stream.pid})")
+    airflow = stopped.airflow
+    console.print(
+        f"Airflow stopped (pid {airflow.pid})" if airflow.was_running else "Airflow was not running"
+    )
+    if stopped.spark.was_running:
+        console.print(f"Spark master and workers stopped (pids {stopped.spark.pids})")
+    for node in stopped.brokers:
+        console.print(f"Kafka {node.node} stopped (pid {node.pid})")
+    if not stopped.brokers:
+        console.print("Kafka was not running")
+    return stopped
+
+
+def _cmd_status(
+    settings: Settings, args: argparse.Namespace, console: Console
+) -> stack.StackStatus:
+    report = stack.status(settings)
+    if not args.json:
+        _print_status(report, console)
+    stack.require_sound(report)
+    return report
+
+
+def _print_status(report: stack.StackStatus, console: Console) -> None:
+    table = Table(title="duality local stack", show_header=True)
+    for column in ("service", "state", "address", "pid", "reachable", "log"):
+        table.add_column(column)
+    broker = report.broker
+    if report.topology.brokers == 1:
+        rows = [("kafka", broker.state, broker.bootstrap_servers, broker.pid, broker.reachable)]
+    else:
+        rows = [
+            (f"kafka-{n.node_id}", n.state, n.bootstrap_servers, n.pid, n.reachable)
+            for n in broker.nodes
+        ]
+    for (name, state, address, pid, reachable), node in zip(rows, broker.nodes, strict=True):
+        table.add_row(
+            name, state, address, str(pid or "-"), "yes" if reachable else "no", str(node.log)
+        )
+    spark = report.spark
+    if spark is not None:
+        table.add_row(
+            "spark",
+            spark.state,
+            spark.master_url or "-",
+            str(spark.master_pid or "-"),
+            f"{sum(w.registered for w in spark.workers)}/{len(spark.workers)} workers",
+            str(spark.log),
+        )
+    airflow = report.airflow
+    for name, component in airflow.components.items():
+        table.add_row(
+            "airflow" if name == "standalone" else f"airflow {name}",
+            "running" if component.pid else "stopped",
+            airflow.url if name in ("standalone", "api-server") else "",
+            str(component.pid or "-"),
+            "yes" if airflow.healthy else "no",
+            str(component.log),
+        )
+    database = airflow.postgres
+    if database is not None:
+        table.add_row(
+            "postgres",
+            database.state,
+            f"127.0.0.1:{database.port}" if database.port else "-",
+            str(database.pid or "-"),
+            "",
+            str(database.log),
+        )
+    console.print(table)
+    durable = broker.durability
+    if durable is None:
+        return
+    console.print(
+        f"new topics: replication factor {durable.replication_factor}, "
+        f"min.insync.replicas {durable.min_insync_replicas} "
+        f"({durable.brokers} brokers; chosen by {durable.chosen_by})"
+    )
+    replicas = Table(title="duality's topics", show_header=True)
+    for column in ("topic", "replicas", "min.insync.replicas", "below min ISR now"):
+        replicas.add_column(column)
+    for topic in broker.topics:
+        flag = " [red](fewer than configured)[/red]" if topic.below_configured else ""
+        replicas.add_row(
+            topic.topic + flag,
+            str(topic.replication_factor),
+            str(topic.min_insync_replicas),
+            str(topic.below_min_isr),
+        )
+    console.print(replicas)
+
+
+def _cmd_lag(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    rows = kafka.lag(settings, args.group or None)
+    if not args.json:
+        table = Table(title=f"consumer lag on {settings.bootstrap_servers}")
+        for column in ("group", "topic", "partition", "committed", "end", "lag"):
+            table.add_column(column, justify="right" if column != "group" else "left")
+        for row in rows:
+            table.add_row(
+                row.group,
+                row.topic,
+                str(row.partition),
+                str(row.committed),
+                str(row.end),
+                str(row.lag),
+            )
+        console.print(table if rows else "no consumer group has committed offsets")
+    return {
+        "lag": [
+            {
+                "group": r.group,
+                "topic": r.topic,
+                "partition": r.partition,
+                "committed": r.committed,
+                "end": r.end,
+                "lag": r.lag,
+            }
+            for r in rows
+        ]
+    }
+
+
+def _cmd_demo(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    from duality import demo
+
+    result = demo.run(settings, args.events, console, seed=args.seed)
+    if not args.json:
+        produced, snap, moved = result["produced"], result["snapshot"], result["repartition"]
+        bad = sum(produced["bad"].values())
+        table = Table(title=f"duality demo: {result['pipeline']} in {result['seconds']:.0f}s")
+        table.add_column("what")
+        table.add_column("result", overflow="fold")
+        table.add_row("events produced", f"{produced['produced']:,} to {produced['topic']}")
+        table.add_row(
+            "counted / dead letters",
+            f"{produced['valid']:,} counted; {result['dead_letters']:,} dead-lettered "
+            f"(produced bad: {bad:,})",
+        )
+        table.add_row(
+            "skew (max/mean)",
+            f"{moved['skew_before']:.2f} in {moved['source']} -> {moved['skew_after']:.2f} in "
+            f"{moved['target']} (partitions {moved['partitions']}; it holds "
+            f"{moved['target_records']:,} records, {moved['copied_this_run']:,} copied by this "
+            "run)",
+        )
+        table.add_row(
+            "snapshot",
+            f"version {snap['version']} published ({snap['rows']:,} rows, {snap['mode']})",
+        )
+        table.add_row("validation", f"{snap['validation']} ({snap['checks']} checks)")
+        table.add_row("reports", f"{snap['data_docs']}\n{snap['report']}")
+        table.add_row("skew plot", moved["plot"])
+        table.add_row("Airflow", f"{result['airflow']} (DAGs tagged duality)")
+        console.print(table)
+    return result
+
+
+def _cmd_spec_validate(
+    settings: Settings, args: argparse.Namespace, console: Console
+) -> dict[str, Any]:
+    paths = [Path(p) for p in args.specs] or spec.spec_files(settings)
+    if not paths:
+        raise UsageError(f"no pipeline specs in {settings.pipelines}: add one, or name a file")
+    valid, errors = [], []
+    for path in paths:
+        try:
+            loaded = spec.find_spec(settings, str(path))
+            if loaded.expectations:
+                from duality import validate
+
+                validate.check_spec_expectations(loaded, str(path))
+            valid.append({"file": str(path), "pipeline": loaded.name})
+            if not args.json:
+                console.print(f"[green]ok[/]      {path} ({loaded.name})")
+        except UsageError as error:
+            errors.append(str(error))
+    if errors:
+        raise UsageError("\n".join(errors))
+    return {"valid": valid}
+
+
+def _cmd_spec_schema(
+    settings: Settings, args: argparse.Namespace, console: Console
+) -> dict[str, Any]:
+    schema = spec.json_schema()
+    if not args.json:
+        print(json.dumps(schema, indent=2))
+    return schema
+
+
+def _cmd_produce(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    from rich.progress import Progress
+
+    from duality import workload
+
+    pipeline = spec.find_spec(settings, args.pipeline)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task(f"producing to {pipeline.source.topic}", total=args.events)
+        report = workload.produce(
+            settings,
+            pipeline,
+            events=args.events,
+            keys=args.keys,
+            zipf=args.zipf,
+            bad_fraction=args.bad_fraction,
+            rate=args.rate,
+            seed=args.seed,
+            partitions=args.partitions,
+            progress=lambda done: progress.update(task, completed=done),
+        )
+    result = report.as_dict()
+    if not args.json:
+        bad = ", ".join(f"{n} {kind}" for kind, n in sorted(report.bad.items())) or "none"
+        console.print(
+            f"{report.produced:,} events to {report.topic} in {report.seconds:.1f}s over "
+            f"{report.keys:,} keys: {report.valid:,} valid; bad: {bad}"
+        )
+    return result
+
+
+def _cmd_stream(settings: Settings, args: argparse.Namespace, console: Console) -> Any:
+    from duality.stream import control
+
+    pipeline = spec.find_spec(settings, args.pipeline)
+    action = args.stream_command
+    if action == "start":
+        options = StreamOptions.from_args(args)
+        if args.foreground:
+            # This process becomes the stream (`python -m duality.stream`, which is what the
+            # pid check looks for), with the settings this command runs with.
+            command = [sys.executable, "-m", control.MODULE, args.pipeline, *options.to_args()]
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.execve(sys.executable, command, {**os.environ, **settings.as_env()})
+        with console.status(f"starting the stream of {pipeline.name}"):
+            started = control.start(settings, pipeline, job_args=options.to_args())
+        if not args.json:
+            verb = "already running" if started.already_running else "started"
+            console.print(f"stream {pipeline.name} {verb} (pid {started.pid}); log {started.log}")
+        return started
+    if action == "stop":
+        with console.status(f"stopping the stream of {pipeline.name}"):
+            stopped = control.stop(settings, pipeline)
+        if not args.json:
+            console.print(
+                f"stream {pipeline.name} stopped"
+                if stopped.was_running
+                else f"stream {pipeline.name} was not running"
+            )
+        return stopped
+    state = control.describe(settings, pipeline)
+    if not args.json:
+        beat = state.heartbeat
+        console.print(
+            f"stream {pipeline.name}: {state.state}"
+            + (f" (pid {state.pid})" if state.pid else "")
+            + (
+                f"; last heartbeat {state.heartbeat_age_s}s ago: {beat.get('state')}, "
+                f"batch {beat.get('batch_id', '-')}, {beat.get('state_rows', '-')} rows in state"
+                if beat
+                else "; no heartbeat yet"
+            )
+            + (f"; lag {state.lag:,}" if state.lag is not None else "")
+        )
+    return state
+
+
+def _cmd_reset(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    from datetime import datetime
+
+    from duality import reset
+
+    pipeline = spec.find_spec(settings, args.pipeline)
+    moment = None
+    if args.to_datetime:
+        try:
+            moment = datetime.fromisoformat(args.to_datetime.replace("Z", "+00:00"))
+        except ValueError:
+            raise UsageError(
+                f"--to-datetime {args.to_datetime!r} is not ISO-8601: write it like "
+                "2026-11-21T10:00:00Z"
+            ) from None
+    plan = reset.plan(settings, pipeline, to_datetime=moment, to_offsets=args.to_offsets)
+    if not args.json:
+        title = "would" if args.dry_run else "will"
+        console.print(f"reset of {pipeline.name} {title}:")
+        for step in plan.steps():
+            console.print(f"  - {step}")
+    if not args.dry_run:
+        reset.execute(settings, pipeline, plan)
+        if not args.json:
+            console.print(
+                f"{pipeline.name} reset; start it with `duality stream start {pipeline.name}`"
+            )
+    return {**plan.as_dict(), "dry_run": args.dry_run}
+
+
+def _cmd_snapshot(settings: Settings, args: argparse.Namespace, console: Console) -> Any:
+    from duality.snapshot import build, maintain
+
+    pipeline = spec.find_spec(settings, args.pipeline)
+    if args.maintain:
+        with console.status(f"maintaining the snapshot of {pipeline.name}") as status:
+            done = maintain.maintain(
+                settings,
+                pipeline,
+                retain_hours=args.retain_hours,
+                progress=lambda text: status.update(text),
+            )
+        if not args.json:
+            console.print(
+                f"{done.path}: OPTIMIZE compacted {done.files_removed_by_optimize} files "
+                f"into {done.files_added_by_optimize}; VACUUM (retention "
+                f"{done.retention_hours:g} h) deleted {done.files_deleted_by_vacuum} "
+                f"files; published version {done.published_version} stays readable"
+            )
+        return done
+    mode: build.Mode = "full" if args.full else "incremental" if args.incremental else "auto"
+    with console.status(f"snapshot of {pipeline.name}") as status:
+        built = build.build(settings, pipeline, mode, progress=lambda text: status.update(text))
+    if not args.json:
+        if built.fallback_reason:
+            console.print(
+                f"[yellow]full rebuild instead of incremental:[/] {built.fallback_reason}"
+            )
+        if built.version is None:
+            console.print(
+                f"{pipeline.name}: the changelog has not moved since version "
+                f"{built.previous_version}; no new version"
+            )
+        else:
+            console.print(
+                f"{pipeline.name}: version {built.version} ({built.mode}) of {built.path}: "
+                f"{built.rows:,} rows; read {built.records_read:,} changelog records for "
+                f"{built.keys_read:,} keys; {built.inserted:,} inserted, {built.updated:,} "
+                f"updated, {built.deleted:,} deleted in {built.seconds:.1f}s. Validate and "
+                f"publish it with `duality validate {pipeline.name}`."
+            )
+    return built
+
+
+def _cmd_validate(settings: Settings, args: argparse.Namespace, console: Console) -> Any:
+    from duality import validate
+
+    pipeline = spec.find_spec(settings, args.pipeline)
+    with console.status(f"validating the snapshot of {pipeline.name}") as status:
+        report = validate.run(
+            settings,
+            pipeline,
+            reconcile=args.reconcile,
+            publish=not args.no_publish,
+            version=args.version,
+            progress=lambda text: status.update(text),
+        )
+    validate.require_success(report)
+    if not args.json:
+        console.print(validate.summary(report))
+        console.print(f"report: {report.json_report}; Data Docs: {report.data_docs}")
+    return report
+
+
+def _cmd_publish(settings: Settings, args: argparse.Namespace, console: Console) -> Any:
+    from duality.snapshot import publish
+
+    pipeline = spec.find_spec(settings, args.pipeline)
+    with console.status(f"publishing version {args.version} of {pipeline.name}"):
+        result = publish.publish(settings, pipeline, args.version)
+    if not args.json:
+        verb = "was already" if result.already_published else "is now"
+        console.print(
+            f"version {args.version} of {pipeline.name} {verb} the published version "
+            f"(validated in {result.report})"
+        )
+    return result
+
+
+def _cmd_read(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    from duality.snapshot import publish
+
+    pipeline = spec.find_spec(settings, args.pipeline)
+    path = pipeline.snapshot_path(settings)
+    # No rows asked for: the version and its size come from the table's log, without Spark.
+    size = publish.published_size(pipeline, path) if args.limit == 0 else None
+    if size is not None:
+        found, total = size
+        rows: list[dict[str, Any]] = []
+    else:
+        with console.status(f"reading the published snapshot of {pipeline.name}"):
+            frame, found = publish.read(settings, pipeline)
+            total = frame.count()
+            ordered = frame.orderBy(*pipeline.key_columns).limit(args.limit)
+            rows = [row.asDict() for row in ordered.collect()]
+    if not args.json:
+        table = Table(title=f"{pipeline.name}: published version {found.version} ({total:,} rows)")
+        columns = list(rows[0]) if rows else pipeline.snapshot_columns
+        for column in columns:
+            table.add_column(column)
+        for row in rows:
+            table.add_row(*(_cell(row[c]) for c in columns))
+        console.print(table)
+        if total > len(rows):
+            console.print(f"showing {len(rows)} of {total:,} rows (--limit)")
+    return {
+        "pipeline": pipeline.name,
+        "version": found.version,
+        "rows": total,
+        "coverage": found.coverage.as_dict(),
+        "data": rows,
+    }
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.4f}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    return str(value)
+
+
+def _cmd_skew(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    from duality import skew
+
+    window = skew.parse_window(args.window)
+    if args.plot is not None and args.plot.suffix.lower() != ".png":
+        raise UsageError(f"--plot {str(args.plot)!r} must name a .png file")
+    with console.status(f"sampling {args.topic}"):
+        report = skew.analyse(settings, args.topic, group=args.group, window_s=window)
+    result = report.as_dict()
+    if args.plot is not None:
+        result["plot"] = str(skew.plot(report, args.plot))
+    if not args.json:
+        hot_set = set(report.hot_partitions)
+        table = Table(title=f"load per partition of {args.topic} (window {window:g}s)")
+        for column in ("partition", "records", "bytes (est.)", "records/s", "lag", "top keys"):
+            table.add_column(column, justify="left" if column == "top keys" else "right")
+        for load in report.partitions:
+            mark = "[red]" if load.partition in hot_set else ""
+            table.add_row(
+                f"{mark}{load.partition}",
+                f"{load.records:,}",
+                f"{load.bytes:,}",
+                f"{load.rate:,.1f}",
+                "-" if load.lag is None else f"{load.lag:,}",
+                ", ".join(f"{k} ({n:,})" for k, n in load.top_keys[:3]),
+            )
+        console.print(table)
+        advice = report.recommendation
+        console.print(
+            f"skew (max/mean): rate {report.skew_rate:.2f}, size {report.skew_size:.2f}; "
+            f"hot partitions: {report.hot_partitions or 'none'}"
+        )
+        if advice["action"] == "none":
+            console.print(f"recommendation: nothing to do ({advice['reason']})")
+        else:
+            command = (
+                f"duality repartition {args.topic} --to {args.topic}-{advice['partitions']}p "
+                f"--partitions {advice['partitions']} --strategy {advice['strategy']}"
+            )
+            if advice["strategy"] == "salted":
+                command += f" --hot-keys {','.join(advice['hot_keys'])} --salts {advice['salts']}"
+            console.print(
+                f"recommendation: {advice['reason']} (predicted skew "
+                f"{advice['predicted_skew']:.2f}):\n  {command}"
+            )
+        if args.plot is not None:
+            console.print(f"plot: {result['plot']}")
+    return result
+
+
+def _cmd_repartition(
+    settings: Settings, args: argparse.Namespace, console: Console
+) -> dict[str, Any]:
+    import signal
+    import threading
+
+    from rich.progress import Progress
+
+    from duality import repartition
+
+    plan = repartition.plan(
+        settings,
+        args.source,
+        args.target,
+        args.partitions,
+        args.strategy,
+        args.hot_keys,
+        args.salts,
+    )
+    if args.dry_run:
+        result = repartition.dry_run(settings, plan)
+        if not args.json:
+            console.print(
+                f"would copy {result['to_copy']:,} records of {plan.source} into {plan.target} "
+                f"({plan.partitions} partitions, {plan.strategy}"
+                + (f", hot keys {', '.join(plan.hot_keys)}" if plan.hot_keys else "")
+                + f"); predicted skew after {result['predicted_skew_after']:.2f}; nothing changed"
+            )
+        return result
+    stop = threading.Event()
+    if args.continuous:
+        # Stop mirroring after the round in progress, then report what was copied.
+        for number in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(number, lambda *_: stop.set())
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task(f"copying {plan.source} -> {plan.target}", total=None)
+        report = repartition.run(
+            settings,
+            plan,
+            continuous=args.continuous,
+            stop=stop,
+            transaction_records=args.transaction_records,
+            throttle=args.throttle,
+            progress=lambda done, total: progress.update(task, completed=done, total=total),
+        )
+    result = report.as_dict()
+    if not args.json:
+        table = Table(title=f"{plan.source} -> {plan.target} ({plan.strategy})")
+        for column in ("side", "partition", "records"):
+            table.add_column(column, justify="left" if column == "side" else "right")
+        for side, counts in (
+            ("source", result["source_partitions"]),
+            ("target", result["target_partitions"]),
+        ):
+            for partition, records in counts.items():
+                table.add_row(side, partition, f"{records:,}")
+        console.print(table)
+        console.print(
+            f"copied {report.copied:,} records in {report.seconds:.1f}s "
+            f"({report.records_per_s:,.0f} records/s; the Spark job copying took "
+            f"{report.copy_seconds:.1f}s; {report.transactions} transactions); "
+            f"skew (max/mean) before {report.skew_before:.2f}, after {report.skew_after:.2f}"
+        )
+    return result
+
+
+# -- arguments that a job shares with its command -------------------------------------------
+
+
+# -- parser --------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="duality",
+        description="Streams into tables and tables into streams, on Kafka, Spark and Delta.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    commands.required = True
+
+    def add(name: str, handler: Handler, help_text: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub.add_argument("--json", action="store_true", help="print the result as JSON")
+        sub.set_defaults(handler=handler)
+        return sub
+
+    up = add("up", _cmd_up, "start the local stack (idempotent)")
+    up.add_argument(
+        "--brokers", type=at_least_one, help="Kafka brokers, a KRaft quorum from 3 (default 1)"
+    )
+    up.add_argument(
+        "--spark-workers",
+        type=not_negative,
+        help="start a Spark standalone master and this many workers (default 0: local mode)",
+    )
+    up.add_argument(
+        "--sasl",
+        action="store_true",
+        help="clients log in with SCRAM-SHA-512 as DUALITY_SASL_USERNAME with "
+        "DUALITY_SASL_PASSWORD (DUALITY_SECURITY_PROTOCOL=SASL_PLAINTEXT, "
+        "DUALITY_SASL_MECHANISM=SCRAM-SHA-512)",
+    )
+    up.add_argument(
+        "--airflow-db",
+        choices=AIRFLOW_DBS,
+        help="Airflow's metadata database: standalone on SQLite (default), or its components "
+        "as separate processes on a local PostgreSQL",
+    )
+    add("down", _cmd_down, "stop the local stack")
+    add("status", _cmd_status, "report the local stack")
+    lag = add("lag", _cmd_lag, "consumer lag per group, topic and partition")
+    lag.add_argument("--group", action="append", help="only this consumer group (repeatable)")
+    spec_parser = commands.add_parser("spec", help="validate pipeline specs or print their schema")
+    spec_commands = spec_parser.add_subparsers(dest="spec_command", metavar="ACTION")
+    spec_commands.required = True
+    for name, handler, help_text in (
+        ("validate", _cmd_spec_validate, "validate specs (default: every spec in the folder)"),
+        ("schema", _cmd_spec_schema, "print the JSON schema of a pipeline spec"),
+    ):
+        sub = spec_commands.add_parser(name, help=help_text, description=help_text)
+        sub.add_argument("--json", action="store_true", help="print the result as JSON")
+        sub.set_defaults(handler=handler)
+        if name == "validate":
+            sub.add_argument("specs", nargs="*", metavar="SPEC", help="spec files or names")
+
+    produce = add("produce", _cmd_produce, "produce a demo workload to a pipeline's source")
+    produce.add_argument("pipeline", help="pipeline name or spec file")
+    produce.add_argument("--events", type=int, default=20_000, help="events to produce")
+    produce.add_argument("--keys", type=int, default=1_000, help="distinct group keys")
+    produce.add_argument("--zipf", type=float, default=1.1, help="key skew (0 is uniform)")
+    produce.add_argument(
+        "--bad-fraction",
+        type=float,
+        default=0.02,
+        help="fraction of bad records, spread over every kind",
+    )
+    produce.add_argument(
+        "--rate", type=float, help="events per second (default: as fast as possible)"
+    )
+    produce.add_argument("--seed", type=int, help="random seed, for a repeatable workload")
+    produce.add_argument(
+        "--partitions",
+        type=int,
+        default=6,
+        help="partitions of the source topic when it is created",
+    )
+
+    stream_parser = commands.add_parser("stream", help="start, stop or inspect a pipeline's stream")
+    stream_commands = stream_parser.add_subparsers(dest="stream_command", metavar="ACTION")
+    stream_commands.required = True
+    for name, help_text in (
+        ("start", "start the stream (detached, or --foreground)"),
+        ("stop", "stop the stream gracefully"),
+        ("status", "process, last heartbeat and lag of the stream"),
+    ):
+        sub = stream_commands.add_parser(name, help=help_text, description=help_text)
+        sub.add_argument("--json", action="store_true", help="print the result as JSON")
+        sub.set_defaults(handler=_cmd_stream)
+        if name == "start":
+            stream_arguments(sub)
+            sub.add_argument("--foreground", action="store_true", help="run in this process")
+        else:
+            sub.add_argument("pipeline", help="pipeline name or spec file")
+
+    reset_parser = add("reset", _cmd_reset, "reset a pipeline to reprocess its source")
+    reset_parser.add_argument("pipeline", help="pipeline name or spec file")
+    reset_parser.add_argument("--to-datetime", help="reprocess from this time (ISO-8601)")
+    reset_parser.add_argument("--to-offsets", help="reprocess from these offsets (0:100,1:250)")
+    reset_parser.add_argument("--dry-run", action="store_true", help="print the plan only")
+
+    snapshot_arguments(
+        add("snapshot", _cmd_snapshot, "rebuild a pipeline's Delta snapshot from its changelog")
+    )
+    check = add("validate", _cmd_validate, "validate a snapshot version and publish it")
+    check.add_argument("pipeline", help="pipeline name or spec file")
+    check.add_argument(
+        "--reconcile",
+        action="store_true",
+        help="also compare every row with the aggregates recomputed from the source topic",
+    )
+    check.add_argument("--version", type=int, help="the version to validate (default: latest)")
+    check.add_argument(
+        "--no-publish", action="store_true", help="validate only; do not publish on success"
+    )
+    publisher = add("publish", _cmd_publish, "publish a version that passed validation")
+    publisher.add_argument("pipeline", help="pipeline name or spec file")
+    publisher.add_argument(
+        "--version", type=int, required=True, help="the version `validate --no-publish` passed"
+    )
+    reader = add("read", _cmd_read, "the published (validated) snapshot of a pipeline")
+    reader.add_argument("pipeline", help="pipeline name or spec file")
+    reader.add_argument(
+        "--limit",
+        type=not_negative,
+        default=20,
+        help="rows to show, ordered by key (0: only the version and its row count, without Spark)",
+    )
+    skew_parser = add("skew", _cmd_skew, "load per partition, hot partitions and keys of a topic")
+    skew_parser.add_argument("topic", help="the topic to inspect")
+    skew_parser.add_argument("--group", help="also show this consumer group's lag")
+    skew_parser.add_argument("--window", default="60s", help="rate window (60s, 5m, 1h)")
+    skew_parser.add_argument("--plot", type=Path, help="draw the load per partition to FILE.png")
+
+    repartition_arguments(
+        add(
+            "repartition", _cmd_repartition, "copy a topic into one with N partitions, exactly once"
+        )
+    )
+
+    demo = add("demo", _cmd_demo, "the whole story through Airflow on the local stack")
+    demo.add_argument("--events", type=int, default=50_000, help="orders to produce")
+    demo.add_argument("--seed", type=int, help="random seed, for a repeatable workload")
+    return parser
+
+
+def _json_value(value: Any) -> Any:
+    """What `json.dumps` cannot write itself: a result dataclass as its fields, else text."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return str(value)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    command = " ".join(
+        filter(
+            None,
+            (
+                args.command,
+                getattr(args, "spec_command", None),
+                getattr(args, "stream_command", None),
+            ),
+        )
+    )
+    console = _err if args.json else _out
+    settings: Settings | None = None
+    try:
+        try:
+            settings = Settings.from_env()
+            result = args.handler(settings, args, console)
+        except DualityError:
+            raise
+        except Exception as error:
+            # A login that Spark's Kafka client had refused is named like any refused login.
+            refused = None if settings is None else kafka.refused_login_in(settings, error)
+            if refused is None:
+                raise
+            raise refused from None
+    except DualityError as error:
+        if args.json:
+            details = getattr(error, "details", {})
+            print(
+                json.dumps(
+                    {**details, "error": str(error), "exit_code": error.exit_code},
+                    indent=2,
+                    default=_json_value,
+                )
+            )
+        _err.print(f"duality {command}: error: {error}", style="red", markup=False, soft_wrap=True)
+        return error.exit_code
+    except KeyboardInterrupt:
+        _err.print(f"duality {command}: interrupted")
+        return 130
+    except BrokenPipeError:  # output piped into `head` and the like
+        sys.stderr.close()
+        return 0
+    try:
+        if args.json:
+            print(json.dumps(result, indent=2, default=_json_value))
+    except BrokenPipeError:
+        sys.stderr.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,390 @@
+"""The one settings object: every host, port and path duality uses comes from here.
+
+Settings are read from `DUALITY_*` environment variables (the table in README.md lists them).
+Inside Airflow, the connections `kafka_default` and `spark_default` override the Kafka and Spark
+fields through `Settings.replace`, so the library itself never imports Airflow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from duality.errors import UsageError
+
+PREFIX = "DUALITY_"
+
+_SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+# SASL mechanisms that log in with a user name and password, and their Java login modules.
+LOGIN_MODULES = {
+    "PLAIN": "org.apache.kafka.common.security.plain.PlainLoginModule",
+    "SCRAM-SHA-256": "org.apache.kafka.common.security.scram.ScramLoginModule",
+    "SCRAM-SHA-512": "org.apache.kafka.common.security.scram.ScramLoginModule",
+}
+# What the local stack runs Airflow on: standalone on SQLite, or its components on PostgreSQL.
+AIRFLOW_DBS = ("sqlite", "postgres")
+# The pipelines shipped in the package (the demo's), whether installed or checked out.
+SHIPPED_PIPELINES = Path(__file__).parent / "pipelines"
+
+
+def _checkout_root() -> Path:
+    """The checkout this package was installed from (editable install), else the current folder."""
+    here = Path(__file__).resolve().parents[2]
+    if (here / "pyproject.toml").is_file() and (here / "include" / "duality").is_dir():
+        return here
+    return Path.cwd()
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Where duality finds Kafka, Spark, Airflow and its folders.
+
+    Relative paths in the environment are taken relative to `home`.
+    """
+
+    home: Path
+    bootstrap_servers: str = "localhost:9092"
+    security_protocol: str = "PLAINTEXT"
+    sasl_mechanism: str | None = None
+    sasl_username: str | None = None
+    # Never shown: not in repr(), and no command prints it (tests scan their output for it).
+    sasl_password: str | None = dataclasses.field(default=None, repr=False)
+    # Replicas of every topic duality creates, and how many must be in sync for a write with
+    # acks=all to succeed. Unset: 3 and 2 on a cluster of at least three brokers, else 1 and 1.
+    replication_factor: int | None = None
+    min_insync_replicas: int | None = None
+    # The dev broker's KRaft controller listener (`duality up` only).
+    controller_port: int = 9093
+    spark_master: str = "local[2]"
+    spark_driver_memory: str = "2g"
+    # A stream's driver holds no keys (they are in RocksDB, off the heap) and only a micro-batch's
+    # output, so its heap is kept small: the JVM grows to whatever heap it is allowed.
+    stream_driver_memory: str = "1g"
+    # Cores one application takes on a Spark cluster (`spark.cores.max`); unset, all free ones,
+    # which leaves none for a batch job beside a stream.
+    spark_cores_max: int | None = None
+    warehouse: Path = Path(".local/warehouse")
+    checkpoint_root: Path = Path(".local/checkpoints")
+    jar_cache: Path = Path(".cache/jars")
+    pipelines: Path = SHIPPED_PIPELINES
+    repartition_config: Path = Path("include/repartition.yaml")
+    local_dir: Path = Path(".local")
+    reports: Path = Path(".local/reports")
+    airflow_url: str = "http://localhost:8080"
+    # The local stack's Airflow: `sqlite` (standalone) or `postgres` (components on PostgreSQL).
+    airflow_db: str = "sqlite"
+    # How long a command waits for the broker before it gives up with a clear error.
+    connect_timeout_s: float = 10.0
+    # Airflow: the execution timeout of each kind of task (DAG files read these when parsed).
+    supervise_timeout_s: float = 600.0
+    snapshot_timeout_s: float = 1800.0
+    validate_timeout_s: float = 1800.0
+    publish_timeout_s: float = 600.0
+    repartition_timeout_s: float = 21600.0
+    reset_timeout_s: float = 1800.0
+    # Airflow: seconds between SIGTERM and SIGKILL when a task stops its child's process group;
+    # below Airflow's own 5 s between the SIGTERM and the SIGKILL of a task being stopped.
+    kill_grace_s: float = 3.0
+
+    def __post_init__(self) -> None:
+        if self.security_protocol not in _SECURITY_PROTOCOLS:
+            raise UsageError(
+                f"{PREFIX}SECURITY_PROTOCOL={self.security_protocol!r} is not a Kafka security "
+                f"protocol: use one of {', '.join(_SECURITY_PROTOCOLS)}"
+            )
+        self._check_sasl()
+        if self.airflow_db not in AIRFLOW_DBS:
+            raise UsageError(
+                f"{PREFIX}AIRFLOW_DB={self.airflow_db!r} is not a database the local stack runs "
+                "Airflow on: use sqlite (Airflow standalone, the default) or postgres "
+                "(PostgreSQL, with Airflow's api-server, scheduler, dag-processor and triggerer "
+                "as separate processes)"
+            )
+        if not self.bootstrap_servers.strip():
+            raise UsageError(f"{PREFIX}BOOTSTRAP_SERVERS is empty: set it to host:port[,host:port]")
+        for server in self.bootstrap_servers.split(","):
+            host, _, port = server.strip().rpartition(":")
+            if not host or not port.isdigit():
+                raise UsageError(
+                    f"{PREFIX}BOOTSTRAP_SERVERS={self.bootstrap_servers!r}: {server.strip()!r} "
+                    "is not host:port; write it like localhost:9092"
+                )
+        for name in ("replication_factor", "min_insync_replicas", "spark_cores_max"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise UsageError(f"{PREFIX}{name.upper()}={value!r}: set it to 1 or more")
+        if (
+            self.replication_factor is not None
+            and self.min_insync_replicas is not None
+            and self.min_insync_replicas > self.replication_factor
+        ):
+            raise UsageError(
+                f"{PREFIX}MIN_INSYNC_REPLICAS={self.min_insync_replicas} is more than "
+                f"{PREFIX}REPLICATION_FACTOR={self.replication_factor}: no write could succeed; "
+                "lower it to the replication factor or less"
+            )
+        for name in (f.name for f in dataclasses.fields(self) if f.name.endswith("_s")):
+            if not getattr(self, name) > 0:
+                raise UsageError(
+                    f"{PREFIX}{name.upper()}={getattr(self, name)!r}: set it to a number of "
+                    "seconds above zero"
+                )
+        # Paths are made absolute once, here, so no other module resolves them.
+        for field in (
+            "warehouse",
+            "checkpoint_root",
+            "jar_cache",
+            "pipelines",
+            "repartition_config",
+            "local_dir",
+            "reports",
+        ):
+            value = getattr(self, field)
+            if not value.is_absolute():
+                object.__setattr__(self, field, (self.home / value).resolve())
+
+    def _check_sasl(self) -> None:
+        sasl = self.security_protocol.startswith("SASL_")
+        mechanism = self.sasl_mechanism
+        if mechanism is not None and mechanism not in LOGIN_MODULES:
+            raise UsageError(
+                f"{PREFIX}SASL_MECHANISM={mechanism!r} is not supported: use one of "
+                f"{', '.join(LOGIN_MODULES)} (spelled in capitals)"
+            )
+        if mechanism is not None and not sasl:
+            raise UsageError(
+                f"{PREFIX}SASL_MECHANISM={mechanism} needs a SASL security protocol, but "
+                f"{PREFIX}SECURITY_PROTOCOL={self.security_protocol}: set it to SASL_PLAINTEXT "
+                f"or SASL_SSL, or unset {PREFIX}SASL_MECHANISM"
+            )
+        if sasl and mechanism is None:
+            raise UsageError(
+                f"{PREFIX}SECURITY_PROTOCOL={self.security_protocol} needs "
+                f"{PREFIX}SASL_MECHANISM: set it to one of {', '.join(LOGIN_MODULES)}"
+            )
+        if sasl:
+            missing = [
+                f"{PREFIX}{name.upper()}"
+                for name in ("sasl_username", "sasl_password")
+                if not getattr(self, name)
+            ]
+            if missing:
+                raise UsageError(
+                    f"{PREFIX}SECURITY_PROTOCOL={self.security_protocol} with "
+                    f"{PREFIX}SASL_MECHANISM={mechanism} logs in with a user name and a password: "
+                    f"set {' and '.join(missing)}"
+                )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """The settings of the environment; where it is silent, those that `duality up` recorded
+        for the local stack it started (`<local_dir>/stack.json`), then the defaults."""
+        env = os.environ if environ is None else environ
+        home = Path(env.get(f"{PREFIX}HOME") or _checkout_root()).resolve()
+        local_dir = Path(env.get(f"{PREFIX}LOCAL_DIR") or cls.local_dir).expanduser()
+        env = {**stack_settings(home / local_dir), **env}
+        values: dict[str, object] = {"home": home}
+        for field in dataclasses.fields(cls):
+            if field.name == "home":
+                continue
+            raw = env.get(PREFIX + field.name.upper())
+            if raw is None or raw == "":
+                continue
+            values[field.name] = _convert(field.name, field.type, raw)
+        return cls(**values)  # type: ignore[arg-type]
+
+    def replace(self, **changes: object) -> Settings:
+        """A copy with some fields changed (Airflow connections, tests)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    def as_env(self) -> dict[str, str]:
+        """These settings as `DUALITY_*` variables, for the processes duality starts."""
+        env = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is not None:
+                env[PREFIX + field.name.upper()] = str(value)
+        return env
+
+    @property
+    def first_bootstrap(self) -> tuple[str, int]:
+        host, _, port = self.bootstrap_servers.split(",")[0].strip().rpartition(":")
+        return host, int(port)
+
+    def kafka_client_config(self) -> dict[str, str]:
+        """librdkafka properties for connecting and authenticating; no behaviour settings."""
+        config = {
+            "bootstrap.servers": self.bootstrap_servers,
+            "security.protocol": self.security_protocol,
+        }
+        if self.sasl_mechanism:
+            config["sasl.mechanism"] = self.sasl_mechanism
+        if self.sasl_username is not None:
+            config["sasl.username"] = self.sasl_username
+        if self.sasl_password is not None:
+            config["sasl.password"] = self.sasl_password
+        return config
+
+    def jaas_config(self) -> str | None:
+        """The Java client's `sasl.jaas.config` for this login, its values quoted and escaped so
+        that any user name or password reads back unchanged; None without SASL."""
+        if self.sasl_mechanism is None:
+            return None
+        return (
+            f"{LOGIN_MODULES[self.sasl_mechanism]} required "
+            f"username={jaas_quote(self.sasl_username or '')} "
+            f"password={jaas_quote(self.sasl_password or '')};"
+        )
+
+    def java_client_config(self) -> dict[str, str]:
+        """The same connection as properties of Kafka's Java client (Kafka's tools, Spark)."""
+        config = {
+            "bootstrap.servers": self.bootstrap_servers,
+            "security.protocol": self.security_protocol,
+        }
+        jaas = self.jaas_config()
+        if jaas is not None:
+            config["sasl.mechanism"] = str(self.sasl_mechanism)
+            config["sasl.jaas.config"] = jaas
+        return config
+
+    def spark_kafka_options(self) -> dict[str, str]:
+        """The same connection as options of Spark's Kafka source and sink (Java client names)."""
+        return {f"kafka.{key}": value for key, value in self.java_client_config().items()}
+
+    def spark_kafka_source_options(self) -> dict[str, str]:
+        """`spark_kafka_options` for reading: a task's consumer that reaches the end of a
+        partition is answered within 10 ms instead of the broker holding its fetch for Kafka's
+        default 500 ms, which a micro-batch or a read to the end paid once per partition wave
+        (docs/decisions/0018-stream-latency.md)."""
+        return {**self.spark_kafka_options(), "kafka.fetch.max.wait.ms": "10"}
+
+
+def jaas_quote(value: str) -> str:
+    """`value` as a quoted JAAS option value. Kafka reads `sasl.jaas.config` with Java's
+    StreamTokenizer, which ends a quoted string at a quote or a line end and reads backslash
+    escapes inside it; so backslash, quote, newline and carriage return are escaped."""
+    escaped = (
+        value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
+    )
+    return f'"{escaped}"'
+
+
+def java_properties(config: Mapping[str, str]) -> str:
+    """`config` as the text of a Java properties file that `Properties.load` reads back exactly
+    (Kafka's tools read `--command-config` files so: ISO-8859-1, backslash escapes)."""
+
+    def escape(text: str, key: bool) -> str:
+        out = []
+        for i, char in enumerate(text):
+            if char == "\\":
+                out.append("\\\\")
+            elif char in "\t\n\r\f":
+                out.append({"\t": "\\t", "\n": "\\n", "\r": "\\r", "\f": "\\f"}[char])
+            elif char in "=:#!" or (char == " " and (key or i == 0)):
+                out.append("\\" + char)
+            elif " " <= char <= "~":
+                out.append(char)
+            else:  # outside printable ASCII: UTF-16 code units as \uXXXX
+                units = char.encode("utf-16-be")
+                out.extend(
+                    f"\\u{int.from_bytes(units[j : j + 2], 'big'):04x}"
+                    for j in range(0, len(units), 2)
+                )
+        return "".join(out)
+
+    return "".join(f"{escape(k, True)}={escape(v, False)}\n" for k, v in config.items())
+
+
+STACK_FILE = "stack.json"
+
+
+def stack_settings(local_dir: Path) -> dict[str, str]:
+    """The `DUALITY_*` settings that `duality up` recorded for the stack it runs in `local_dir`
+    (the brokers' addresses, the Spark master); none when no stack was started there."""
+    path = local_dir / STACK_FILE
+    try:
+        recorded = json.loads(path.read_text())["settings"]
+    except FileNotFoundError:
+        return {}
+    except (ValueError, KeyError, TypeError):
+        raise UsageError(
+            f"{path} is not a stack record of `duality up`: run `duality down`, or delete it"
+        ) from None
+    return {str(k): str(v) for k, v in recorded.items() if str(k).startswith(PREFIX)}
+
+
+def _convert(name: str, kind: object, raw: str) -> object:
+    env_name = PREFIX + name.upper()
+    kind_text = str(kind)
+    if "Path" in kind_text:
+        return Path(raw).expanduser()
+    if kind_text in ("int", "float", "int | None"):
+        try:
+            return float(raw) if kind_text == "float" else int(raw)
+        except ValueError:
+            raise UsageError(
+                f"{env_name}={raw!r} is not a number: set it to a "
+                f"{'number' if kind_text == 'float' else 'whole number'}"
+            ) from None
+    return raw
+
+
+def describe() -> list[tuple[str, str, str]]:
+    """(variable, default, meaning) for the README table and `duality status`."""
+    meanings = {
+        "home": "folder that relative paths below are taken from (default: the checkout)",
+        "bootstrap_servers": "Kafka bootstrap servers, host:port[,host:port]",
+        "security_protocol": "PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL",
+        "sasl_mechanism": "SASL mechanism (PLAIN, SCRAM-SHA-256, SCRAM-SHA-512); required with a "
+        "SASL_* protocol",
+        "sasl_username": "SASL user name; required with a SASL mechanism",
+        "sasl_password": "SASL password; required with a SASL mechanism, never printed or logged",
+        "replication_factor": "replicas of every topic duality creates (unset: 3 on a cluster "
+        "of at least three brokers, else 1)",
+        "min_insync_replicas": "`min.insync.replicas` of every topic duality creates (unset: 2 "
+        "when the replication factor is 3 or more, else 1)",
+        "controller_port": "KRaft controller port of the dev broker started by `duality up`",
+        "spark_master": "Spark master URL (`local[N]`, `spark://host:7077`)",
+        "spark_driver_memory": "memory of the Spark driver of batch jobs (snapshot, validate, "
+        "repartition, reset)",
+        "stream_driver_memory": "memory of a stream's Spark driver (its state is in RocksDB, off "
+        "this heap)",
+        "spark_cores_max": "cores each application may take on a Spark cluster (unset: all free "
+        "ones; `duality up --spark-workers N` sets N, so streams and batch jobs fit side by side)",
+        "warehouse": "folder of Delta tables",
+        "checkpoint_root": "folder of streaming checkpoints",
+        "jar_cache": "folder the Maven-fetched jars are copied into",
+        "pipelines": "folder of pipeline specs (default: the shipped ones, in the package)",
+        "repartition_config": "topics the scheduled repartition DAG checks and copies",
+        "local_dir": (
+            "data, logs and pid files of the local stack; the temporary files of Spark's JVMs "
+            "(`jvm-tmp/`)"
+        ),
+        "reports": "validation reports: JSON and Great Expectations Data Docs per pipeline",
+        "airflow_url": "Airflow UI and API address",
+        "airflow_db": "what `duality up` runs Airflow on: `sqlite` (Airflow standalone) or "
+        "`postgres` (a PostgreSQL server of its own, and the api-server, scheduler, dag-processor "
+        "and triggerer as separate processes)",
+        "connect_timeout_s": "seconds a command waits for the broker before it gives up",
+        "supervise_timeout_s": "Airflow: execution timeout (s) of a stream DAG task (one look of "
+        "the supervisor; waiting for the stream to report running)",
+        "snapshot_timeout_s": "Airflow: execution timeout (s) of the snapshot DAG's `snapshot`",
+        "validate_timeout_s": "Airflow: execution timeout (s) of the snapshot DAG's `validate`",
+        "publish_timeout_s": "Airflow: execution timeout (s) of the snapshot DAG's `publish`",
+        "repartition_timeout_s": "Airflow: execution timeout (s) of a repartition DAG task (the "
+        "plan; the skew check and copy of one topic)",
+        "reset_timeout_s": "Airflow: execution timeout (s) of the reset DAG's task",
+        "kill_grace_s": "Airflow: seconds between SIGTERM and SIGKILL when a task that is stopped "
+        "or timed out ends its child's process group (keep it below Airflow's 5)",
+    }
+    rows = []
+    for field in dataclasses.fields(Settings):
+        default = "" if field.default is dataclasses.MISSING else str(field.default)
+        if isinstance(field.default, Path) and field.default.is_absolute():  # in the package
+            default = f"duality/{field.default.relative_to(Path(__file__).parent)}"
+        rows.append((PREFIX + field.name.upper(), default, meanings[field.name]))
+    return rows

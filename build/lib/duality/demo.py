@@ -1,0 +1,208 @@
+"""`duality demo`: the whole story through Airflow on the stack `duality up` started.
+
+1. produce a skewed workload with bad records to the demo pipeline's source;
+2. the supervisor DAG starts the stream, which counts the good records into the changelog and
+   dead-letters the bad ones;
+3. the snapshot DAG builds a Delta snapshot from the changelog, validates it with Great
+   Expectations and publishes it;
+4. the repartition DAG checks the hot source topic and copies it into a topic with more
+   partitions, exactly once;
+5. a summary: events, dead letters, skew before and after, snapshot version, validation result,
+   where the reports and the skew plot are, and the Airflow address.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rich.console import Console
+
+from duality import kafka, skew, spec, workload
+from duality.airflow_api import AirflowClient
+from duality.config import Settings
+from duality.errors import CheckFailed, LocalStackError, UsageError
+from duality.local.airflow import AIRFLOW_USER, LocalAirflow
+from duality.stream import control
+
+PIPELINE = "product_sales"
+_CATCH_UP_TIMEOUT_S = 600.0
+
+
+def run(
+    settings: Settings,
+    events: int,
+    console: Console,
+    *,
+    keys: int = 500,
+    zipf: float = 1.3,
+    seed: int | None = None,
+) -> dict[str, Any]:
+    if events < 1:
+        raise UsageError(f"--events must be at least 1, got {events}")
+    kafka.ensure_reachable(settings)
+    pipeline = spec.find_spec(settings, PIPELINE)
+    airflow = LocalAirflow(settings)
+    if airflow.health() is None:
+        raise LocalStackError(
+            f"Airflow does not answer at {settings.airflow_url}: start the stack with `duality up`"
+        )
+    client = AirflowClient(settings.airflow_url, AIRFLOW_USER, airflow.password())
+    moves = spec.load_repartition_config(settings).topics
+    move = next((m for m in moves if m.source == pipeline.source.topic), None)
+    if move is None:
+        raise UsageError(
+            f"{settings.repartition_config} has no entry for {pipeline.source.topic}: the demo "
+            "repartitions the demo pipeline's source; add it there"
+        )
+    started = time.monotonic()
+    result: dict[str, Any] = {"pipeline": PIPELINE, "airflow": settings.airflow_url}
+
+    def step(text: str) -> Callable[[str], None]:
+        console.print(f"[bold]>[/] {text}")
+        return lambda detail: status_line.update(f"{text}: {detail}")
+
+    dead_before = _records(settings, pipeline.dlq_topic)
+    with console.status("") as status_line:
+        say = step(f"producing {events:,} orders with skewed products and bad records")
+        report = workload.produce(
+            settings,
+            pipeline,
+            events=events,
+            keys=keys,
+            zipf=zipf,
+            bad_fraction=0.02,
+            seed=seed,
+            progress=lambda done: say(f"{done:,} of {events:,}"),
+        )
+        result["produced"] = report.as_dict()
+
+        say = step(f"the supervisor DAG starts the stream of {PIPELINE}")
+        _run_dag(client, f"duality_{PIPELINE}_stream", {"action": "start"}, say)
+        if control.desired(settings, pipeline) == "stopped":  # stopped by hand earlier
+            _run_dag(client, f"duality_{PIPELINE}_stream", {"action": "start"}, say)
+        say = step("waiting for the stream to count every event")
+        counted = _wait_caught_up(settings, pipeline, say)
+        result["stream"] = counted
+
+        say = step("the snapshot DAG builds, validates and publishes a Delta snapshot")
+        snapshot_run = _run_dag(client, f"duality_{PIPELINE}_snapshot", {}, say)
+        result["snapshot"] = _published(client, f"duality_{PIPELINE}_snapshot", snapshot_run)
+
+        say = step(f"the repartition DAG checks {move.source} and copies it into {move.target}")
+        repartition_run = _run_dag(client, "duality_repartition", {"topic": move.source}, say)
+        moved = _moved(client, repartition_run, move.source)
+        after = skew.analyse(settings, move.target)
+        result["repartition"] = {
+            "source": move.source,
+            "target": move.target,
+            "partitions": f"{kafka.partition_count(settings, move.source)} -> {move.partitions}",
+            "copied_this_run": moved["result"].get("copied", 0),
+            "target_records": _records(settings, move.target),
+            "skew_before": moved["skew"]["skew_size"],
+            "skew_after": round(after.skew_size, 3),
+            "plot": str(settings.reports / "skew" / f"{move.source}.png"),
+        }
+    result["dead_letters"] = _records(settings, pipeline.dlq_topic) - dead_before
+    result["seconds"] = round(time.monotonic() - started, 1)
+    return result
+
+
+def _run_dag(
+    client: AirflowClient, dag_id: str, conf: dict[str, Any], say: Callable[[str], None]
+) -> str:
+    """Run a DAG and wait for the run. A paused DAG is unpaused, and the run its schedule then
+    makes at once is the one waited for (a manual run beside it would do the work twice); an
+    unpaused one gets a manual run with `conf`."""
+    dag = client.wait_for_dag(dag_id)
+    if dag.get("is_paused"):
+        known = {r["dag_run_id"] for r in client.runs(dag_id)}
+        client.set_paused(dag_id, False)
+        deadline = time.monotonic() + 120
+        while True:
+            fresh = [r["dag_run_id"] for r in client.runs(dag_id) if r["dag_run_id"] not in known]
+            if fresh:
+                run_id = str(fresh[0])
+                break
+            if time.monotonic() > deadline:
+                raise LocalStackError(
+                    f"unpausing {dag_id} started no run within 120s; see {client.url}/dags/{dag_id}"
+                )
+            say("waiting for the scheduler")
+            time.sleep(1)
+    else:
+        run_id = client.trigger(dag_id, conf)
+    finished = client.wait_run(dag_id, run_id, progress=say)
+    if finished["state"] != "success":
+        failed = [
+            t["task_id"]
+            for t in client.task_instances(dag_id, run_id)
+            if t.get("state") not in ("success", "skipped")
+        ]
+        raise CheckFailed(
+            f"the run {run_id} of {dag_id} ended {finished['state']} (tasks {failed}); see "
+            f"{client.url}/dags/{dag_id}"
+        )
+    return run_id
+
+
+def _wait_caught_up(
+    settings: Settings, pipeline: spec.PipelineSpec, say: Callable[[str], None]
+) -> dict[str, Any]:
+    deadline = time.monotonic() + _CATCH_UP_TIMEOUT_S
+    while True:
+        info = control.describe(settings, pipeline)
+        behind = info.lag or 0
+        if behind == 0:
+            return {
+                "source_records": sum(kafka.end_offsets(settings, pipeline.source.topic).values()),
+                "keys": (info.heartbeat or {}).get("state_rows"),
+                "pid": info.pid,
+            }
+        if time.monotonic() > deadline:
+            raise CheckFailed(
+                f"the stream of {pipeline.name} is still {behind:,} records behind after "
+                f"{_CATCH_UP_TIMEOUT_S:g}s; see {control.log_file(settings, pipeline)}"
+            )
+        say(f"{behind:,} records to go")
+        time.sleep(1)
+
+
+def _published(client: AirflowClient, dag_id: str, run_id: str) -> dict[str, Any]:
+    """What the snapshot DAG published: from this run, or the scheduled run that did the work
+    first (this one then had nothing new and skipped)."""
+    for candidate in [run_id, *(r["dag_run_id"] for r in client.runs(dag_id))]:
+        states = {t["task_id"]: t.get("state") for t in client.task_instances(dag_id, candidate)}
+        if states.get("publish") == "success":
+            built = client.xcom(dag_id, candidate, "snapshot")
+            report = client.xcom(dag_id, candidate, "validate")
+            published = client.xcom(dag_id, candidate, "publish")
+            return {
+                "run_id": candidate,
+                "version": published["published_version"],
+                "rows": built["rows"],
+                "mode": built["mode"],
+                "validation": "passed" if report["success"] else "failed",
+                "checks": report["checks"],
+                "report": report["json_report"],
+                "data_docs": report["data_docs"],
+            }
+    raise CheckFailed(f"no run of {dag_id} has published a snapshot; see {client.url}")
+
+
+def _records(settings: Settings, topic: str) -> int:
+    """Records in a topic, read_committed (offsets would count transaction markers too)."""
+    if not kafka.topic_exists(settings, topic):
+        return 0
+    return sum(1 for _ in kafka.read_to_end(settings, topic))
+
+
+def _moved(client: AirflowClient, run_id: str, source: str) -> dict[str, Any]:
+    """The repartition DAG's result for `source` (one mapped task per configured topic)."""
+    for task in client.task_instances("duality_repartition", run_id):
+        if task["task_id"] == "repartition":
+            found = client.xcom("duality_repartition", run_id, "repartition", task["map_index"])
+            if found and found.get("source") == source:
+                return dict(found)
+    raise CheckFailed(f"the run {run_id} of duality_repartition did not copy {source}")

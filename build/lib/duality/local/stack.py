@@ -1,0 +1,300 @@
+"""The local stack as a whole: the topology `duality up` runs (kept in `stack.json` for later
+commands), the order in which `up` starts and `down` stops its parts, and what `status` checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from duality import kafka, spec
+from duality.config import STACK_FILE, Settings
+from duality.errors import CheckFailed, DualityError, UsageError
+from duality.local.airflow import AirflowStatus, AirflowStopped, LocalAirflow
+from duality.local.broker import BrokerStatus, LocalBroker
+from duality.local.kraft import (
+    ClusterStatus,
+    LocalKafkaCluster,
+    NodeStopped,
+    local_cluster,
+    stop_brokers,
+)
+from duality.local.scram import Scram
+from duality.local.spark_cluster import SparkStatus, SparkStopped, local_spark
+from duality.spark import sweep_scratch
+from duality.stream import control
+from duality.stream.control import StoppedStream
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """What `duality up` runs: Kafka nodes, Spark workers (0: Spark in local mode), Airflow's
+    metadata database."""
+
+    brokers: int = 1
+    spark_workers: int = 0
+    airflow_db: str = "sqlite"
+    # Clients log in with SCRAM-SHA-512 (the user and password of the settings).
+    sasl: bool = False
+
+    def __post_init__(self) -> None:
+        if self.brokers < 1:
+            raise UsageError(f"--brokers {self.brokers}: a stack needs at least one broker")
+        if self.spark_workers < 0:
+            raise UsageError(f"--spark-workers {self.spark_workers}: use 0 (local mode) or more")
+
+
+# What `duality up --brokers 3 --spark-workers 2 --airflow-db postgres` runs: docker-compose.yml's
+# topology (tests/unit/test_compose.py compares them).
+PRODUCTION = Topology(brokers=3, spark_workers=2, airflow_db="postgres")
+
+
+def recorded_stack(settings: Settings) -> Topology | None:
+    """The topology `duality up` recorded in `<local_dir>/stack.json`, if it did."""
+    path = settings.local_dir / STACK_FILE
+    if not path.is_file():
+        return None
+    return Topology(**json.loads(path.read_text())["topology"])
+
+
+def record_stack(settings: Settings, topology: Topology, chosen: dict[str, str]) -> None:
+    """Keep the topology and the settings it chose (addresses), read by every later command's
+    `Settings.from_env` where the environment does not say otherwise."""
+    settings.local_dir.mkdir(parents=True, exist_ok=True)
+    document = {"topology": dataclasses.asdict(topology), "settings": chosen}
+    (settings.local_dir / STACK_FILE).write_text(json.dumps(document, indent=2) + "\n")
+
+
+def forget_stack(settings: Settings) -> None:
+    (settings.local_dir / STACK_FILE).unlink(missing_ok=True)
+
+
+def _describe(topology: Topology) -> str:
+    return (
+        f"--brokers {topology.brokers} --spark-workers {topology.spark_workers} "
+        f"--airflow-db {topology.airflow_db}" + (" --sasl" if topology.sasl else "")
+    )
+
+
+def _kafka(
+    settings: Settings, topology: Topology, scram: Scram | None = None
+) -> LocalBroker | LocalKafkaCluster:
+    if topology.brokers == 1:
+        return LocalBroker(settings, scram=scram)
+    return local_cluster(settings, topology.brokers, scram=scram)
+
+
+# -- up ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StackUp:
+    topology: Topology
+    broker: BrokerStatus | ClusterStatus
+    airflow: AirflowStatus
+    spark: SparkStatus | None = None
+
+
+def up(
+    settings: Settings,
+    *,
+    brokers: int | None = None,
+    spark_workers: int | None = None,
+    airflow_db: str | None = None,
+    sasl: bool = False,
+    progress: Callable[[str], None] = lambda _: None,
+) -> StackUp:
+    """Start what of the stack does not run: Kafka, then Spark, then Airflow (whose tasks need
+    both). What is not given is what runs already, else the default; a stack that runs with
+    another topology is refused. `progress` hears what is being started."""
+    recorded = recorded_stack(settings)
+    base = recorded or Topology(airflow_db=settings.airflow_db)
+    topology = Topology(
+        brokers=base.brokers if brokers is None else brokers,
+        spark_workers=base.spark_workers if spark_workers is None else spark_workers,
+        airflow_db=base.airflow_db if airflow_db is None else airflow_db,
+        sasl=base.sasl or sasl,
+    )
+    if recorded is not None and topology != recorded:
+        raise UsageError(
+            f"the local stack in {settings.local_dir} runs {_describe(recorded)}; "
+            f"`duality down` first, then `duality up` with {_describe(topology)}"
+        )
+    scram = Scram.from_settings(settings) if topology.sasl else None
+    nodes = _kafka(settings, topology, scram)
+    where = nodes.settings.bootstrap_servers
+    many = f"{topology.brokers} Kafka brokers" if topology.brokers > 1 else "the Kafka broker"
+    progress(f"starting {many} on {where}")
+    broker = nodes.start()
+    chosen = {"DUALITY_BOOTSTRAP_SERVERS": where}
+    if scram is not None:
+        # Who logs in, and how; the password stays in the environment, never on disk.
+        chosen.update(
+            {
+                "DUALITY_SECURITY_PROTOCOL": settings.security_protocol,
+                "DUALITY_SASL_MECHANISM": str(settings.sasl_mechanism),
+                "DUALITY_SASL_USERNAME": str(settings.sasl_username),
+            }
+        )
+    spark = None
+    if topology.spark_workers:
+        cluster = local_spark(settings, topology.spark_workers)
+        progress(f"starting a Spark master and {topology.spark_workers} workers")
+        spark = cluster.start()
+        chosen["DUALITY_SPARK_MASTER"] = cluster.master_url
+        # An executor per worker for each application: a stream leaves room for batch jobs.
+        chosen["DUALITY_SPARK_CORES_MAX"] = str(topology.spark_workers)
+    chosen["DUALITY_AIRFLOW_DB"] = topology.airflow_db
+    # Later commands (and Airflow's tasks) find the stack through the record.
+    record_stack(settings, topology, chosen)
+    stacked = Settings.from_env({**settings.as_env(), **chosen})
+    progress(f"starting Airflow on {settings.airflow_url}")
+    airflow = LocalAirflow(stacked).start(progress=progress)
+    return StackUp(topology, broker, airflow, spark)
+
+
+# -- down ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StackDown:
+    brokers: list[NodeStopped]
+    spark: SparkStopped
+    airflow: AirflowStopped
+    streams: list[StoppedStream]
+
+
+def down(settings: Settings) -> StackDown:
+    """Stop everything of the stack in `<local_dir>`, whatever topology it was started with:
+    Airflow first (a supervisor run in between could start a stream again), the streams, Spark,
+    then Kafka; forget the record."""
+    airflow = LocalAirflow(settings).stop()
+    streams = control.stop_all(settings)
+    # What the stopped (or once killed) drivers' JVMs left in their temporary folders.
+    sweep_scratch(settings)
+    topology = recorded_stack(settings) or Topology()
+    workers = max(
+        topology.spark_workers, len(list((settings.local_dir / "spark").glob("worker-*")))
+    )
+    spark = local_spark(settings, max(1, workers)).stop()
+    brokers = stop_brokers(settings)
+    forget_stack(settings)
+    return StackDown(brokers, spark, airflow, streams)
+
+
+# -- status --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TopicStatus(kafka.TopicReplication):
+    # Created before the settings (or the cluster) asked for more replicas, or by hand.
+    below_configured: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class KafkaStatus:
+    """The cluster the settings name, and the local nodes behind it."""
+
+    # running, degraded, stopped; external: it answers, but no local node runs.
+    state: str
+    bootstrap_servers: str
+    reachable: bool
+    nodes: list[BrokerStatus]
+    # A single broker's pid and log (a cluster's are its nodes').
+    pid: int | None = None
+    log: Path | None = None
+    brokers: int | None = None  # as the cluster answers
+    error: str | None = None  # why it does not answer
+    durability: kafka.Durability | None = None
+    topics: list[TopicStatus] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class StackStatus:
+    topology: Topology
+    broker: KafkaStatus
+    airflow: AirflowStatus
+    spark: SparkStatus | None = None
+
+
+def status(settings: Settings) -> StackStatus:
+    """What of the recorded stack runs, and whether the cluster that the settings name (the one
+    that matters, whatever runs locally) answers, with how duality's topics are replicated."""
+    topology = recorded_stack(settings) or Topology()
+    local = _kafka(settings, topology).status()
+    if isinstance(local, ClusterStatus):
+        nodes, pid, log = local.nodes, None, None
+    else:
+        nodes, pid, log = [local], local.pid, local.log
+    try:
+        brokers, error = kafka.ensure_reachable(settings, timeout=5), None
+    except DualityError as failure:
+        brokers, error = None, str(failure)
+    durability, topics = None, []
+    if error is None:
+        durability = kafka.durability(settings)
+        topics = [
+            TopicStatus(
+                **dataclasses.asdict(t),
+                below_configured=t.replication_factor < durability.replication_factor
+                or t.min_insync_replicas < durability.min_insync_replicas,
+            )
+            for t in kafka.replication(settings, _duality_topics(settings))
+        ]
+    broker = KafkaStatus(
+        state="external" if error is None and local.state == "stopped" else local.state,
+        bootstrap_servers=settings.bootstrap_servers,
+        reachable=error is None,
+        nodes=nodes,
+        pid=pid,
+        log=log,
+        brokers=brokers,
+        error=error,
+        durability=durability,
+        topics=topics,
+    )
+    spark = (
+        local_spark(settings, topology.spark_workers).status() if topology.spark_workers else None
+    )
+    return StackStatus(topology, broker, LocalAirflow(settings).status(), spark)
+
+
+def require_sound(stack: StackStatus) -> None:
+    """Raise CheckFailed, with the status, when duality's topics are replicated less than
+    configured or the cluster the settings name does not answer."""
+    broker = stack.broker
+    short = [t for t in broker.topics if t.below_configured]
+    if short and broker.durability is not None:
+        names = ", ".join(
+            f"{t.topic} ({t.replication_factor} replicas, min.insync.replicas "
+            f"{t.min_insync_replicas})"
+            for t in short
+        )
+        raise CheckFailed(
+            f"topics replicated less than configured (replication factor "
+            f"{broker.durability.replication_factor}, min.insync.replicas "
+            f"{broker.durability.min_insync_replicas}): {names}; add replicas with Kafka's "
+            "kafka-reassign-partitions and raise min.insync.replicas with kafka-configs, or "
+            "recreate the topics (`duality reset` recreates a pipeline's changelog)",
+            dataclasses.asdict(stack),
+        )
+    if broker.error is not None:
+        # The error names the address and says what to do: a refused login or a missing ACL
+        # as such, a cluster that does not answer how to start one.
+        raise CheckFailed(broker.error, dataclasses.asdict(stack))
+
+
+def _duality_topics(settings: Settings) -> list[str]:
+    """The topics duality creates for the pipelines, the heartbeats and the repartition DAG."""
+    from duality.stream.heartbeat import STATUS_TOPIC
+
+    topics = [STATUS_TOPIC]
+    for path in spec.spec_files(settings):
+        try:
+            pipeline = spec.load_spec(path)
+        except UsageError:
+            continue  # `duality spec validate` names what is wrong with it
+        topics += [pipeline.changelog_topic, pipeline.dlq_topic]
+    topics += [t.target for t in spec.load_repartition_config(settings).topics]
+    return topics

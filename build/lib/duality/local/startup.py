@@ -1,0 +1,51 @@
+"""Waiting for the local stack's daemons to start: until they are ready, or one exits or the
+time is up, then stopping what was started, with the last lines of its logs in the error."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from subprocess import Popen
+
+from duality.errors import LocalStackError
+
+
+def wait_started(
+    launched: Mapping[str, Popen[bytes]],
+    logs: Sequence[Path],
+    ready: Callable[[], bool],
+    *,
+    failure: str,
+    timeout: float,
+    stop: Callable[[], object],
+    interval: float = 0.25,
+) -> None:
+    """Wait until `ready()`. When a `launched` daemon (named for people) exits first, or
+    `timeout` seconds pass (`failure` says what did not happen), call `stop()` and raise."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        for name, process in launched.items():
+            if process.poll() is not None:
+                stop()
+                raise LocalStackError(
+                    f"{name} exited with code {process.returncode} while starting; "
+                    f"last lines of the logs:\n{_tails(logs)}"
+                )
+        if time.monotonic() > deadline:
+            stop()
+            raise LocalStackError(
+                f"{failure} within {timeout:g}s; last lines of the logs:\n{_tails(logs)}"
+            )
+        time.sleep(interval)
+
+
+def _tails(logs: Sequence[Path]) -> str:
+    return "\n".join(f"--- {log}:\n{tail(log)}" for log in logs)
+
+
+def tail(log: Path, lines: int = 25) -> str:
+    """The last `lines` lines of `log`."""
+    if not log.is_file():
+        return "(no log output)"
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])

@@ -1,0 +1,98 @@
+"""Table maintenance: OPTIMIZE (compaction) and VACUUM that keep the published version readable."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from duality.config import Settings
+from duality.errors import UsageError
+from duality.snapshot import delta_log
+from duality.snapshot.build import Progress, quiet
+from duality.snapshot.publish import published
+from duality.spark import session
+from duality.spec import PipelineSpec
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+
+@dataclasses.dataclass(frozen=True)
+class Maintenance:
+    pipeline: str
+    path: str
+    files_added_by_optimize: int
+    files_removed_by_optimize: int
+    retention_hours: float
+    requested_retention_hours: float
+    files_deleted_by_vacuum: int
+    published_version: int | None
+    seconds: float
+
+
+def maintain(
+    settings: Settings,
+    spec: PipelineSpec,
+    *,
+    retain_hours: float = 168.0,
+    spark: SparkSession | None = None,
+    progress: Progress = quiet,
+) -> Maintenance:
+    """OPTIMIZE (compact small files) and VACUUM, keeping the published version readable.
+
+    VACUUM deletes files no version within the retention needs, and files no commit ever
+    referenced (left by interrupted runs) once they are older than it. Delta counts the
+    retention in whole hours (it rounds), so the retention used is the requested one rounded up,
+    and never less than the published version's age: every file it reads stays.
+    """
+    from delta.tables import DeltaTable
+
+    if retain_hours < 0:
+        raise UsageError(f"--retain-hours {retain_hours:g}: must be zero or more")
+    path = spec.snapshot_path(settings)
+    delta_log.require_table(spec, path)
+    spark = spark or session(settings, f"duality-maintain-{spec.name}")
+    versions = delta_log.history(path)
+    found = published(spark, path)
+    retention = math.ceil(retain_hours)
+    if found is not None:
+        published_at = next(v.timestamp_ms for v in versions if v.version == found.version)
+        # Files the published version reads are removed, if at all, by later commits.
+        needed = (time.time() * 1000 - published_at) / 3_600_000
+        retention = max(retention, math.ceil(needed), 1)
+    table = DeltaTable.forPath(spark, str(path))
+    coverage, _ = delta_log.version_coverage(versions, versions[0].version)
+    metadata: dict[str, Any] = {"kind": "maintain"}
+    if coverage is not None:
+        metadata["coverage"] = coverage.as_dict()
+    progress(f"compacting the files of {path}")
+    started = time.monotonic()
+    with delta_log.commit_metadata(spark, metadata):
+        optimized = table.optimize().executeCompaction().first()
+        progress(f"removing files older than {retention} hours")
+        before = _data_files(path)
+        # Delta refuses a retention below its default (a week) unless this check is off.
+        with delta_log.session_conf(
+            spark, {"spark.databricks.delta.retentionDurationCheck.enabled": "false"}
+        ):
+            table.vacuum(retention)
+        after = _data_files(path)
+    opt_metrics = (optimized["metrics"].asDict() if optimized is not None else {}) or {}
+    return Maintenance(
+        pipeline=spec.name,
+        path=str(path),
+        files_added_by_optimize=int(opt_metrics.get("numFilesAdded", 0)),
+        files_removed_by_optimize=int(opt_metrics.get("numFilesRemoved", 0)),
+        retention_hours=round(retention, 4),
+        requested_retention_hours=retain_hours,
+        files_deleted_by_vacuum=len(before - after),
+        published_version=found.version if found else None,
+        seconds=round(time.monotonic() - started, 2),
+    )
+
+
+def _data_files(path: Path) -> set[str]:
+    return {str(p.relative_to(path)) for p in path.rglob("*.parquet")}

@@ -1,0 +1,195 @@
+"""Publishing: the verdicts of validation recorded in the table, the published version in its
+properties (`duality.published.*`), and reading that version, never a newer unvalidated one.
+
+Only a version whose recorded verdict passed is published, so `validate` and `publish` may run
+on different machines (docs/decisions/0010-publish-gate-in-delta.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from duality.config import Settings
+from duality.errors import CheckFailed
+from duality.snapshot import delta_log
+from duality.snapshot.coverage import Coverage
+from duality.spark import session
+from duality.spec import PipelineSpec
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+PUBLISHED_VERSION = "duality.published.version"
+PUBLISHED_COVERAGE = "duality.published.coverage"
+VALIDATION = "duality.validation"  # the latest verdict, for people reading the properties
+
+
+@dataclasses.dataclass(frozen=True)
+class Published:
+    """The version readers get and what it covers."""
+
+    version: int
+    coverage: Coverage
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """A validation's verdict on a version, as the table records it."""
+
+    version: int
+    success: bool
+    checks: int
+    failed: list[str]  # "expectation [origin]" of each failed check
+    reconciled: bool
+    validated_at: str
+    json_report: str  # on the machine that validated
+
+
+@dataclasses.dataclass(frozen=True)
+class Publication:
+    pipeline: str
+    published_version: int
+    already_published: bool
+    validation_commit: int  # the table's commit that records the passing verdict
+    report: str  # where the validating machine wrote its report
+    coverage: Coverage
+    commit: int | None  # the commit that published it; None when it already was
+
+
+def published(spark: SparkSession, path: Path) -> Published | None:
+    """The published version and what it covers, from the table's properties (read from the
+    latest version's checksum file; from Spark when there is none)."""
+    state = delta_log.table_state(path, delta_log.history(path)[0].version)
+    if state is not None:
+        return _published_in(state.properties)
+    from delta.tables import DeltaTable
+
+    row = DeltaTable.forPath(spark, str(path)).detail().select("properties").first()
+    return _published_in((row["properties"] if row else None) or {})
+
+
+def published_size(spec: PipelineSpec, path: Path) -> tuple[Published, int] | None:
+    """The published version and its row count from the checksum files alone, without Spark;
+    None when they do not say (no checksum, none published: `read` then asks)."""
+    delta_log.require_table(spec, path)
+    latest = delta_log.table_state(path, delta_log.history(path)[0].version)
+    found = _published_in(latest.properties) if latest is not None else None
+    state = delta_log.table_state(path, found.version) if found is not None else None
+    if found is None or state is None or state.rows is None:
+        return None
+    return found, state.rows
+
+
+def _published_in(properties: dict[str, str]) -> Published | None:
+    if PUBLISHED_VERSION not in properties:
+        return None
+    coverage = Coverage.from_dict(json.loads(properties[PUBLISHED_COVERAGE]))
+    return Published(int(properties[PUBLISHED_VERSION]), coverage)
+
+
+def read(
+    settings: Settings, spec: PipelineSpec, *, spark: SparkSession | None = None
+) -> tuple[DataFrame, Published]:
+    """The published snapshot (time travel to the validated version)."""
+    path = spec.snapshot_path(settings)
+    delta_log.require_table(spec, path)
+    spark = spark or session(settings, f"duality-read-{spec.name}")
+    found = published(spark, path)
+    if found is None:
+        raise CheckFailed(
+            f"no version of {spec.name}'s snapshot has passed validation yet: run "
+            f"`duality validate {spec.name}`"
+        )
+    return delta_log.load(spark, path, found.version), found
+
+
+def record_validation(
+    spark: SparkSession, path: Path, verdict: Verdict, publish: Coverage | None = None
+) -> int:
+    """Record the verdict of a version's validation in the table: a metadata-only commit whose
+    userMetadata holds it (`validation` finds it there); with `publish`, the same commit also
+    publishes that version. Returns the commit's version."""
+    recorded = dataclasses.asdict(verdict)
+    properties = {VALIDATION: _json(recorded)}
+    metadata: dict[str, Any] = {"kind": "validation", "validation": recorded}
+    if publish is not None:
+        publishing, metadata["published"] = _publication(verdict.version, publish)
+        properties.update(publishing)
+    return _metadata_commit(spark, path, properties, metadata)
+
+
+def validation(versions: list[delta_log.Version], version: int) -> tuple[Verdict, int] | None:
+    """The newest verdict the table records for `version` (from `history()`) and the commit
+    that records it; None when it was never validated."""
+    fields = [field.name for field in dataclasses.fields(Verdict)]
+    for entry in versions:
+        recorded = (entry.metadata or {}).get("validation")
+        if isinstance(recorded, dict) and recorded.get("version") == version:
+            return Verdict(**{name: recorded[name] for name in fields}), entry.version
+    return None
+
+
+def publish(
+    settings: Settings, spec: PipelineSpec, version: int, *, spark: SparkSession | None = None
+) -> Publication:
+    """Publish a version that passed `validate --no-publish` (the audit step before this), by
+    the verdict the table records for it: no report on this machine is needed or read."""
+    path = spec.snapshot_path(settings)
+    delta_log.require_table(spec, path)
+    spark = spark or session(settings, f"duality-publish-{spec.name}")
+    versions = delta_log.history(path)
+    found = validation(versions, version)
+    if found is None or not found[0].success:
+        why = (
+            "has no validation recorded in the table"
+            if found is None
+            else f"failed validation (commit {found[1]}: {'; '.join(found[0].failed)})"
+        )
+        raise CheckFailed(
+            f"version {version} of {spec.name}'s snapshot {why}: it needs a passing "
+            f"`duality validate {spec.name} --version {version}` first; nothing was published"
+        )
+    verdict, validation_commit = found
+    coverage, _ = delta_log.version_coverage(versions, version)
+    if coverage is None:
+        raise CheckFailed(
+            f"version {version} of {path} does not record what it covers (written outside "
+            f"duality): it is never published; rebuild with `duality snapshot {spec.name} --full`"
+        )
+    current = published(spark, path)
+    already = current is not None and current.version == version
+    commit = None
+    if not already:
+        properties, record = _publication(version, coverage)
+        commit = _metadata_commit(spark, path, properties, {"kind": "publish", "published": record})
+    return Publication(
+        spec.name, version, already, validation_commit, verdict.json_report, coverage, commit
+    )
+
+
+def _publication(version: int, coverage: Coverage) -> tuple[dict[str, str], dict[str, Any]]:
+    """The table properties that publish `version`, and the commit's record of it."""
+    record = {"version": version, "coverage": coverage.as_dict()}
+    return {PUBLISHED_VERSION: str(version), PUBLISHED_COVERAGE: _json(record["coverage"])}, record
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), default=str)
+
+
+def _metadata_commit(
+    spark: SparkSession, path: Path, properties: dict[str, str], metadata: dict[str, Any]
+) -> int:
+    """One commit that sets table properties (no data change) with `metadata` as its
+    userMetadata; returns its version."""
+
+    def literal(text: str) -> str:
+        return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+    assignments = ", ".join(f"{literal(k)} = {literal(v)}" for k, v in properties.items())
+    with delta_log.commit_metadata(spark, metadata):
+        spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ({assignments})")
+    return delta_log.history(path)[0].version

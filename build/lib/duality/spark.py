@@ -1,0 +1,285 @@
+"""The one Spark session builder: local jars, Delta, RocksDB state with changelog checkpointing.
+
+Jars come from the Maven-fetched cache through `spark.jars`; nothing is resolved with Ivy when a
+session starts, so sessions start quickly and work offline.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import os
+import re
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+import psutil
+
+from duality.config import Settings
+from duality.errors import UsageError
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+# Every jar the Spark sessions need must be in the cache; these name the essential ones.
+REQUIRED_JARS = ("spark-sql-kafka-0-10_2.13-", "delta-spark_4.1_2.13-", "kafka-clients-")
+
+T = TypeVar("T")
+
+_ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
+_LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
+# Zips of sources older than this, not used by a session since, are deleted when a new one is made.
+_PACKAGE_ZIP_KEEP_S = 7 * 24 * 3600.0
+
+
+def spark_jars(settings: Settings) -> list[Path]:
+    """The jar files every session loads, or a UsageError naming the fix when one is missing."""
+    folder = settings.jar_cache / "spark"
+    jars = sorted(folder.glob("*.jar"))
+    names = [jar.name for jar in jars]
+    missing = [prefix for prefix in REQUIRED_JARS if not any(n.startswith(prefix) for n in names)]
+    if missing:
+        raise UsageError(
+            f"the jar cache {folder} lacks {', '.join(p.rstrip('-') for p in missing)}: "
+            "run `make setup` (or set DUALITY_JAR_CACHE to the folder that holds them)"
+        )
+    return jars
+
+
+def package_zip(settings: Settings) -> Path:
+    """The `duality` package as a zip that executors put on their Python path.
+
+    Built from the imported package's folder into `<local_dir>/pyfiles/duality-<digest>.zip`,
+    the digest taken over the sources, so a zip is made again only when a source changed and a
+    running application keeps serving the zip it started with.
+    """
+    import duality
+
+    package = Path(duality.__file__).resolve().parent
+    sources = sorted(
+        path
+        for path in package.rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc"
+    )
+    digest = hashlib.sha256()
+    for path in sources:
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    folder = settings.local_dir / "pyfiles"
+    target = folder / f"{package.name}-{digest.hexdigest()[:16]}.zip"
+    if target.is_file():
+        target.touch()
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    # Written aside and renamed: a concurrent session never reads half a zip.
+    handle, partial = tempfile.mkstemp(dir=folder, prefix=".partial-", suffix=".zip")
+    try:
+        with os.fdopen(handle, "wb") as raw, zipfile.ZipFile(raw, "w", zipfile.ZIP_DEFLATED) as zf:
+            for path in sources:
+                zf.write(path, f"{package.name}/{path.relative_to(package).as_posix()}")
+        os.replace(partial, target)
+    finally:
+        Path(partial).unlink(missing_ok=True)
+    for old in folder.glob(f"{package.name}-*.zip"):
+        if old != target and time.time() - old.stat().st_mtime > _PACKAGE_ZIP_KEEP_S:
+            old.unlink(missing_ok=True)
+    return target
+
+
+def _master_hosts(master: str) -> list[str]:
+    """The hosts of a `spark://h1:p1[,h2:p2]` master URL."""
+    addresses = master.removeprefix("spark://").split(",")
+    return [address.rpartition(":")[0].strip("[]") for address in addresses]
+
+
+def local_cores(master: str) -> int:
+    """The cores of a `local`, `local[N]` or `local[*]` master (`local[N, retries]` too)."""
+    match = re.fullmatch(r"local(?:\[(\*|\d+)(?:\s*,\s*\d+)?\])?", master.strip())
+    if match is None:
+        raise UsageError(
+            f"DUALITY_SPARK_MASTER={master!r} is not a local master: use local, local[N] or "
+            "local[*], or spark://host:port"
+        )
+    cores = match.group(1) or "1"
+    if cores == "*":
+        return os.cpu_count() or 1
+    return max(1, int(cores))
+
+
+def session_config(settings: Settings, app_name: str) -> dict[str, str]:
+    """Every setting the builder applies, but for the driver's temporary folder, which `session`
+    adds since it makes the folder; also what the compose stack's jobs are given."""
+    local = settings.spark_master.startswith("local")
+    config = {
+        "spark.app.name": app_name,
+        "spark.master": settings.spark_master,
+        "spark.jars": ",".join(str(jar) for jar in spark_jars(settings)),
+        "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
+        "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
+        "spark.sql.streaming.stateStore.providerClass": _ROCKSDB_PROVIDER,
+        "spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled": "true",
+        # All RocksDB instances of an executor share one memory budget (block cache and
+        # memtables), so the state's memory does not grow with its keys; the rest is on disk.
+        "spark.sql.streaming.stateStore.rocksdb.boundedMemoryUsage": "true",
+        "spark.sql.streaming.stateStore.rocksdb.maxMemoryUsageMB": "128",
+        "spark.sql.warehouse.dir": str(settings.warehouse),
+        "spark.sql.session.timeZone": "UTC",
+        "spark.driver.memory": settings.spark_driver_memory,
+        "spark.ui.showConsoleProgress": "false",
+        "spark.sql.debug.maxToStringFields": "200",
+        # A stateful query keeps one state store per shuffle partition, and its first checkpoint
+        # fixes their number for good: Spark's 200 would be 200 RocksDB instances per stream.
+        "spark.sql.shuffle.partitions": "4",
+        # Spark keeps 100 compiled classes of generated code by default, fewer than one Delta
+        # MERGE and the reads around it generate: every snapshot run compiled all of them
+        # again, and the JIT their new classes (docs/decisions/0020-generated-code-cache.md).
+        "spark.sql.codegen.cache.maxEntries": "1000",
+    }
+    if local:
+        # In local mode one partition per core: each partition of a micro-batch costs a task and
+        # a state store commit, and more partitions than cores only queue
+        # (docs/decisions/0018-stream-latency.md).
+        cores = str(local_cores(settings.spark_master))
+        config.update(
+            {
+                "spark.sql.shuffle.partitions": cores,
+                "spark.default.parallelism": cores,
+                "spark.ui.enabled": "false",
+                "spark.sql.adaptive.enabled": "true",
+                # Delta rebuilds a table's state from its log in this many tasks (default 50).
+                "spark.databricks.delta.snapshotPartitions": "2",
+                "spark.driver.host": "127.0.0.1",
+                "spark.driver.bindAddress": "127.0.0.1",
+            }
+        )
+    else:
+        config.update(
+            {
+                # Executors import duality from this zip: a worker needs only Python and the
+                # packages duality depends on, not duality itself.
+                "spark.submit.pyFiles": str(package_zip(settings)),
+                # One executor per core, small enough that a 1 GiB, 1-core worker takes one.
+                "spark.executor.cores": "1",
+                "spark.executor.memory": "512m",
+                # An executor's temporary files (the native libraries it unpacks) go to its
+                # working folder on the worker, not the worker's /tmp, where a killed executor
+                # left them (docs/decisions/0022-jvm-temporary-files.md).
+                "spark.executor.extraJavaOptions": "-Djava.io.tmpdir=.",
+            }
+        )
+        if settings.spark_cores_max is not None:
+            config["spark.cores.max"] = str(settings.spark_cores_max)
+        if settings.spark_master.startswith("spark://") and all(
+            host in _LOCAL_HOSTS for host in _master_hosts(settings.spark_master)
+        ):
+            # A master on this machine (`LocalSparkCluster`): its workers reach the driver on
+            # the loopback address, whatever the host name resolves to.
+            config["spark.driver.host"] = "127.0.0.1"
+            config["spark.driver.bindAddress"] = "127.0.0.1"
+    return config
+
+
+def session(
+    settings: Settings,
+    app_name: str = "duality",
+    extra: Mapping[str, str] | None = None,
+) -> SparkSession:
+    """The SparkSession for this process (created on first call, then reused)."""
+    from pyspark.sql import SparkSession
+
+    # Driver and executors must run the interpreter that has duality installed.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    config = session_config(settings, app_name)
+    # The JVM's temporary files (native libraries it unpacks at start) and Spark's shuffle and
+    # spill files (spark.local.dir defaults to java.io.tmpdir) go to this process's own folder.
+    config["spark.driver.extraJavaOptions"] = f"-Djava.io.tmpdir={scratch_folder(settings)}"
+    config.update(extra or {})
+    builder = SparkSession.builder
+    for key, value in config.items():
+        builder = builder.config(key, value)
+    spark = _with_stdout_to_stderr(builder.getOrCreate)
+    spark.sparkContext.setLogLevel("WARN")
+    return spark
+
+
+def scratch_folder(settings: Settings) -> Path:
+    """This process's temporary folder for its JVM, `<local_dir>/jvm-tmp/<host>-<pid>`.
+
+    A JVM unpacks native libraries into `java.io.tmpdir` when it starts (RocksDB's alone is
+    14 MB; LZ4's and Snappy's too) and deletes them only when it exits in order; Spark's block
+    manager folders go the same way. A driver that is killed, or whose JVM is, left them in /tmp
+    for good. Here they live in a folder of the process's own: it is removed when the process
+    exits, and the folders of this host's processes that are gone are removed when the next
+    session starts (and by `duality down`). The folder is made once per process and reused by
+    its later sessions.
+    """
+    folder = settings.local_dir / "jvm-tmp" / f"{socket.gethostname()}-{os.getpid()}"
+    if folder in _SCRATCH_MADE:
+        return folder
+    sweep_scratch(settings)
+    # A folder of an earlier process that had this pid holds nothing of this one.
+    shutil.rmtree(folder, ignore_errors=True)
+    try:
+        folder.mkdir(parents=True)
+    except OSError as error:
+        raise UsageError(
+            f"cannot make the JVM's temporary folder {folder} ({error.strerror}): set "
+            "DUALITY_LOCAL_DIR to a folder this user can write"
+        ) from None
+    _SCRATCH_MADE.add(folder)
+    atexit.register(_remove_scratch, folder, os.getpid())
+    return folder
+
+
+def sweep_scratch(settings: Settings) -> None:
+    """Remove the JVM folders of this host's processes that have ended (also what `duality
+    down` does)."""
+    host = socket.gethostname()
+    for folder in (settings.local_dir / "jvm-tmp").glob(f"{host}-*"):
+        # `<host>-<pid>` of this host only (another host's name may start with this one's).
+        pid = folder.name.removeprefix(f"{host}-")
+        if pid.isdigit() and int(pid) != os.getpid() and _gone(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _gone(pid: int) -> bool:
+    """Whether process `pid` has ended (a killed process may stay a zombie for a while)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _remove_scratch(folder: Path, owner: int) -> None:
+    """At exit, remove the process's folder. Its JVM ends right after (when its input closes)
+    and has no work left to write there; whatever it might still write is removed by the next
+    session's sweep. A forked child inherits this handler, not the JVM: it leaves the folder."""
+    if os.getpid() == owner:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+_SCRATCH_MADE: set[Path] = set()
+
+
+def _with_stdout_to_stderr(start: Callable[[], T]) -> T:
+    """Run `start` with file descriptor 1 pointing at stderr.
+
+    The JVM that a first session launches inherits it, so what Spark and Delta print (VACUUM
+    prints its counts) goes to stderr, and stdout stays for results (`--json`, job output).
+    """
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        return start()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)

@@ -1,0 +1,224 @@
+"""Writing a micro-batch exactly once: its changelog records and dead letters in one Kafka
+transaction with the source offsets the batch covers, committed to the pipeline's group."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Generator, Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+from duality import changelog, kafka
+from duality.config import Settings
+from duality.spec import PipelineSpec
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+log = logging.getLogger("duality.stream")
+
+# A dead letter's headers and key get this much room when its value has to be cut to fit.
+_DEAD_LETTER_MARGIN = 16_384
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedBatch:
+    """What Spark's offset log says of one micro-batch: source end offsets and watermark."""
+
+    end_offsets: dict[int, int]
+    watermark_ms: int
+
+
+def planned_batch(checkpoint: Path, topic: str, batch_id: int) -> PlannedBatch:
+    """Read `offsets/<batch_id>` of the checkpoint, which Spark writes before it runs the batch.
+
+    Lines: a version, the batch's metadata (with `batchWatermarkMs`), then one offset per
+    source; the Kafka source's is `{topic: {partition: offset}}`.
+    """
+    path = checkpoint / "offsets" / str(batch_id)
+    lines = path.read_text().splitlines()
+    metadata = json.loads(lines[1])
+    for line in lines[2:]:
+        if line.startswith("{"):
+            document = json.loads(line)
+            if topic in document:
+                ends = {int(p): int(o) for p, o in document[topic].items()}
+                return PlannedBatch(ends, int(metadata.get("batchWatermarkMs", 0)))
+    raise AssertionError(f"{path} holds no offsets of {topic}: {lines}")
+
+
+@dataclasses.dataclass
+class BatchResult:
+    batch_id: int
+    records: int  # source offsets the batch covers
+    dead_lettered: int
+    late: int
+    updated_keys: int
+    replayed: bool = False  # its offsets were committed already: a replay, or no new records
+    seconds: float = 0.0  # the whole batch in the driver
+
+
+class ChangelogWriter:
+    """Writes each micro-batch's output in one Kafka transaction with the source offsets."""
+
+    def __init__(self, settings: Settings, spec: PipelineSpec, checkpoint: Path):
+        self.settings = settings
+        self.spec = spec
+        self.checkpoint = checkpoint
+        self.dead_letter_limit = kafka.max_message_bytes(settings, spec.dlq_topic)
+        # The transactional id is the pipeline's: a new driver fences any older one still alive,
+        # and its open transaction is aborted before anything is read.
+        self.producer = kafka.transactional_producer(
+            settings,
+            f"duality-{spec.name}",
+            transaction_timeout_ms=300_000,
+            queue_buffering_max_messages=1_000_000,
+            # A micro-batch's records wait for room rather than all sit in the producer's queue
+            # (1 GB by default): the driver's memory does not follow the keys a batch changes.
+            queue_buffering_max_kbytes=32_768,
+            linger_ms=20,
+            message_max_bytes=self.dead_letter_limit + _DEAD_LETTER_MARGIN,
+        )
+        self.committed = {
+            p: offset
+            for p, (offset, _) in kafka.committed_offsets(
+                settings, spec.consumer_group, spec.source.topic
+            ).items()
+        }
+        # The group the offsets are committed to; it never subscribes, so it never rebalances.
+        group = kafka.consumer(settings, spec.consumer_group)
+        self._group_metadata = group.consumer_group_metadata()
+        group.close()
+
+    def starting_offsets(self) -> str:
+        """Spark's startingOffsets for a query without checkpoint: the committed offsets."""
+        partitions = kafka.partition_count(self.settings, self.spec.source.topic)
+        # -2 is Spark's "earliest" for a partition the changelog does not cover yet.
+        offsets = {str(p): self.committed.get(p, -2) for p in range(partitions)}
+        return json.dumps({self.spec.source.topic: offsets})
+
+    def write(self, batch: DataFrame, batch_id: int) -> BatchResult:
+        from pyspark.sql import functions as F
+
+        started = time.perf_counter()
+        planned = planned_batch(self.checkpoint, self.spec.source.topic, batch_id)
+        records = sum(
+            max(0, end - self.committed.get(p, 0)) for p, end in planned.end_offsets.items()
+        )
+        if all(self.committed.get(p, 0) >= end for p, end in planned.end_offsets.items()):
+            # Spark replays a batch whose transaction had committed (the driver died between
+            # the commit and Spark's own commit log). Run it for its state, write nothing.
+            batch.write.format("noop").mode("overwrite").save()
+            return BatchResult(batch_id, 0, 0, 0, 0, replayed=True)
+        wanted = F.col("_kind") != "candidate"
+        if self.spec.window is not None:
+            # Spark drops a windowed row whose window ended at or before the batch's watermark.
+            wanted = wanted | (F.col("_window_end") <= F.lit(planned.watermark_ms))
+        result = self._commit(_rows(batch.where(wanted)), batch_id, planned)
+        result.records = records
+        result.seconds = round(time.perf_counter() - started, 2)
+        return result
+
+    def _commit(self, rows: Iterable[Any], batch_id: int, planned: PlannedBatch) -> BatchResult:
+        spec, producer = self.spec, self.producer
+        result = BatchResult(batch_id, 0, 0, 0, 0)
+        source = spec.source.topic.encode()
+        watermark = changelog.window_iso(planned.watermark_ms)
+        delay = spec.window.watermark if spec.window is not None else ""
+        producer.begin_transaction()
+        try:
+            for row in rows:
+                kind = row["_kind"]
+                if kind == "update":
+                    kafka.send(producer, spec.changelog_topic, row["_key"], row["_value"])
+                    result.updated_keys += 1
+                    continue
+                if kind == "candidate":
+                    ended = changelog.window_iso(row["_window_end"])
+                    reason = (
+                        f"late event: its window ended at {ended}, not after the watermark "
+                        f"{watermark} (the latest event time of earlier micro-batches minus "
+                        f"{delay})"
+                    )
+                    result.late += 1
+                else:
+                    reason = row["_error"]
+                result.dead_lettered += 1
+                self._dead_letter(row, reason, source)
+            offsets = [
+                kafka.TopicPartition(spec.source.topic, p, end)
+                for p, end in sorted(planned.end_offsets.items())
+            ]
+            producer.send_offsets_to_transaction(
+                offsets, self._group_metadata, self.settings.connect_timeout_s * 3
+            )
+            producer.commit_transaction(self.settings.connect_timeout_s * 6)
+        except BaseException:
+            try:
+                producer.abort_transaction(self.settings.connect_timeout_s)
+            except Exception:
+                log.warning("%s: aborting the transaction failed too", spec.name)
+            raise
+        self.committed.update(planned.end_offsets)
+        return result
+
+    def _dead_letter(self, row: Any, reason: str, source: bytes) -> None:
+        key = _bytes(row["_key"])
+        value = _bytes(row["_value"])
+        room = self.dead_letter_limit - _DEAD_LETTER_MARGIN - len(key or b"")
+        if value is not None and len(value) > room:
+            kept = max(0, room)
+            reason += (
+                f"; the value was cut to its first {kept} of {len(value)} bytes, the most the "
+                f"dead-letter topic {self.spec.dlq_topic} accepts (max.message.bytes "
+                f"{self.dead_letter_limit})"
+            )
+            value = value[:kept]
+        headers: list[tuple[str, str | bytes | None]] = [
+            ("duality.error", reason.encode()),
+            ("duality.source.topic", source),
+            ("duality.source.partition", str(row["_partition"]).encode()),
+            ("duality.source.offset", str(row["_offset"]).encode()),
+        ]
+        kafka.send(self.producer, self.spec.dlq_topic, key, value, headers)
+
+    def close(self) -> None:
+        self.producer.flush(10)
+
+
+def _bytes(value: Any) -> bytes | None:
+    return None if value is None else bytes(value)
+
+
+def _rows(output: DataFrame) -> Iterator[dict[str, Any]]:
+    """The rows of a micro-batch's output, one Arrow batch at a time as Spark sends them.
+
+    `toArrow()` reads the same stream of Arrow batches but keeps them all, and the rows' order,
+    for one table; a micro-batch's output has each key once, so its order does not matter, and
+    the driver then holds one Arrow batch (`spark.sql.execution.arrow.maxRecordsPerBatch` rows)
+    however many keys the micro-batch changed. The calls are PySpark's own, of the pinned
+    version, that `toArrow()` makes.
+    """
+    import pyarrow as pa
+    from pyspark.errors.exceptions.captured import unwrap_spark_exception
+    from pyspark.sql.pandas.serializers import ArrowCollectSerializer
+    from pyspark.util import _load_from_socket
+
+    port, secret, server = output._jdf.collectAsArrowToPython()
+    stream = cast(Generator[Any], _load_from_socket((port, secret), ArrowCollectSerializer()))
+    finished = False
+    try:
+        for item in stream:
+            # The last item is the batches' order: not needed.
+            if isinstance(item, pa.RecordBatch):
+                yield from item.to_pylist()
+        finished = True
+    finally:
+        stream.close()
+        if finished:
+            # The JVM's error, if the job failed after sending what it had.
+            with unwrap_spark_exception():
+                server.getResult()

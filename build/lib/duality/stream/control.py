@@ -1,0 +1,245 @@
+"""Starting, stopping and describing a pipeline's stream, and the files that find it.
+
+`start` runs the supervisor (`python -m duality.stream PIPELINE`) detached, its log under
+`<local_dir>/streams`, and waits until it reports `running`; the supervisor's own lock makes a
+second start fail rather than run two streams on one checkpoint. However a stream was started
+(detached, `--foreground`, `python -m duality.stream`), its supervisor writes its pid file there
+and removes it at exit, and its command line carries the module's name: that is how `stop` and
+`stop_all` (`duality down`) find it. `stop` is graceful (SIGTERM, the query finishes its batch),
+with SIGKILL only after a grace period.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from duality import kafka
+from duality.config import Settings
+from duality.errors import LocalStackError
+from duality.process import end_processes, live_pid, start_daemon, stop_group
+from duality.spec import PipelineSpec
+from duality.stream import heartbeat
+
+# The module that runs a stream: the marker a stream's supervisor carries in its command line.
+MODULE = "duality.stream"
+_STOP_GRACE_S = 90.0
+_START_TIMEOUT_S = 180.0
+
+
+@dataclasses.dataclass
+class StreamState:
+    """One pipeline's stream: its supervisor's process, last heartbeat and lag."""
+
+    pipeline: str
+    state: str  # running or stopped: whether the supervisor runs
+    pid: int | None
+    log: str
+    heartbeat: dict[str, Any] | None = None  # the latest, as the driver published it
+    heartbeat_age_s: float | None = None
+    lag: int | None = None  # source records not yet covered by the committed offsets
+    already_running: bool | None = None  # set by `start`
+
+
+@dataclasses.dataclass
+class StoppedStream:
+    pipeline: str
+    was_running: bool
+    pid: int | None = None
+    state: str = "stopped"
+
+
+@dataclasses.dataclass
+class Wanted:
+    """What the user last asked of a stream, kept beside its pid file so that a stream stopped
+    on purpose stays stopped, and the Airflow supervisor's recent (re)starts of it."""
+
+    desired: str = "running"  # or stopped
+    restarts: list[float] = dataclasses.field(default_factory=list)  # epoch seconds
+
+    @classmethod
+    def load(cls, settings: Settings, spec: PipelineSpec) -> Wanted:
+        try:
+            data = json.loads(_wanted_file(settings, spec).read_text())
+            return cls(str(data["desired"]), [float(t) for t in data["restarts"]])
+        except (FileNotFoundError, ValueError, TypeError, KeyError):
+            return cls()
+
+    def save(self, settings: Settings, spec: PipelineSpec) -> None:
+        path = _wanted_file(settings, spec)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".tmp")
+        partial.write_text(json.dumps(dataclasses.asdict(self)))
+        partial.replace(path)
+
+
+def desired(settings: Settings, spec: PipelineSpec) -> str:
+    """`running` (the default) or `stopped`: what the user last asked of this stream."""
+    return Wanted.load(settings, spec).desired
+
+
+def set_desired(settings: Settings, spec: PipelineSpec, value: str) -> None:
+    wanted = Wanted.load(settings, spec)
+    wanted.desired = value
+    if value == "running":
+        wanted.restarts = []  # a person's start resets the backoff
+    wanted.save(settings, spec)
+
+
+@contextlib.contextmanager
+def held(settings: Settings, spec: PipelineSpec) -> Iterator[None]:
+    """Keep the supervisor from starting the stream inside the block (reset uses it)."""
+    before = desired(settings, spec)
+    set_desired(settings, spec, "stopped")
+    try:
+        yield
+    finally:
+        wanted = Wanted.load(settings, spec)
+        wanted.desired = before
+        wanted.save(settings, spec)
+
+
+def streams_folder(settings: Settings) -> Path:
+    return settings.local_dir / "streams"
+
+
+def pid_file(settings: Settings, spec: PipelineSpec) -> Path:
+    return streams_folder(settings) / f"{spec.name}.pid"
+
+
+def _wanted_file(settings: Settings, spec: PipelineSpec) -> Path:
+    return streams_folder(settings) / f"{spec.name}.supervisor.json"
+
+
+def log_file(settings: Settings, spec: PipelineSpec) -> Path:
+    return streams_folder(settings) / f"{spec.name}.log"
+
+
+def is_stream(cmdline: list[str], name: str) -> bool:
+    """Whether `cmdline` is the supervisor of pipeline `name` (named, or given as a spec file)."""
+    return MODULE in cmdline and (
+        name in cmdline or any(part.endswith((".yaml", ".yml")) for part in cmdline)
+    )
+
+
+def _stream_pid(path: Path, name: str) -> int | None:
+    return live_pid(path, lambda cmdline: is_stream(cmdline, name))
+
+
+def running_pid(settings: Settings, spec: PipelineSpec) -> int | None:
+    return _stream_pid(pid_file(settings, spec), spec.name)
+
+
+def start(
+    settings: Settings, spec: PipelineSpec, *, wait: bool = True, job_args: Sequence[str] = ()
+) -> StreamState:
+    """Start the stream detached unless it runs (`job_args`: its options, as
+    `StreamOptions.to_args` writes them); wait until it reports `running`."""
+    set_desired(settings, spec, "running")
+    pid = running_pid(settings, spec)
+    if pid is not None:
+        return dataclasses.replace(describe(settings, spec), already_running=True)
+    kafka.ensure_reachable(settings)
+    if not kafka.topic_exists(settings, spec.source.topic, wait_if_missing=True):
+        raise LocalStackError(
+            f"source topic {spec.source.topic!r} of pipeline {spec.name} does not exist on "
+            f"{settings.bootstrap_servers}: create it, or produce to it with "
+            f"`duality produce {spec.name}`"
+        )
+    streams_folder(settings).mkdir(parents=True, exist_ok=True)
+    log = log_file(settings, spec)
+    process = start_daemon(
+        [sys.executable, "-m", MODULE, spec.name, *job_args],
+        log,
+        pid_file(settings, spec),
+        # The settings this command runs with (Airflow connections included) go along.
+        env={**os.environ, **settings.as_env()},
+    )
+    if wait:
+        _wait_running(settings, spec, process, log)
+    return dataclasses.replace(describe(settings, spec), already_running=False)
+
+
+def _wait_running(
+    settings: Settings, spec: PipelineSpec, process: subprocess.Popen[bytes], log: Path
+) -> None:
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+            raise LocalStackError(
+                f"the stream of {spec.name} exited with code {process.returncode} while "
+                f"starting; last lines of {log}:\n{tail}"
+            )
+        beat = heartbeat.latest(settings).get(spec.name, {})
+        if process.pid in (beat.get("ppid"), beat.get("pid")) and beat.get("state") == "running":
+            return
+        time.sleep(1)
+    raise LocalStackError(
+        f"the stream of {spec.name} did not report running within {_START_TIMEOUT_S:g}s; see {log}"
+    )
+
+
+def _terminate(pid: int) -> None:
+    """SIGTERM to the supervisor (the running batch commits first), SIGKILL after the grace."""
+    try:
+        leads_group = os.getpgid(pid) == pid
+        process = psutil.Process(pid)
+    except (ProcessLookupError, psutil.NoSuchProcess):
+        return
+    if leads_group:  # started detached: its driver, JVM and Python workers are in its group
+        stop_group(pid, _STOP_GRACE_S)
+    else:  # in a group it does not lead (a shell's, say): its driver dies with it
+        end_processes([process], _STOP_GRACE_S)
+
+
+def stop(settings: Settings, spec: PipelineSpec, *, hold: bool = True) -> StoppedStream:
+    """Stop the stream; with `hold`, the supervisor leaves it stopped until a start."""
+    if hold:
+        set_desired(settings, spec, "stopped")
+    pid = running_pid(settings, spec)
+    if pid is not None:
+        _terminate(pid)
+    pid_file(settings, spec).unlink(missing_ok=True)
+    return StoppedStream(spec.name, was_running=pid is not None, pid=pid)
+
+
+def describe(settings: Settings, spec: PipelineSpec) -> StreamState:
+    """Process, last heartbeat and lag of one pipeline's stream."""
+    pid = running_pid(settings, spec)
+    result = StreamState(
+        spec.name, "running" if pid else "stopped", pid, str(log_file(settings, spec))
+    )
+    kafka.ensure_reachable(settings)
+    beat = heartbeat.latest(settings).get(spec.name)
+    if beat is not None:
+        result.heartbeat = beat
+        result.heartbeat_age_s = round(time.time() - beat.get("last_progress_ms", 0) / 1000, 1)
+    if kafka.topic_exists(settings, spec.source.topic):
+        ends = kafka.end_offsets(settings, spec.source.topic)
+        committed = kafka.committed_offsets(settings, spec.consumer_group, spec.source.topic)
+        result.lag = sum(max(0, end - committed.get(p, (0, None))[0]) for p, end in ends.items())
+    return result
+
+
+def stop_all(settings: Settings) -> list[StoppedStream]:
+    """Stop every stream of this local stack, however it was started (`duality down`); they stay
+    wanted as before."""
+    stopped = []
+    for path in sorted(streams_folder(settings).glob("*.pid")):
+        pid = _stream_pid(path, path.stem)
+        if pid is not None:
+            _terminate(pid)
+            stopped.append(StoppedStream(path.stem, was_running=True, pid=pid))
+        path.unlink(missing_ok=True)
+    return stopped

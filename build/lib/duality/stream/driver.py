@@ -1,0 +1,303 @@
+"""The stream's driver, the Spark driver process (`python -m duality.stream.driver PIPELINE`,
+started by the supervisor): creates the pipeline's topics, runs the query and keeps it running.
+
+A failed query (the broker went away, a transaction could not commit) is restarted with
+backoff from its checkpoint, so the stream recovers by itself; only a lost checkpoint makes it
+seed its state from the changelog. SIGTERM stops it gracefully.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from duality import kafka
+from duality.config import Settings
+from duality.errors import DualityError
+from duality.spec import PipelineSpec
+from duality.stream import seeding
+from duality.stream.changelog_writer import ChangelogWriter
+from duality.stream.heartbeat import Heartbeat
+from duality.stream.options import StreamOptions
+from duality.stream.query import build_query_frame
+from duality.stream.topics import ensure_topics
+
+log = logging.getLogger("duality.stream")
+
+# A micro-batch ran longer than the stall timeout: the process exits for a new driver.
+STALLED_EXIT = 75
+# The driver's JVM is gone (killed, or ended by an OutOfMemoryError): no query can run in this
+# process again, so it exits and the supervisor starts a driver with a new JVM.
+JVM_EXITED = 76
+
+
+def _heartbeat_listener(heartbeat: Heartbeat, writer: ChangelogWriter) -> Any:
+    """A StreamingQueryListener that turns query progress into heartbeats on `_duality-status`."""
+    from pyspark.sql.streaming import StreamingQueryListener
+
+    class Listener(StreamingQueryListener):
+        def __init__(self) -> None:
+            self.state: dict[str, Any] = {}
+
+        def onQueryStarted(self, event: Any) -> None:
+            heartbeat.publish("running", query_id=str(event.id))
+
+        def onQueryProgress(self, event: Any) -> None:
+            progress = event.progress
+            kafka_source = next(
+                (s for s in progress.sources if "kafka" in s.description.lower()), None
+            )
+            operators = progress.stateOperators
+            if operators:
+                # Rows in Spark's state store: the table's keys (or windows) on the executors.
+                self.state = {
+                    "state_rows": operators[0].numRowsTotal,
+                    "state_memory_bytes": operators[0].memoryUsedBytes,
+                }
+            heartbeat.publish(
+                "running",
+                batch_id=progress.batchId,
+                input_rows_per_second=progress.inputRowsPerSecond,
+                processed_rows_per_second=progress.processedRowsPerSecond,
+                num_input_rows=progress.numInputRows,
+                source_offsets=json_or_none(kafka_source.endOffset) if kafka_source else None,
+                committed_offsets=writer.committed,
+                watermark=progress.eventTime.get("watermark") if progress.eventTime else None,
+                **self.state,
+            )
+
+        def onQueryIdle(self, event: Any) -> None:
+            heartbeat.publish(
+                "running", idle=True, committed_offsets=writer.committed, **self.state
+            )
+
+        def onQueryTerminated(self, event: Any) -> None:
+            heartbeat.publish("failed" if event.exception else "stopped", error=event.exception)
+
+    return Listener()
+
+
+def json_or_none(text: Any) -> Any:
+    import json
+
+    try:
+        return json.loads(text) if isinstance(text, str) else text
+    except ValueError:
+        return text
+
+
+class StreamDriver:
+    def __init__(self, settings: Settings, spec: PipelineSpec, options: StreamOptions):
+        self.settings = settings
+        self.spec = spec
+        self.trigger_seconds = options.trigger_seconds
+        self.max_offsets_per_trigger = options.max_offsets_per_trigger
+        self.stall_timeout_s = options.stall_timeout_s
+        self.stopping = threading.Event()
+
+    def request_stop(self, *_: Any) -> None:
+        self.stopping.set()
+
+    def run(self) -> int:
+        from duality.spark import session
+
+        spec, settings = self.spec, self.settings
+        # The lock is the supervisor's (`supervisor.supervise`); this process runs one driver.
+        kafka.ensure_reachable(settings)
+        ensure_topics(settings, spec)
+        # glibc gives each thread that allocates its own malloc arena; RocksDB's and the JVM's
+        # native allocations from many threads then keep growing the JVM's resident memory.
+        os.environ.setdefault("MALLOC_ARENA_MAX", "2")
+        spark = session(
+            settings,
+            f"duality-stream-{spec.name}",
+            {"spark.driver.memory": settings.stream_driver_memory},
+        )
+        heartbeat = Heartbeat(settings, spec.name)
+        backoff = 1.0
+        try:
+            while not self.stopping.is_set():
+                try:
+                    self._run_query(spark, heartbeat)
+                    backoff = 1.0
+                except DualityError:
+                    raise
+                except Exception as error:
+                    # A refused login does not heal by itself: end with it, no restart loop.
+                    refused = kafka.refused_login_in(settings, error)
+                    if refused is not None:
+                        heartbeat.publish("failed", error=str(refused))
+                        raise refused from None
+                    jvm_code = _jvm_exit_code(spark)
+                    if jvm_code is not None:
+                        message = f"the driver's JVM exited with {jvm_code}"
+                        self._exit_for_new_driver(heartbeat, "restarting", message, JVM_EXITED)
+                    log.warning(
+                        "%s: stream failed (%s); restarting in %.0fs",
+                        spec.name,
+                        _short(error),
+                        backoff,
+                    )
+                    heartbeat.publish("restarting", error=_short(error), backoff_s=backoff)
+                    self.stopping.wait(backoff)
+                    backoff = min(backoff * 2, 30.0)
+            heartbeat.publish("stopped")
+        finally:
+            heartbeat.close()
+        return 0
+
+    def _run_query(self, spark: Any, heartbeat: Heartbeat) -> None:
+        spec, settings = self.spec, self.settings
+        checkpoint = seeding.checkpoint_dir(settings, spec)
+        heartbeat.publish("restoring")
+        # First fence any older driver and abort its open transaction, then read what the
+        # changelog covers: the seed and the starting offsets below are a consistent pair.
+        writer = ChangelogWriter(settings, spec, checkpoint)
+        if seeding.checkpoint_usable(spec, checkpoint):
+            log.info(
+                "%s: resuming from the checkpoint %s (the state is in Spark's state store; the "
+                "changelog is not read)",
+                spec.name,
+                checkpoint,
+            )
+        else:
+            started = time.monotonic()
+            seeding.prepare_checkpoint(spec, checkpoint)
+            keys = seeding.write_seed(spark, settings, spec, checkpoint)
+            log.info(
+                "%s: restored %d keys from %s in %.1fs (seeding the state store); source resumes "
+                "at %s",
+                spec.name,
+                keys,
+                spec.changelog_topic,
+                time.monotonic() - started,
+                writer.committed or "the beginning",
+            )
+        # One global watermark for late rows and eviction: the one Spark records per batch.
+        spark.conf.set("spark.sql.streaming.statefulOperator.allowMultiple", "false")
+        listener = _heartbeat_listener(heartbeat, writer)
+        spark.streams.addListener(listener)
+        source = (
+            spark.readStream.format("kafka")
+            .options(**settings.spark_kafka_source_options())
+            .option("subscribe", spec.source.topic)
+            .option("startingOffsets", writer.starting_offsets())
+            .option("maxOffsetsPerTrigger", str(self.max_offsets_per_trigger))
+            .option("kafka.isolation.level", "read_committed")
+            .load()
+        )
+        frame = build_query_frame(spec, source, seeding.seeds_stream(spark, spec, checkpoint))
+
+        def apply(batch: Any, batch_id: int) -> None:
+            result = writer.write(batch, batch_id)
+            log.info("%s: batch %d: %s", spec.name, batch_id, result)
+
+        query = (
+            frame.writeStream.queryName(f"duality-{spec.name}")
+            .outputMode("update")
+            .foreachBatch(apply)
+            .option("checkpointLocation", str(checkpoint))
+            .trigger(processingTime=f"{self.trigger_seconds} seconds")
+            .start()
+        )
+        try:
+            # Stalled means one micro-batch running too long, not many busy ones in a row.
+            busy_since: float | None = None
+            last_batch = None
+            while query.isActive and not self.stopping.is_set():
+                query.awaitTermination(1)
+                progress = query.lastProgress
+                batch = progress["batchId"] if progress else None
+                if query.status.get("isTriggerActive") and batch == last_batch:
+                    busy_since = busy_since or time.monotonic()
+                    if time.monotonic() - busy_since > self.stall_timeout_s:
+                        self._give_up_stalled(heartbeat)
+                else:
+                    busy_since = None
+                last_batch = batch
+            if self.stopping.is_set():
+                # Graceful: let the running batch commit its transaction before stopping.
+                deadline = time.monotonic() + 60
+                while (
+                    query.isActive
+                    and query.status.get("isTriggerActive")
+                    and (time.monotonic() < deadline)
+                ):
+                    time.sleep(0.2)
+                query.stop()
+            else:
+                error = query.exception()
+                if error is not None:
+                    raise RuntimeError(str(error))
+        finally:
+            if query.isActive:
+                query.stop()
+            spark.streams.removeListener(listener)
+            writer.close()
+
+    def _give_up_stalled(self, heartbeat: Heartbeat) -> None:
+        """A batch hangs in a call that cannot be interrupted (a Kafka client waiting on a
+        broker that went away): end the process at once; the supervisor starts a new one, which
+        aborts the open transaction and restores from the changelog."""
+        message = f"a micro-batch ran for more than {self.stall_timeout_s:g}s: stalled"
+        self._exit_for_new_driver(heartbeat, "stalled", message, STALLED_EXIT)
+
+    def _exit_for_new_driver(
+        self, heartbeat: Heartbeat, state: str, message: str, code: int
+    ) -> None:
+        """Say why on the status topic and end this process with `code` at once (not a return:
+        PySpark's exit handlers would wait on a JVM that hangs or is gone); the supervisor
+        starts a new driver."""
+        log.error("%s: %s; exiting for a new driver", self.spec.name, message)
+        heartbeat.publish(state, error=message)
+        heartbeat.close()
+        logging.shutdown()
+        os._exit(code)
+
+
+def _jvm_exit_code(spark: Any) -> int | None:
+    """The exit code of the JVM this process launched for `spark`, None while it runs."""
+    process = getattr(spark.sparkContext._gateway, "proc", None)
+    return process.poll() if process is not None else None
+
+
+def _short(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:300] if text else type(error).__name__
+
+
+def run_child(settings: Settings, spec: PipelineSpec, options: StreamOptions) -> int:
+    """Run the driver in this process (the supervisor holds the pipeline's lock)."""
+    driver = StreamDriver(settings, spec, options)
+    signal.signal(signal.SIGTERM, driver.request_stop)
+    signal.signal(signal.SIGINT, driver.request_stop)
+    return driver.run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from duality.spec import find_spec
+
+    parser = argparse.ArgumentParser(prog="python -m duality.stream.driver")
+    parser.add_argument("pipeline")
+    StreamOptions.add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        settings = Settings.from_env()
+        spec = find_spec(settings, args.pipeline)
+        return run_child(settings, spec, StreamOptions.from_args(args))
+    except DualityError as error:
+        log.error("%s", error)
+        return error.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

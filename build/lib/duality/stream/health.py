@@ -1,0 +1,155 @@
+"""The rules of the stream's Airflow supervisor: whether a stream is healthy, starting, stalled
+or stopped, the backoff between restarts, and one look that acts on them (`supervise_once`,
+which the supervisor DAG runs every minute)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Literal
+
+import psutil
+
+from duality.config import Settings
+from duality.errors import UsageError
+from duality.spec import PipelineSpec
+from duality.stream.control import StreamState, Wanted, describe, log_file, start, stop
+
+# A running stream beats on every batch and while idle; silence this long, with records
+# waiting, means stalled.
+STALL_AFTER_S = 300.0
+# Restarts within this window count towards the backoff: 0, 1, 2, 4 ... minutes, at most 15.
+_BACKOFF_WINDOW_S = 3600.0
+_BACKOFF_BASE_S = 60.0
+_BACKOFF_MAX_S = 900.0
+
+Action = Literal["ensure", "start", "stop", "restart"]
+ACTIONS: tuple[str, ...] = ("ensure", "start", "stop", "restart")
+
+
+@dataclasses.dataclass(kw_only=True)
+class Supervision(StreamState):
+    """One look of the supervisor at a stream: what it found and what it did."""
+
+    action: str  # started, restarted, stopped, backoff or none
+    health: str | None = None  # `ensure` only: stopped, starting, healthy or stalled
+    reason: str | None = None
+    desired: str | None = None
+    retry_in_s: int | None = None  # with action backoff
+
+
+def backoff_s(restarts: list[float], now: float) -> float:
+    """How long after the last (re)start the next one may wait, given the (re)starts of the
+    last hour: the first restart is immediate, then 1, 2, 4 ... minutes, at most 15."""
+    recent = [t for t in restarts if now - t < _BACKOFF_WINDOW_S]
+    if len(recent) < 2:
+        return 0.0
+    return float(min(_BACKOFF_BASE_S * 2 ** (len(recent) - 2), _BACKOFF_MAX_S))
+
+
+def diagnose(
+    pid: int | None,
+    started_at: float | None,
+    beat: dict[str, Any] | None,
+    lag: int | None,
+    now: float,
+    stall_after_s: float = STALL_AFTER_S,
+) -> tuple[str, str]:
+    """(health, reason): `stopped`, `starting`, `healthy` or `stalled`, from the process, its
+    latest heartbeat and the lag. Pure, so the rules are unit-tested."""
+    if pid is None:
+        return "stopped", "no stream process is running"
+    own = beat is not None and pid in (beat.get("ppid"), beat.get("pid"))
+    if not own:
+        age = now - (started_at or now)
+        if age > stall_after_s:
+            return "stalled", f"started {age:.0f}s ago and has not reported since"
+        return "starting", f"started {age:.0f}s ago; no heartbeat yet"
+    assert beat is not None
+    state = beat.get("state")
+    age = now - beat.get("last_progress_ms", 0) / 1000
+    if state in ("stalled", "failed"):
+        return "stalled", f"its last heartbeat says {state}: {beat.get('error') or ''}".strip()
+    if age > stall_after_s and (lag or 0) > 0:
+        return "stalled", f"no heartbeat for {age:.0f}s while {lag:,} records wait"
+    if state in ("restoring", "restarting"):
+        return "starting", f"{state} ({age:.0f}s ago)"
+    return "healthy", f"{state}, heartbeat {age:.0f}s ago" + (
+        f", lag {lag:,}" if lag is not None else ""
+    )
+
+
+def check(
+    settings: Settings,
+    spec: PipelineSpec,
+    now: float | None = None,
+    stall_after_s: float = STALL_AFTER_S,
+) -> tuple[StreamState, str, str]:
+    """`describe()` and the diagnosis of it: (state, health, reason); acts on nothing."""
+    now = time.time() if now is None else now
+    state = describe(settings, spec)
+    try:
+        started_at = psutil.Process(state.pid).create_time() if state.pid is not None else None
+    except psutil.NoSuchProcess:  # ended between the two looks
+        state.pid = started_at = None
+    health, reason = diagnose(state.pid, started_at, state.heartbeat, state.lag, now, stall_after_s)
+    return state, health, reason
+
+
+def supervise_once(
+    settings: Settings,
+    spec: PipelineSpec,
+    action: Action = "ensure",
+    *,
+    stall_after_s: float = STALL_AFTER_S,
+    now: float | None = None,
+) -> Supervision:
+    """One look at the stream, and what it did: started, restarted, stopped, waited or nothing.
+
+    `ensure` starts the stream when it should run and does not, and restarts it when it is
+    stalled, with backoff between restarts; `start`, `stop` and `restart` are a person's
+    orders and also set what the stream should be from now on. Starting never waits for the
+    stream to come up (the caller may, without holding anything); a second copy is never started
+    (`start` checks the pid, the supervisor's lock refuses a second one).
+    """
+    if action not in ACTIONS:
+        raise UsageError(f"action {action!r} is unknown: use one of {', '.join(ACTIONS)}")
+    now = time.time() if now is None else now
+    if action == "stop":
+        stopped = stop(settings, spec)
+        return Supervision(
+            pipeline=spec.name,
+            state="stopped",
+            pid=stopped.pid,
+            log=str(log_file(settings, spec)),
+            action="stopped" if stopped.was_running else "none",
+        )
+    if action == "start":
+        started = start(settings, spec, wait=False)
+        return Supervision(**vars(started), action="none" if started.already_running else "started")
+    if action == "restart":
+        stop(settings, spec, hold=False)
+        return Supervision(**vars(start(settings, spec, wait=False)), action="restarted")
+
+    wanted = Wanted.load(settings, spec)
+    state, health, reason = check(settings, spec, now, stall_after_s)
+    found: dict[str, Any] = {**vars(state), "health": health, "reason": reason}
+    found["desired"] = wanted.desired
+    if wanted.desired == "stopped":
+        return Supervision(**{**found, "reason": f"held stopped; {reason}"}, action="none")
+    if health in ("healthy", "starting"):
+        return Supervision(**found, action="none")
+    wait = backoff_s(wanted.restarts, now)
+    last = max(wanted.restarts, default=0.0)
+    if now - last < wait:
+        return Supervision(**found, action="backoff", retry_in_s=round(wait - (now - last)))
+    if state.pid is not None:  # stalled: stop it first (the driver's batch never commits half)
+        stop(settings, spec, hold=False)
+    started = start(settings, spec, wait=False)
+    wanted = Wanted.load(settings, spec)
+    wanted.restarts = [t for t in wanted.restarts if now - t < _BACKOFF_WINDOW_S] + [now]
+    wanted.save(settings, spec)
+    return Supervision(
+        **{**vars(started), "health": health, "reason": reason, "desired": wanted.desired},
+        action="restarted" if state.pid is not None else "started",
+    )

@@ -1,0 +1,78 @@
+"""Stream heartbeats on the compacted `_duality-status` topic: written by a running stream's
+driver, read by `duality stream status` and the Airflow supervisor."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+from duality import kafka
+from duality.config import Settings
+
+log = logging.getLogger("duality.stream")
+
+STATUS_TOPIC = "_duality-status"
+
+
+def ensure_topic(settings: Settings) -> None:
+    kafka.create_topic(settings, STATUS_TOPIC, 1, config=kafka.FAST_COMPACTION, exist_ok=True)
+
+
+class Heartbeat:
+    """Publishes a pipeline's state and progress."""
+
+    def __init__(self, settings: Settings, pipeline: str):
+        self.pipeline = pipeline
+        self.producer = kafka.producer(settings, linger_ms=0)
+        # ppid: the supervisor that `duality stream start` launched (`supervisor.supervise`).
+        self.base = {
+            "pipeline": pipeline,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "ppid": os.getppid(),
+        }
+
+    def publish(self, state: str, **details: Any) -> None:
+        document = {
+            **self.base,
+            "state": state,
+            "last_progress_ms": int(time.time() * 1000),
+            **details,
+        }
+        try:
+            self.producer.produce(
+                STATUS_TOPIC, key=self.pipeline.encode(), value=json.dumps(document, default=str)
+            )
+        except BufferError:
+            # The producer's queue is full: the broker has been away a while, which the query
+            # finds out for itself. This beat is dropped; the next one says the state.
+            log.warning(
+                "%s: heartbeat %r dropped, the producer's queue is full", self.pipeline, state
+            )
+        self.producer.poll(0)
+
+    def close(self) -> None:
+        self.producer.flush(5)
+
+
+def latest(settings: Settings) -> dict[str, dict[str, Any]]:
+    """The latest heartbeat of every pipeline (a record that is no JSON object is skipped)."""
+    if not kafka.topic_exists(settings, STATUS_TOPIC):
+        return {}
+    documents: dict[str, dict[str, Any]] = {}
+    for message in kafka.read_to_end(settings, STATUS_TOPIC, timeout=60):
+        key, value = message.key(), message.value()
+        if key is None or value is None:
+            continue
+        try:
+            document = json.loads(value)
+            pipeline = key.decode()
+        except (UnicodeDecodeError, ValueError):
+            continue
+        if isinstance(document, dict):
+            documents[pipeline] = document
+    return documents

@@ -1,0 +1,128 @@
+"""Restoring the state from the changelog: a checkpoint of this engine is resumed as it is;
+without one, the latest `_state` partials per key are written as Parquet seed files that a file
+source feeds into the same aggregation, beside the source read from the committed offsets."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from duality.config import Settings
+from duality.errors import UsageError
+from duality.spec import SQL_TYPES, PipelineSpec
+from duality.stream.query import partial_type, partials_of, rows_schema
+
+if TYPE_CHECKING:
+    from pyspark.sql import Column, DataFrame, SparkSession
+
+log = logging.getLogger("duality.stream")
+
+# Marks a checkpoint written by this engine, with the fingerprint of the state's layout.
+_ENGINE_FILE = "duality-engine.json"
+_ENGINE = "state-store-1"
+
+
+def checkpoint_dir(settings: Settings, spec: PipelineSpec) -> Path:
+    return settings.checkpoint_root / spec.name
+
+
+def seed_dir(checkpoint: Path) -> Path:
+    return checkpoint / "seed"
+
+
+def seeds_stream(spark: SparkSession, spec: PipelineSpec, checkpoint: Path) -> DataFrame:
+    folder = seed_dir(checkpoint)
+    folder.mkdir(parents=True, exist_ok=True)
+    return spark.readStream.schema(rows_schema(spec)).parquet(str(folder))
+
+
+def write_seed(
+    spark: SparkSession, settings: Settings, spec: PipelineSpec, checkpoint: Path
+) -> int:
+    """The changelog's latest `_state` per key, read_committed, as Parquet seed files; returns
+    the number of keys. Tombstones remove their key."""
+    from pyspark.sql import functions as F
+
+    folder = seed_dir(checkpoint)
+    shutil.rmtree(folder, ignore_errors=True)
+    raw = (
+        spark.read.format("kafka")
+        .options(**settings.spark_kafka_source_options())
+        .option("subscribe", spec.changelog_topic)
+        .option("startingOffsets", "earliest")
+        .option("endingOffsets", "latest")
+        .option("kafka.isolation.level", "read_committed")
+        .load()
+    )
+    latest = raw.groupBy("key").agg(F.max_by("value", "offset").alias("value"))
+    state_ddl = ", ".join(f"`{p.name}` {partial_type(spec, p)}" for p in partials_of(spec))
+    fields = ", ".join(f"`{f}` {SQL_TYPES[spec.source.fields[f]]}" for f in spec.source.key) + (
+        ", `window_start` string" if spec.window is not None else ""
+    )
+    parsed = latest.where(F.col("value").isNotNull()).select(
+        F.from_json(F.col("value").cast("string"), f"{fields}, `_state` struct<{state_ddl}>").alias(
+            "v"
+        )
+    )
+    columns: list[Column] = [F.col(f"v.{f}").alias(f) for f in spec.source.key]
+    if spec.window is not None:
+        columns.append(F.to_timestamp("v.window_start").alias("_ts"))
+    columns += [F.col(f"v._state.`{p.name}`").alias(p.column) for p in partials_of(spec)]
+    columns.append(F.lit(0).alias("_fresh"))
+    seeds = parsed.select(*columns)
+    staging = folder.with_name("seed.staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    seeds.write.parquet(str(staging))
+    count = spark.read.parquet(str(staging)).count()
+    staging.rename(folder)
+    return count
+
+
+def state_layout(spec: PipelineSpec) -> str:
+    """What the state's schema depends on; a checkpoint of another layout cannot be resumed."""
+    layout = {
+        "key": spec.source.key,
+        "types": [spec.source.fields[f] for f in spec.source.key],
+        "window": spec.window.model_dump() if spec.window else None,
+        "partials": rows_schema(spec),
+    }
+    return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def checkpoint_usable(spec: PipelineSpec, checkpoint: Path) -> bool:
+    """True when the query can resume from `checkpoint`; False when it must be (re)built from
+    the changelog (no checkpoint, or one the query never got going with, or one of the older
+    driver-side engine). A checkpoint of another state layout is a usage error."""
+    offsets = checkpoint / "offsets"
+    if not offsets.is_dir() or not any(offsets.iterdir()):
+        return False
+    marker = checkpoint / _ENGINE_FILE
+    if not marker.is_file():
+        log.warning(
+            "%s: checkpoint %s was written by an older engine; rebuilding the state from %s",
+            spec.name,
+            checkpoint,
+            spec.changelog_topic,
+        )
+        return False
+    recorded = json.loads(marker.read_text())
+    if recorded.get("layout") != state_layout(spec):
+        raise UsageError(
+            f"pipeline {spec.name}: its key, window or aggregates changed since the checkpoint "
+            f"{checkpoint} was written, so neither it nor the changelog can be resumed: run "
+            f"`duality reset {spec.name}` to recompute the table from the source"
+        )
+    return True
+
+
+def prepare_checkpoint(spec: PipelineSpec, checkpoint: Path) -> None:
+    """Empty the checkpoint folder and mark it as this engine's."""
+    shutil.rmtree(checkpoint, ignore_errors=True)
+    checkpoint.mkdir(parents=True)
+    (checkpoint / _ENGINE_FILE).write_text(
+        json.dumps({"engine": _ENGINE, "layout": state_layout(spec)})
+    )

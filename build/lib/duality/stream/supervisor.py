@@ -1,0 +1,122 @@
+"""The stream's supervisor, the process a stream is (`python -m duality.stream PIPELINE`): it
+holds the pipeline's lock and pid file, and runs the driver in a child process, which it
+restarts when it exits on its own (stalled, its JVM gone, crashed)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from duality.arguments import stream_arguments
+from duality.config import Settings
+from duality.errors import DualityError, LocalStackError, UsageError
+from duality.process import die_with_parent
+from duality.spec import PipelineSpec, find_spec
+from duality.stream.control import MODULE, pid_file, streams_folder
+from duality.stream.options import StreamOptions
+
+log = logging.getLogger("duality.stream")
+
+
+def lock_file(settings: Settings, spec: PipelineSpec) -> Path:
+    return streams_folder(settings) / f"{spec.name}.lock"
+
+
+@contextlib.contextmanager
+def exclusive(settings: Settings, spec: PipelineSpec) -> Iterator[None]:
+    """Hold the pipeline's lock for the life of the stream, or fail if another stream holds
+    it: one checkpoint never has two drivers."""
+    path = lock_file(settings, spec)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise LocalStackError(
+                f"pipeline {spec.name} already runs (lock {path} is held): stop it first with "
+                f"`duality stream stop {spec.name}`"
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def owned_pid_file(path: Path) -> Iterator[None]:
+    """This process's pid in `path` while it runs, however it was started; removed at exit
+    unless another process wrote its own since."""
+    pid = str(os.getpid())
+    path.write_text(f"{pid}\n")
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            if path.read_text().strip() == pid:
+                path.unlink()
+
+
+def supervise(settings: Settings, spec: PipelineSpec, pipeline: str, options: StreamOptions) -> int:
+    """Hold the lock and the pid file and keep a driver process running until SIGTERM.
+
+    A driver that exits on its own (stalled, crashed) is replaced after a backoff; one that
+    exits with a usage error (a bad spec, say) ends the supervision with that code.
+    """
+    stopping = threading.Event()
+    child: subprocess.Popen[bytes] | None = None
+
+    def request_stop(*_: Any) -> None:
+        stopping.set()
+        if child is not None and child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    command = [sys.executable, "-m", f"{MODULE}.driver", pipeline, *options.to_args()]
+    backoff = 1.0
+    with exclusive(settings, spec), owned_pid_file(pid_file(settings, spec)):
+        while not stopping.is_set():
+            # The kernel kills the driver when the supervisor dies, even by SIGKILL, so a
+            # killed stream never leaves a driver running without the lock.
+            child = subprocess.Popen(command, preexec_fn=die_with_parent)
+            code = child.wait()
+            if stopping.is_set():
+                break
+            if code == UsageError.exit_code:
+                return code
+            log.warning(
+                "%s: driver exited with %d; starting a new one in %.0fs", spec.name, code, backoff
+            )
+            stopping.wait(backoff)
+            backoff = min(backoff * 2, 30.0)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {MODULE}",
+        description="Run one pipeline's changelog-backed stream until SIGTERM.",
+    )
+    stream_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        settings = Settings.from_env()
+        options = StreamOptions.from_args(args)
+        spec = find_spec(settings, args.pipeline)
+        return supervise(settings, spec, args.pipeline, options)
+    except DualityError as error:
+        log.error("%s", error)
+        return error.exit_code

@@ -1,0 +1,572 @@
+"""Snapshot validation with Great Expectations: the audit of write-audit-publish.
+
+The suite is the spec's `expectations` plus built-in checks: the columns and their types are the
+spec's, key columns are not null and unique, counts are positive, and min ≤ avg ≤ max for every
+field that has those aggregates (with a relative tolerance of FLOAT_TOLERANCE, since an average
+is a floating division). `reconcile=True` adds a row-by-row comparison with the aggregates
+recomputed from the source topic up to the source offsets the version covers.
+
+The snapshot is read once into a cached DataFrame; GE computes its metrics on it (aggregate
+metrics of one column domain share a Spark pass). Every expectation is found in GE's registry by
+its name and carries its origin (built-in, the spec's, reconciliation) in its `meta`, which the
+results give back. The verdict is recorded in the Delta table itself
+(`snapshot.publish.record_validation`), which publishes the version in the same commit when it
+passes. Results also go to `<reports>/<pipeline>/` as JSON and as Data Docs HTML, as reports.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import json
+import logging
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+from duality import kafka
+from duality.config import Settings
+from duality.errors import CheckFailed, UsageError
+from duality.snapshot import delta_log
+from duality.snapshot.build import Progress, column_types, quiet
+from duality.snapshot.coverage import Coverage
+from duality.snapshot.publish import Verdict, published, record_validation
+from duality.spark import session
+from duality.spec import PipelineSpec
+
+if TYPE_CHECKING:
+    from pyspark.sql import Column, DataFrame, SparkSession
+
+FLOAT_TOLERANCE = 1e-9  # relative, for floating sums and averages
+SAMPLE_KEYS = 5
+ORIGIN = "duality_origin"  # the key of an expectation's `meta` that says where it comes from
+RECONCILE_ORIGIN = "reconcile: the rows recomputed from the source"
+# Checks answered from the table's schema, without reading rows.
+SCHEMA = {"expect_table_columns_to_match_ordered_list", "expect_column_values_to_be_of_type"}
+
+_GE_TYPES = {
+    "string": "StringType",
+    "bigint": "LongType",
+    "int": "IntegerType",
+    "double": "DoubleType",
+    "boolean": "BooleanType",
+    "timestamp": "TimestampType",
+}
+
+# -- the suite ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """One expectation of the suite, in GE's own form, and where it comes from."""
+
+    type: str
+    kwargs: dict[str, Any]
+    origin: str  # "built-in: ...", "spec expectations[i]" or RECONCILE_ORIGIN
+
+
+def _q(column: str) -> str:
+    # Column names are validated identifiers (spec.NAME / spec.FIELD); quoting keeps them inert.
+    return f"`{column}`"
+
+
+def built_in_checks(spec: PipelineSpec) -> list[Check]:
+    checks: list[Check] = []
+
+    def add(type: str, origin: str, **kwargs: Any) -> None:
+        checks.append(Check(type, kwargs, f"built-in: {origin}"))
+
+    types = column_types(spec)
+    add(
+        "expect_table_columns_to_match_ordered_list",
+        "the columns are the spec's",
+        column_list=list(types),
+    )
+    for column, kind in types.items():
+        add(
+            "expect_column_values_to_be_of_type",
+            f"{column} is {kind}",
+            column=column,
+            type_=_GE_TYPES[kind],
+        )
+    for column in spec.key_columns:
+        add("expect_column_values_to_not_be_null", "key columns are not null", column=column)
+    if len(spec.key_columns) == 1:
+        add("expect_column_values_to_be_unique", "keys are unique", column=spec.key_columns[0])
+    else:
+        add(
+            "expect_compound_columns_to_be_unique",
+            "keys are unique",
+            column_list=list(spec.key_columns),
+        )
+    for column, aggregate in spec.aggregates.items():
+        if aggregate.function == "count":
+            add(
+                "expect_column_values_to_be_between",
+                f"{column} = count() is positive",
+                column=column,
+                min_value=1,
+            )
+    by_field: dict[str, dict[str, str]] = {}
+    for column, aggregate in spec.aggregates.items():
+        if aggregate.field and aggregate.function in ("min", "avg", "max"):
+            by_field.setdefault(aggregate.field, {})[aggregate.function] = column
+    keys = ", ".join(_q(c) for c in spec.key_columns)
+    for field, columns in by_field.items():
+        ordered = [columns[f] for f in ("min", "avg", "max") if f in columns]
+        for low, high in itertools.pairwise(ordered):
+            query = (
+                f"SELECT {keys}, {_q(low)}, {_q(high)} FROM {{batch}} WHERE {_q(low)} - "
+                f"{_q(high)} > {FLOAT_TOLERANCE} * greatest(1, abs({_q(low)}), abs({_q(high)}))"
+            )
+            add(
+                "unexpected_rows_expectation",
+                f"{low} <= {high} (aggregates of {field})",
+                unexpected_rows_query=query,
+                description=f"{low} <= {high}",
+            )
+    return checks
+
+
+def spec_checks(spec: PipelineSpec) -> list[Check]:
+    return [
+        Check(e.type, dict(e.kwargs), f"spec expectations[{i}]")
+        for i, e in enumerate(spec.expectations)
+    ]
+
+
+def _expectation(check: Check, origin: str) -> Any:
+    """The GE Expectation, found in GE's registry by name, with the check's origin in its `meta`;
+    a clear UsageError for unknown names or bad arguments."""
+    from great_expectations.exceptions import ExpectationNotFoundError
+    from great_expectations.expectations.registry import get_expectation_impl
+
+    try:
+        cls = get_expectation_impl(check.type)
+    except ExpectationNotFoundError:
+        raise UsageError(
+            f"{origin}: {check.origin}: unknown expectation {check.type!r}; use a Great "
+            "Expectations 1.x expectation name such as expect_column_values_to_be_between"
+        ) from None
+    kwargs = dict(check.kwargs)
+    meta = {**(kwargs.pop("meta", None) or {}), ORIGIN: check.origin}
+    try:
+        return cls(**kwargs, meta=meta)
+    except Exception as error:  # GE raises pydantic (v1) validation errors
+        detail = " ".join(str(error).split())
+        raise UsageError(
+            f"{origin}: {check.origin}: invalid arguments for {check.type}: {detail}"
+        ) from None
+
+
+def check_spec_expectations(spec: PipelineSpec, origin: str) -> None:
+    """Build the spec's expectations with GE (no data); raises UsageError naming the problem."""
+    for check in spec_checks(spec):
+        _expectation(check, origin)
+
+
+# -- reconciliation -------------------------------------------------------------------------
+
+
+def recompute(
+    settings: Settings,
+    spec: PipelineSpec,
+    spark: SparkSession,
+    source_offsets: dict[int, int],
+) -> DataFrame:
+    """The aggregates recomputed from the source records below `source_offsets`.
+
+    Uses the stream's classification over the whole covered prefix in one batch. Whether a
+    windowed record was late depends on the stream's watermark at its micro-batch, so late
+    records are the ones the dead-letter topic holds as late.
+    """
+    from pyspark.sql import functions as F
+
+    from duality.stream.query import (
+        aggregate,
+        aggregate_columns,
+        classify,
+        late_records,
+        source_rows,
+    )
+
+    topic = spec.source.topic
+    types = column_types(spec)
+    wanted = {p: end for p, end in source_offsets.items() if end > 0}
+    if wanted:
+        beginning = kafka.beginning_offsets(settings, topic)
+        lost = {p: beginning[p] for p in wanted if beginning.get(p, 0) > 0}
+        if lost:
+            raise UsageError(
+                f"cannot reconcile {spec.name}: records of {topic} were deleted by retention "
+                f"(first offsets now {lost}); --reconcile needs the source from its first record"
+            )
+    empty_schema = ", ".join(f"`{c}` {t}" for c, t in types.items())
+    if not wanted:
+        return spark.createDataFrame([], empty_schema)
+    raw = (
+        spark.read.format("kafka")
+        .options(**settings.spark_kafka_source_options())
+        .option("assign", json.dumps({topic: sorted(wanted)}))
+        .option("startingOffsets", json.dumps({topic: {str(p): -2 for p in wanted}}))
+        .option("endingOffsets", json.dumps({topic: {str(p): o for p, o in wanted.items()}}))
+        .option("kafka.isolation.level", "read_committed")
+        .load()
+    )
+    if spec.window is not None:
+        late = spark.createDataFrame(late_records(settings, spec), "partition int, offset bigint")
+        raw = raw.join(late, ["partition", "offset"], "left_anti")
+    table = aggregate(spec, source_rows(spec, classify(spec, raw)))
+    columns: list[Column] = [F.col(f).alias(f) for f in spec.source.key]
+    if spec.window is not None:
+        columns.append(F.col("_window.start").alias("window_start"))
+    for column, value in aggregate_columns(spec).items():
+        if types[column] == "timestamp":
+            value = F.timestamp_millis(value)  # min and max of a timestamp are kept in ms
+        columns.append(value.cast(types[column]).alias(column))
+    return table.select(*columns)
+
+
+# The reconciliation's one expectation, on the `_mismatch` column of `reconciliation()`.
+RECONCILE_CHECK = Check(
+    "expect_column_values_to_be_null",
+    {
+        "column": "_mismatch",
+        "description": "each row equals the aggregates recomputed from the source",
+    },
+    RECONCILE_ORIGIN,
+)
+
+
+def reconciliation(spec: PipelineSpec, table: DataFrame, truth: DataFrame) -> DataFrame:
+    """Key columns and `_mismatch` (null when the row agrees) of a full outer join."""
+    from pyspark.sql import functions as F
+
+    types = column_types(spec)
+    s, t = table.alias("s"), truth.alias("t")
+    on = [F.col(f"s.`{c}`") == F.col(f"t.`{c}`") for c in spec.key_columns]
+    joined = s.join(t, on, "full_outer")
+    in_table = F.col(f"s.`{spec.key_columns[0]}`").isNotNull()
+    in_truth = F.col(f"t.`{spec.key_columns[0]}`").isNotNull()
+    problems: list[Column] = []
+    for column, aggregate in spec.aggregates.items():
+        a, b = F.col(f"s.`{column}`"), F.col(f"t.`{column}`")
+        floating = types[column] == "double" and aggregate.function in ("sum", "avg")
+        if floating:
+            limit = F.lit(FLOAT_TOLERANCE) * F.greatest(F.lit(1.0), F.abs(a), F.abs(b))
+            differs = a.isNull() | b.isNull() | (F.abs(a - b) > limit)
+        else:
+            differs = ~a.eqNullSafe(b)
+        problems.append(
+            F.when(
+                differs,
+                F.concat(
+                    F.lit(f"{column}: snapshot "),
+                    F.coalesce(a.cast("string"), F.lit("null")),
+                    F.lit(", source "),
+                    F.coalesce(b.cast("string"), F.lit("null")),
+                ),
+            )
+        )
+    mismatch = (
+        F.when(~in_truth, F.lit("in the snapshot but not in the source"))
+        .when(~in_table, F.lit("in the source but not in the snapshot"))
+        .otherwise(F.concat_ws("; ", *problems))
+    )
+    keys = [F.coalesce(F.col(f"s.`{c}`"), F.col(f"t.`{c}`")).alias(c) for c in spec.key_columns]
+    return joined.select(*keys, F.when(mismatch != "", mismatch).alias("_mismatch"))
+
+
+# -- running it -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """A failed expectation, where it comes from, and the keys of a few failing rows."""
+
+    expectation: str
+    kwargs: dict[str, Any]
+    origin: str
+    unexpected_count: Any
+    keys: list[Any]
+    error: str | None = None  # the exception the check raised
+    observed: Any = None  # GE's observed value, for checks that count no rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    pipeline: str
+    path: str
+    version: int
+    rows: int
+    success: bool
+    published: bool
+    published_version: int | None
+    reconciled: bool
+    failed: list[Failure]
+    checks: int
+    seconds: float
+    json_report: str
+    data_docs: str
+    coverage: Coverage | None
+    validation_commit: int  # the table's commit that records this verdict
+
+
+def run(
+    settings: Settings,
+    spec: PipelineSpec,
+    *,
+    reconcile: bool = False,
+    publish: bool = True,
+    version: int | None = None,
+    spark: SparkSession | None = None,
+    progress: Progress = quiet,
+) -> Report:
+    """Validate a snapshot version (default: the latest), record the verdict in the table, and
+    publish the version when it passes."""
+    origin = f"pipeline {spec.name}"
+    suite_checks = [*built_in_checks(spec), *spec_checks(spec)]
+    if reconcile:
+        suite_checks.append(RECONCILE_CHECK)
+    expectations = [_expectation(check, origin) for check in suite_checks]
+    path = spec.snapshot_path(settings)
+    delta_log.require_table(spec, path)
+    started = time.monotonic()
+    spark = spark or session(settings, f"duality-validate-{spec.name}")
+    versions = delta_log.history(path)
+    if version is None:
+        version = delta_log.latest_data_version(versions)
+    elif version not in {v.version for v in versions}:
+        raise UsageError(f"{path} has no version {version}: versions are 0..{versions[0].version}")
+    coverage, _ = delta_log.version_coverage(versions, version)
+    if reconcile and coverage is None:
+        raise UsageError(
+            f"version {version} of {path} does not record what it covers (it was written outside "
+            f"duality): rebuild it with `duality snapshot {spec.name} --full` to reconcile"
+        )
+
+    progress(f"reading version {version} of {path}")
+    table = delta_log.load(spark, path, version).persist()
+    diff = None
+    try:
+        rows = table.count()
+        if reconcile:
+            assert coverage is not None
+            progress(f"recomputing the aggregates from {spec.source.topic}")
+            truth = recompute(settings, spec, spark, coverage.source)
+            diff = reconciliation(spec, table, truth).persist()
+        progress(f"running {len(expectations)} expectations on {rows:,} rows")
+        results = _run_ge(settings, spec, version, table, diff, expectations)
+        failed = _failures(spark, spec, table, results)
+    finally:
+        table.unpersist()
+        if diff is not None:
+            diff.unpersist()
+    success = not failed
+    current = published(spark, path)
+    published_version = current.version if current is not None else None
+    # A version written outside duality does not say what it covers: it is never published.
+    publishing = success and publish and coverage is not None
+    report_dir = settings.reports / spec.name
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    json_report = report_dir / f"{stamp}-v{version}.json"
+    verdict = Verdict(
+        version=version,
+        success=success,
+        checks=len(expectations),
+        failed=[f"{item.expectation} [{item.origin}]" for item in failed],
+        reconciled=reconcile,
+        validated_at=stamp,
+        json_report=str(json_report),
+    )
+    commit = record_validation(spark, path, verdict, publish=coverage if publishing else None)
+    if publishing:
+        published_version = version
+        progress(f"published version {version}")
+    report = Report(
+        pipeline=spec.name,
+        path=str(path),
+        version=version,
+        rows=rows,
+        success=success,
+        published=publishing,
+        published_version=published_version,
+        reconciled=reconcile,
+        failed=failed,
+        checks=len(expectations),
+        seconds=round(time.monotonic() - started, 2),
+        json_report=str(report_dir / "latest.json"),
+        data_docs=str(report_dir / "data_docs" / "index.html"),
+        coverage=coverage,
+        validation_commit=commit,
+    )
+    _write_json(json_report, report, results, stamp)
+    return report
+
+
+def _run_ge(
+    settings: Settings,
+    spec: PipelineSpec,
+    version: int,
+    table: DataFrame,
+    diff: DataFrame | None,
+    expectations: list[Any],
+) -> list[dict[str, Any]]:
+    """Run the suite (the reconciliation on `diff`) as GE validations; returns the results' JSON."""
+    import great_expectations as gx
+    from great_expectations.data_context.types.base import ProgressBarsConfig
+
+    # GE logs its own start-up at INFO; jobs log at INFO, so keep GE to warnings.
+    logging.getLogger("great_expectations").setLevel(logging.WARNING)
+    context = gx.get_context(mode="ephemeral")
+    context.variables.progress_bars = ProgressBarsConfig(globally=False)
+    site = settings.reports / spec.name / "data_docs"
+    context.add_data_docs_site(
+        "duality",
+        {
+            "class_name": "SiteBuilder",
+            "store_backend": {
+                "class_name": "TupleFilesystemStoreBackend",
+                "base_directory": str(site),
+            },
+            "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
+        },
+    )
+    source = context.data_sources.add_spark(f"{spec.name}_snapshot")
+    reconciling = [e for e in expectations if e.meta[ORIGIN] == RECONCILE_ORIGIN]
+    schema = [e for e in expectations if e not in reconciling and e.expectation_type in SCHEMA]
+    rows = [e for e in expectations if e not in reconciling and e not in schema]
+
+    def validate(name: str, frame: DataFrame, checks: list[Any], detail: bool) -> dict[str, Any]:
+        suite = context.suites.add(gx.ExpectationSuite(f"{spec.name}_v{version}_{name}"))
+        for check in checks:
+            suite.add_expectation(check)
+        definition = context.validation_definitions.add(
+            gx.ValidationDefinition(
+                name=f"{spec.name}_{name}",
+                data=source.add_dataframe_asset(name).add_batch_definition_whole_dataframe("v"),
+                suite=suite,
+            )
+        )
+        # A passing check needs no more than its verdict: BOOLEAN_ONLY lets GE compute the
+        # unexpected counts of a domain in one aggregation, with no per-check sample queries.
+        # Failed checks run again with their counts and the keys of a few failing rows.
+        result_format: dict[str, Any] = {"result_format": "BOOLEAN_ONLY"}
+        if detail:
+            result_format = {
+                "result_format": "SUMMARY",
+                "unexpected_index_column_names": list(spec.key_columns),
+                "partial_unexpected_count": SAMPLE_KEYS,
+            }
+        outcome = definition.run(batch_parameters={"dataframe": frame}, result_format=result_format)
+        return cast(dict[str, Any], outcome.to_json_dict())
+
+    results = []
+    for name, checks in (("schema", schema), ("snapshot", rows), ("reconcile", reconciling)):
+        if not checks:
+            continue
+        frame = diff if name == "reconcile" else table
+        assert frame is not None
+        # Schema checks read no rows; their full results also let Data Docs order the columns.
+        result = validate(name, frame, checks, detail=name == "schema")
+        failed = {i["expectation_config"]["id"] for i in result["results"] if not i["success"]}
+        if failed and name != "schema":
+            # An expectation belongs to one suite: the failures' suite gets copies.
+            copies: dict[str, Any] = {}
+            for check in checks:
+                if check.id in failed:
+                    duplicate = copy.copy(check)
+                    duplicate.id = None
+                    copies[check.id] = duplicate
+            detailed = validate(f"{name}_failures", frame, list(copies.values()), detail=True)
+            original = {duplicate.id: check_id for check_id, duplicate in copies.items()}
+            by_id = {original[i["expectation_config"]["id"]]: i for i in detailed["results"]}
+            result["results"] = [
+                by_id.get(item["expectation_config"]["id"], item) for item in result["results"]
+            ]
+        results.append(result)
+    context.build_data_docs(site_names=["duality"])
+    return results
+
+
+def _failures(
+    spark: SparkSession,
+    spec: PipelineSpec,
+    table: DataFrame,
+    results: list[dict[str, Any]],
+) -> list[Failure]:
+    """The failed expectations, each with its origin (from its `meta`) and the keys of a few
+    failing rows."""
+    failed = []
+    for result in results:
+        for item in result["results"]:
+            if item["success"]:
+                continue
+            config = item["expectation_config"]
+            kwargs = {
+                k: v
+                for k, v in config["kwargs"].items()
+                if k not in ("batch_id", "result_format") and v is not None
+            }
+            outcome = item.get("result") or {}
+            keys = outcome.get("partial_unexpected_index_list", [])[:SAMPLE_KEYS]
+            if config["type"] == "unexpected_rows_expectation":
+                query = kwargs["unexpected_rows_query"]
+                view = f"duality_validate_{spec.name}"
+                table.createOrReplaceTempView(view)
+                sample = spark.sql(query.replace("{batch}", view)).limit(SAMPLE_KEYS).collect()
+                keys = [row.asDict() for row in sample]
+            raised = item.get("exception_info") or {}
+            error = raised.get("exception_message") if raised.get("raised_exception") else None
+            observed = outcome.get("observed_value")
+            failed.append(
+                Failure(
+                    expectation=config["type"],
+                    kwargs=kwargs,
+                    origin=(config.get("meta") or {}).get(ORIGIN, "(unknown)"),
+                    unexpected_count=outcome.get("unexpected_count", observed),
+                    keys=keys,
+                    error=error,
+                    observed=None if "unexpected_count" in outcome else observed,
+                )
+            )
+    return failed
+
+
+def _write_json(path: Path, report: Report, results: list[dict[str, Any]], stamp: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    document = {**dataclasses.asdict(report), "validated_at": stamp, "results": results}
+    text = json.dumps(document, indent=2, default=str)
+    path.write_text(text)
+    (path.parent / "latest.json").write_text(text)
+
+
+def summary(report: Report) -> str:
+    """One paragraph for people: what failed and for which keys."""
+    if report.success:
+        return (
+            f"version {report.version} of {report.pipeline} passed {report.checks} checks "
+            f"({report.rows:,} rows)" + ("; published" if report.published else "; not published")
+        )
+    lines = [
+        f"version {report.version} of {report.pipeline} failed {len(report.failed)} of "
+        f"{report.checks} checks; the published version stays "
+        f"{report.published_version if report.published_version is not None else '(none)'}:"
+    ]
+    for item in report.failed:
+        target = item.kwargs.get("column") or item.kwargs.get("column_list") or ""
+        keys = "; ".join(json.dumps(k, default=str) for k in item.keys[:3])
+        lines.append(
+            f"  - {item.expectation}({target}) [{item.origin}]: "
+            f"{item.unexpected_count} unexpected" + (f", e.g. {keys}" if keys else "")
+        )
+    lines.append(f"report: {report.json_report}; Data Docs: {report.data_docs}")
+    return "\n".join(lines)
+
+
+def require_success(report: Report) -> Report:
+    if not report.success:
+        raise CheckFailed(summary(report), details=dataclasses.asdict(report))
+    return report

@@ -1,0 +1,219 @@
+"""Demo workloads (`duality produce`): events for a pipeline's source with Zipf-skewed keys, an
+optional rate limit, and a fraction of bad records of every kind the stream must dead-letter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections import Counter
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import numpy as np
+
+from duality import kafka
+from duality.config import Settings
+from duality.errors import UsageError
+from duality.spec import PipelineSpec
+
+BAD_KINDS = (
+    "malformed",
+    "trailing",
+    "missing_key",
+    "wrong_type",
+    "non_finite",
+    "null_value",
+    "oversized",
+    "late",
+)
+# A JSON object followed by more text, each a way a producer can get it wrong.
+_TRAILING = (" {}", "x", ',{"second":1}', "\n]")
+# Doubles that JSON cannot hold: literals JSON does not have, strings, and an overflow.
+_NON_FINITE = ("NaN", "Infinity", "-Infinity", '"NaN"', '"Infinity"', "1e999")
+
+
+@dataclasses.dataclass
+class WorkloadReport:
+    topic: str
+    produced: int = 0
+    valid: int = 0
+    bad: Counter[str] = dataclasses.field(default_factory=Counter)
+    keys: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "topic": self.topic,
+            "produced": self.produced,
+            "valid": self.valid,
+            "bad": dict(self.bad),
+            "keys": self.keys,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def _key_value(field_type: str, index: int, field: str) -> Any:
+    if field_type in ("long", "int"):
+        return index
+    if field_type == "boolean":
+        return index % 2 == 0
+    return f"{field}-{index:06d}"
+
+
+def _iso(moment: datetime) -> str:
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+
+class Workload:
+    """Generates one pipeline's source records; deterministic for a seed (but for timestamps)."""
+
+    def __init__(
+        self,
+        spec: PipelineSpec,
+        *,
+        keys: int,
+        zipf: float,
+        bad_fraction: float,
+        seed: int | None = None,
+    ):
+        if keys < 1:
+            raise UsageError(f"--keys must be at least 1, got {keys}")
+        if zipf < 0:
+            raise UsageError(f"--zipf must be 0 (uniform) or more, got {zipf}")
+        if not 0 <= bad_fraction <= 1:
+            raise UsageError(f"--bad-fraction must be between 0 and 1, got {bad_fraction}")
+        self.spec = spec
+        self.keys = keys
+        self.bad_fraction = bad_fraction
+        self.rng = np.random.default_rng(seed)
+        weights = 1.0 / np.arange(1, keys + 1) ** zipf
+        self.key_probabilities = weights / weights.sum()
+        fields = spec.source.fields
+        self.doubles = [f for f, t in fields.items() if t == "double" and f in spec.required_fields]
+        self.kinds = [
+            k
+            for k in BAD_KINDS
+            if (k != "late" or spec.window is not None) and (k != "non_finite" or self.doubles)
+        ]
+        self.typed_fields = [
+            f
+            for f, t in fields.items()
+            if t in ("long", "int", "double") and f not in spec.source.key
+        ]
+
+    def _valid(self, key_index: int, now: datetime) -> dict[str, Any]:
+        record: dict[str, Any] = {}
+        for field, kind in self.spec.source.fields.items():
+            if field in self.spec.source.key:
+                record[field] = _key_value(kind, key_index, field)
+            elif kind in ("long", "int"):
+                record[field] = int(self.rng.integers(1, 10))
+            elif kind == "double":
+                record[field] = round(float(self.rng.uniform(0, 500)), 2)
+            elif kind == "boolean":
+                record[field] = bool(self.rng.integers(0, 2))
+            elif kind == "timestamp":
+                jitter = float(self.rng.uniform(0, 30))  # a little disorder, inside any watermark
+                record[field] = _iso(now - timedelta(seconds=jitter))
+            else:
+                record[field] = f"{field}-{int(self.rng.integers(0, 1000)):03d}"
+        return record
+
+    def _bad(self, kind: str, record: dict[str, Any]) -> bytes | None:
+        spec = self.spec
+        if kind == "malformed":
+            return json.dumps(record)[:-7].encode()  # cut off mid-object
+        if kind == "trailing":
+            tail = _TRAILING[int(self.rng.integers(0, len(_TRAILING)))]
+            return (json.dumps(record) + tail).encode()
+        if kind == "non_finite":
+            field = self.doubles[0]
+            literal = _NON_FINITE[int(self.rng.integers(0, len(_NON_FINITE)))]
+            record[field] = "__non_finite__"
+            return json.dumps(record).replace('"__non_finite__"', literal).encode()
+        if kind == "missing_key":
+            record.pop(spec.source.key[0])
+        elif kind == "wrong_type":
+            target = self.typed_fields[0] if self.typed_fields else spec.source.key[0]
+            record[target] = "not-a-number" if target in self.typed_fields else {"nested": 1}
+        elif kind == "null_value":
+            return None
+        elif kind == "oversized":
+            record["_padding"] = "x" * (spec.source.max_record_bytes + 1)
+        elif kind == "late":
+            assert spec.window is not None and spec.source.event_time is not None
+            lateness = spec.window.watermark_seconds + 2 * spec.window.size_seconds
+            late = datetime.now(UTC) - timedelta(seconds=lateness)
+            record[spec.source.event_time] = _iso(late)
+        return json.dumps(record).encode()
+
+    def records(self, count: int) -> list[tuple[bytes | None, bytes | None, str]]:
+        """`count` records as (key, value, kind) where kind is 'valid' or a bad kind."""
+        indexes = self.rng.choice(self.keys, size=count, p=self.key_probabilities)
+        bad_draws = self.rng.random(count) < self.bad_fraction
+        kinds = self.rng.integers(0, len(self.kinds), size=count)
+        key_field = self.spec.source.key[0]
+        now = datetime.now(UTC)
+        out: list[tuple[bytes | None, bytes | None, str]] = []
+        for i in range(count):
+            record = self._valid(int(indexes[i]), now)
+            key = str(record[key_field]).encode()
+            if bad_draws[i]:
+                kind = self.kinds[int(kinds[i])]
+                out.append((key, self._bad(kind, record), kind))
+            else:
+                out.append((key, json.dumps(record).encode(), "valid"))
+        return out
+
+
+def produce(
+    settings: Settings,
+    spec: PipelineSpec,
+    *,
+    events: int,
+    keys: int,
+    zipf: float = 1.1,
+    bad_fraction: float = 0.02,
+    rate: float | None = None,
+    seed: int | None = None,
+    partitions: int = 6,
+    progress: Callable[[int], None] | None = None,
+) -> WorkloadReport:
+    """Produce `events` records to the spec's source topic (created if missing)."""
+    if events < 0:
+        raise UsageError(f"--events must be 0 or more, got {events}")
+    if rate is not None and rate <= 0:
+        raise UsageError(f"--rate must be positive, got {rate}")
+    workload = Workload(spec, keys=keys, zipf=zipf, bad_fraction=bad_fraction, seed=seed)
+    topic = spec.source.topic
+    kafka.create_topic(settings, topic, partitions, exist_ok=True)
+    producer = kafka.producer(settings, queue_buffering_max_messages=500_000)
+    report = WorkloadReport(topic=topic, keys=keys)
+    start = time.monotonic()
+    chunk = 10_000 if rate is None else max(1, int(rate // 10))
+    produced = 0
+    while produced < events:
+        batch = workload.records(min(chunk, events - produced))
+        for key, value, kind in batch:
+            kafka.send(producer, topic, key=key, value=value)
+            if kind == "valid":
+                report.valid += 1
+            else:
+                report.bad[kind] += 1
+        produced += len(batch)
+        producer.poll(0)
+        if progress is not None:
+            progress(produced)
+        if rate is not None:
+            # Pace the producer: sleep until the moment `produced` events are due.
+            due = start + produced / rate
+            time.sleep(max(0.0, due - time.monotonic()))
+    undelivered = producer.flush(120)
+    if undelivered:
+        raise RuntimeError(f"{undelivered} records to {topic} were not delivered")
+    report.produced = produced
+    report.seconds = time.monotonic() - start
+    return report
