@@ -1,7 +1,4 @@
-"""The `duality` command line: parses arguments, calls the library, renders text or JSON.
-
-Exit codes: 0 success, 1 a check failed, 2 bad input or usage (including an unreachable broker).
-"""
+"""The `duality` command line; exits 1 when a check failed, 2 on bad usage or no broker."""
 
 from __future__ import annotations
 
@@ -10,7 +7,8 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from argparse import Namespace
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +29,7 @@ from duality.local import stack
 from duality.local.broker import BrokerStatus
 from duality.stream.options import StreamOptions
 
-Handler = Callable[[Settings, argparse.Namespace, Console], Any]
+Handler = Callable[[Settings, Namespace, Console], Any]
 
 _out = Console(highlight=False)
 _err = Console(stderr=True, highlight=False)
@@ -45,10 +43,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
-# -- commands ------------------------------------------------------------------------------
-
-
-def _cmd_up(settings: Settings, args: argparse.Namespace, console: Console) -> stack.StackUp:
+def _cmd_up(settings: Settings, args: Namespace, console: Console) -> stack.StackUp:
     with console.status("starting the local stack") as spinner:
         started = stack.up(
             settings,
@@ -87,7 +82,7 @@ def _cmd_up(settings: Settings, args: argparse.Namespace, console: Console) -> s
     return started
 
 
-def _cmd_down(settings: Settings, args: argparse.Namespace, console: Console) -> stack.StackDown:
+def _cmd_down(settings: Settings, args: Namespace, console: Console) -> stack.StackDown:
     stopped = stack.down(settings)
     if args.json:
         return stopped
@@ -106,9 +101,7 @@ def _cmd_down(settings: Settings, args: argparse.Namespace, console: Console) ->
     return stopped
 
 
-def _cmd_status(
-    settings: Settings, args: argparse.Namespace, console: Console
-) -> stack.StackStatus:
+def _cmd_status(settings: Settings, args: Namespace, console: Console) -> stack.StackStatus:
     report = stack.status(settings)
     if not args.json:
         _print_status(report, console)
@@ -116,53 +109,53 @@ def _cmd_status(
     return report
 
 
+def _table(
+    title: str, columns: Sequence[str], rows: Iterable[Sequence[str]], right: Sequence[str] = ()
+) -> Table:
+    """A table of text cells, left-justified but for the columns named in `right`."""
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column, justify="right" if column in right else "left")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
 def _print_status(report: stack.StackStatus, console: Console) -> None:
-    table = Table(title="duality local stack", show_header=True)
-    for column in ("service", "state", "address", "pid", "reachable", "log"):
-        table.add_column(column)
-    broker = report.broker
+    broker, spark, airflow = report.broker, report.spark, report.airflow
     if report.topology.brokers == 1:
-        rows = [("kafka", broker.state, broker.bootstrap_servers, broker.pid, broker.reachable)]
+        nodes = [("kafka", broker.state, broker.bootstrap_servers, broker.pid, broker.reachable)]
     else:
-        rows = [
+        nodes = [
             (f"kafka-{n.node_id}", n.state, n.bootstrap_servers, n.pid, n.reachable)
             for n in broker.nodes
         ]
-    for (name, state, address, pid, reachable), node in zip(rows, broker.nodes, strict=True):
-        table.add_row(
-            name, state, address, str(pid or "-"), "yes" if reachable else "no", str(node.log)
-        )
-    spark = report.spark
+    rows = [
+        (name, state, address, str(pid or "-"), "yes" if reachable else "no", str(node.log))
+        for (name, state, address, pid, reachable), node in zip(nodes, broker.nodes, strict=True)
+    ]
     if spark is not None:
-        table.add_row(
-            "spark",
-            spark.state,
-            spark.master_url or "-",
-            str(spark.master_pid or "-"),
-            f"{sum(w.registered for w in spark.workers)}/{len(spark.workers)} workers",
-            str(spark.log),
-        )
-    airflow = report.airflow
+        alive = f"{sum(w.registered for w in spark.workers)}/{len(spark.workers)} workers"
+        pid = str(spark.master_pid or "-")
+        rows.append(("spark", spark.state, spark.master_url or "-", pid, alive, str(spark.log)))
     for name, component in airflow.components.items():
-        table.add_row(
-            "airflow" if name == "standalone" else f"airflow {name}",
-            "running" if component.pid else "stopped",
-            airflow.url if name in ("standalone", "api-server") else "",
-            str(component.pid or "-"),
-            "yes" if airflow.healthy else "no",
-            str(component.log),
+        rows.append(
+            (
+                "airflow" if name == "standalone" else f"airflow {name}",
+                "running" if component.pid else "stopped",
+                airflow.url if name in ("standalone", "api-server") else "",
+                str(component.pid or "-"),
+                "yes" if airflow.healthy else "no",
+                str(component.log),
+            )
         )
     database = airflow.postgres
     if database is not None:
-        table.add_row(
-            "postgres",
-            database.state,
-            f"127.0.0.1:{database.port}" if database.port else "-",
-            str(database.pid or "-"),
-            "",
-            str(database.log),
-        )
-    console.print(table)
+        address = f"127.0.0.1:{database.port}" if database.port else "-"
+        pid = str(database.pid or "-")
+        rows.append(("postgres", database.state, address, pid, "", str(database.log)))
+    columns = ("service", "state", "address", "pid", "reachable", "log")
+    console.print(_table("duality local stack", columns, rows))
     durable = broker.durability
     if durable is None:
         return
@@ -171,52 +164,31 @@ def _print_status(report: stack.StackStatus, console: Console) -> None:
         f"min.insync.replicas {durable.min_insync_replicas} "
         f"({durable.brokers} brokers; chosen by {durable.chosen_by})"
     )
-    replicas = Table(title="duality's topics", show_header=True)
-    for column in ("topic", "replicas", "min.insync.replicas", "below min ISR now"):
-        replicas.add_column(column)
-    for topic in broker.topics:
-        flag = " [red](fewer than configured)[/red]" if topic.below_configured else ""
-        replicas.add_row(
-            topic.topic + flag,
-            str(topic.replication_factor),
-            str(topic.min_insync_replicas),
-            str(topic.below_min_isr),
+    header = ("topic", "replicas", "min.insync.replicas", "below min ISR now")
+    topics = [
+        (
+            t.topic + (" [red](fewer than configured)[/red]" if t.below_configured else ""),
+            str(t.replication_factor),
+            str(t.min_insync_replicas),
+            str(t.below_min_isr),
         )
-    console.print(replicas)
+        for t in broker.topics
+    ]
+    console.print(_table("duality's topics", header, topics))
 
 
-def _cmd_lag(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+def _cmd_lag(settings: Settings, args: Namespace, console: Console) -> dict[str, Any]:
     rows = kafka.lag(settings, args.group or None)
+    result = [{**dataclasses.asdict(r), "lag": r.lag} for r in rows]
     if not args.json:
-        table = Table(title=f"consumer lag on {settings.bootstrap_servers}")
-        for column in ("group", "topic", "partition", "committed", "end", "lag"):
-            table.add_column(column, justify="right" if column != "group" else "left")
-        for row in rows:
-            table.add_row(
-                row.group,
-                row.topic,
-                str(row.partition),
-                str(row.committed),
-                str(row.end),
-                str(row.lag),
-            )
+        columns = ("group", "topic", "partition", "committed", "end", "lag")
+        cells = [list(map(str, row.values())) for row in result]
+        table = _table(f"consumer lag on {settings.bootstrap_servers}", columns, cells, columns[1:])
         console.print(table if rows else "no consumer group has committed offsets")
-    return {
-        "lag": [
-            {
-                "group": r.group,
-                "topic": r.topic,
-                "partition": r.partition,
-                "committed": r.committed,
-                "end": r.end,
-                "lag": r.lag,
-            }
-            for r in rows
-        ]
-    }
+    return {"lag": result}
 
 
-def _cmd_demo(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+def _cmd_demo(settings: Settings, args: Namespace, console: Console) -> dict[str, Any]:
     from duality import demo
 
     result = demo.run(settings, args.events, console, seed=args.seed)
@@ -251,9 +223,7 @@ def _cmd_demo(settings: Settings, args: argparse.Namespace, console: Console) ->
     return result
 
 
-def _cmd_spec_validate(
-    settings: Settings, args: argparse.Namespace, console: Console
-) -> dict[str, Any]:
+def _cmd_spec_validate(settings: Settings, args: Namespace, console: Console) -> dict[str, Any]:
     paths = [Path(p) for p in args.specs] or spec.spec_files(settings)
     if not paths:
         raise UsageError(f"no pipeline specs in {settings.pipelines}: add one, or name a file")
@@ -275,16 +245,14 @@ def _cmd_spec_validate(
     return {"valid": valid}
 
 
-def _cmd_spec_schema(
-    settings: Settings, args: argparse.Namespace, console: Console
-) -> dict[str, Any]:
+def _cmd_spec_schema(settings: Settings, args: Namespace, console: Console) -> dict[str, Any]:
     schema = spec.json_schema()
     if not args.json:
-        print(json.dumps(schema, indent=2))
+        _print_json(schema)
     return schema
 
 
-def _cmd_produce(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+def _cmd_produce(settings: Settings, args: Namespace, console: Console) -> dict[str, Any]:
     from rich.progress import Progress
 
     from duality import workload
@@ -314,7 +282,7 @@ def _cmd_produce(settings: Settings, args: argparse.Namespace, console: Console)
     return result
 
 
-def _cmd_stream(settings: Settings, args: argparse.Namespace, console: Console) -> Any:
+def _cmd_stream(settings: Settings, args: Namespace, console: Console) -> Any:
     from duality.stream import control
 
     pipeline = spec.find_spec(settings, args.pipeline)
@@ -338,11 +306,8 @@ def _cmd_stream(settings: Settings, args: argparse.Namespace, console: Console) 
         with console.status(f"stopping the stream of {pipeline.name}"):
             stopped = control.stop(settings, pipeline)
         if not args.json:
-            console.print(
-                f"stream {pipeline.name} stopped"
-                if stopped.was_running
-                else f"stream {pipeline.name} was not running"
-            )
+            verb = "stopped" if stopped.was_running else "was not running"
+            console.print(f"stream {pipeline.name} {verb}")
         return stopped
     state = control.describe(settings, pipeline)
     if not args.json:
@@ -361,7 +326,7 @@ def _cmd_stream(settings: Settings, args: argparse.Namespace, console: Console) 
     return state
 
 
-def _cmd_reset(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+def _cmd_reset(settings: Settings, args: Namespace, console: Console) -> dict[str, Any]:
     from datetime import datetime
 
     from duality import reset
@@ -391,17 +356,14 @@ def _cmd_reset(settings: Settings, args: argparse.Namespace, console: Console) -
     return {**plan.as_dict(), "dry_run": args.dry_run}
 
 
-def _cmd_snapshot(settings: Settings, args: argparse.Namespace, console: Console) -> Any:
+def _cmd_snapshot(settings: Settings, args: Namespace, console: Console) -> Any:
     from duality.snapshot import build, maintain
 
     pipeline = spec.find_spec(settings, args.pipeline)
     if args.maintain:
         with console.status(f"maintaining the snapshot of {pipeline.name}") as status:
             done = maintain.maintain(
-                settings,
-                pipeline,
-                retain_hours=args.retain_hours,
-                progress=lambda text: status.update(text),
+                settings, pipeline, retain_hours=args.retain_hours, progress=status.update
             )
         if not args.json:
             console.print(
@@ -413,7 +375,7 @@ def _cmd_snapshot(settings: Settings, args: argparse.Namespace, console: Console
         return done
     mode: build.Mode = "full" if args.full else "incremental" if args.incremental else "auto"
     with console.status(f"snapshot of {pipeline.name}") as status:
-        built = build.build(settings, pipeline, mode, progress=lambda text: status.update(text))
+        built = build.build(settings, pipeline, mode, progress=status.update)
     if not args.json:
         if built.fallback_reason:
             console.print(
@@ -435,7 +397,7 @@ def _cmd_snapshot(settings: Settings, args: argparse.Namespace, console: Console
     return built
 
 
-def _cmd_validate(settings: Settings, args: argparse.Namespace, console: Console) -> Any:
+def _cmd_validate(settings: Settings, args: Namespace, console: Console) -> Any:
     from duality import validate
 
     pipeline = spec.find_spec(settings, args.pipeline)
@@ -446,7 +408,7 @@ def _cmd_validate(settings: Settings, args: argparse.Namespace, console: Console
             reconcile=args.reconcile,
             publish=not args.no_publish,
             version=args.version,
-            progress=lambda text: status.update(text),
+            progress=status.update,
         )
     validate.require_success(report)
     if not args.json:
@@ -455,7 +417,7 @@ def _cmd_validate(settings: Settings, args: argparse.Namespace, console: Console
     return report
 
 
-def _cmd_publish(settings: Settings, args: argparse.Namespace, console: Console) -> Any:
+def _cmd_publish(settings: Settings, args: Namespace, console: Console) -> Any:
     from duality.snapshot import publish
 
     pipeline = spec.find_spec(settings, args.pipeline)
@@ -470,7 +432,7 @@ def _cmd_publish(settings: Settings, args: argparse.Namespace, console: Console)
     return result
 
 
-def _cmd_read(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+def _cmd_read(settings: Settings, args: Namespace, console: Console) -> dict[str, Any]:
     from duality.snapshot import publish
 
     pipeline = spec.find_spec(settings, args.pipeline)
@@ -487,13 +449,9 @@ def _cmd_read(settings: Settings, args: argparse.Namespace, console: Console) ->
             ordered = frame.orderBy(*pipeline.key_columns).limit(args.limit)
             rows = [row.asDict() for row in ordered.collect()]
     if not args.json:
-        table = Table(title=f"{pipeline.name}: published version {found.version} ({total:,} rows)")
+        title = f"{pipeline.name}: published version {found.version} ({total:,} rows)"
         columns = list(rows[0]) if rows else pipeline.snapshot_columns
-        for column in columns:
-            table.add_column(column)
-        for row in rows:
-            table.add_row(*(_cell(row[c]) for c in columns))
-        console.print(table)
+        console.print(_table(title, columns, [[_cell(row[c]) for c in columns] for row in rows]))
         if total > len(rows):
             console.print(f"showing {len(rows)} of {total:,} rows (--limit)")
     return {
@@ -513,7 +471,7 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-def _cmd_skew(settings: Settings, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+def _cmd_skew(settings: Settings, args: Namespace, console: Console) -> dict[str, Any]:
     from duality import skew
 
     window = skew.parse_window(args.window)
@@ -525,21 +483,20 @@ def _cmd_skew(settings: Settings, args: argparse.Namespace, console: Console) ->
     if args.plot is not None:
         result["plot"] = str(skew.plot(report, args.plot))
     if not args.json:
-        hot_set = set(report.hot_partitions)
-        table = Table(title=f"load per partition of {args.topic} (window {window:g}s)")
-        for column in ("partition", "records", "bytes (est.)", "records/s", "lag", "top keys"):
-            table.add_column(column, justify="left" if column == "top keys" else "right")
-        for load in report.partitions:
-            mark = "[red]" if load.partition in hot_set else ""
-            table.add_row(
-                f"{mark}{load.partition}",
+        columns = ("partition", "records", "bytes (est.)", "records/s", "lag", "top keys")
+        rows = [
+            (
+                f"{'[red]' if load.partition in report.hot_partitions else ''}{load.partition}",
                 f"{load.records:,}",
                 f"{load.bytes:,}",
                 f"{load.rate:,.1f}",
                 "-" if load.lag is None else f"{load.lag:,}",
                 ", ".join(f"{k} ({n:,})" for k, n in load.top_keys[:3]),
             )
-        console.print(table)
+            for load in report.partitions
+        ]
+        title = f"load per partition of {args.topic} (window {window:g}s)"
+        console.print(_table(title, columns, rows, columns[:-1]))
         advice = report.recommendation
         console.print(
             f"skew (max/mean): rate {report.skew_rate:.2f}, size {report.skew_size:.2f}; "
@@ -563,9 +520,7 @@ def _cmd_skew(settings: Settings, args: argparse.Namespace, console: Console) ->
     return result
 
 
-def _cmd_repartition(
-    settings: Settings, args: argparse.Namespace, console: Console
-) -> dict[str, Any]:
+def _cmd_repartition(settings: Settings, args: Namespace, console: Console) -> dict[str, Any]:
     import signal
     import threading
 
@@ -610,16 +565,15 @@ def _cmd_repartition(
         )
     result = report.as_dict()
     if not args.json:
-        table = Table(title=f"{plan.source} -> {plan.target} ({plan.strategy})")
-        for column in ("side", "partition", "records"):
-            table.add_column(column, justify="left" if column == "side" else "right")
-        for side, counts in (
-            ("source", result["source_partitions"]),
-            ("target", result["target_partitions"]),
-        ):
-            for partition, records in counts.items():
-                table.add_row(side, partition, f"{records:,}")
-        console.print(table)
+        rows = [
+            (side, partition, f"{records:,}")
+            for side in ("source", "target")
+            for partition, records in result[f"{side}_partitions"].items()
+        ]
+        title = f"{plan.source} -> {plan.target} ({plan.strategy})"
+        console.print(
+            _table(title, ("side", "partition", "records"), rows, ("partition", "records"))
+        )
         console.print(
             f"copied {report.copied:,} records in {report.seconds:.1f}s "
             f"({report.records_per_s:,.0f} records/s; the Spark job copying took "
@@ -627,12 +581,6 @@ def _cmd_repartition(
             f"skew (max/mean) before {report.skew_before:.2f}, after {report.skew_after:.2f}"
         )
     return result
-
-
-# -- arguments that a job shares with its command -------------------------------------------
-
-
-# -- parser --------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -643,10 +591,19 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     commands.required = True
 
-    def add(name: str, handler: Handler, help_text: str) -> argparse.ArgumentParser:
-        sub = commands.add_parser(name, help=help_text, description=help_text)
+    def add(
+        name: str, handler: Handler, help_text: str, pipeline: bool = False, under: Any = commands
+    ) -> argparse.ArgumentParser:
+        sub: argparse.ArgumentParser = under.add_parser(name, help=help_text, description=help_text)
         sub.add_argument("--json", action="store_true", help="print the result as JSON")
         sub.set_defaults(handler=handler)
+        if pipeline:
+            sub.add_argument("pipeline", help="pipeline name or spec file")
+        return sub
+
+    def actions(name: str, dest: str, help_text: str) -> Any:
+        sub = commands.add_parser(name, help=help_text).add_subparsers(dest=dest, metavar="ACTION")
+        sub.required = True
         return sub
 
     up = add("up", _cmd_up, "start the local stack (idempotent)")
@@ -675,21 +632,16 @@ def build_parser() -> argparse.ArgumentParser:
     add("status", _cmd_status, "report the local stack")
     lag = add("lag", _cmd_lag, "consumer lag per group, topic and partition")
     lag.add_argument("--group", action="append", help="only this consumer group (repeatable)")
-    spec_parser = commands.add_parser("spec", help="validate pipeline specs or print their schema")
-    spec_commands = spec_parser.add_subparsers(dest="spec_command", metavar="ACTION")
-    spec_commands.required = True
-    for name, handler, help_text in (
-        ("validate", _cmd_spec_validate, "validate specs (default: every spec in the folder)"),
-        ("schema", _cmd_spec_schema, "print the JSON schema of a pipeline spec"),
-    ):
-        sub = spec_commands.add_parser(name, help=help_text, description=help_text)
-        sub.add_argument("--json", action="store_true", help="print the result as JSON")
-        sub.set_defaults(handler=handler)
-        if name == "validate":
-            sub.add_argument("specs", nargs="*", metavar="SPEC", help="spec files or names")
+    specs = actions("spec", "spec_command", "validate pipeline specs or print their schema")
+    add(
+        "validate",
+        _cmd_spec_validate,
+        "validate specs (default: every spec in the folder)",
+        under=specs,
+    ).add_argument("specs", nargs="*", metavar="SPEC", help="spec files or names")
+    add("schema", _cmd_spec_schema, "print the JSON schema of a pipeline spec", under=specs)
 
-    produce = add("produce", _cmd_produce, "produce a demo workload to a pipeline's source")
-    produce.add_argument("pipeline", help="pipeline name or spec file")
+    produce = add("produce", _cmd_produce, "produce a demo workload to a pipeline's source", True)
     produce.add_argument("--events", type=int, default=20_000, help="events to produce")
     produce.add_argument("--keys", type=int, default=1_000, help="distinct group keys")
     produce.add_argument("--zipf", type=float, default=1.1, help="key skew (0 is uniform)")
@@ -710,34 +662,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="partitions of the source topic when it is created",
     )
 
-    stream_parser = commands.add_parser("stream", help="start, stop or inspect a pipeline's stream")
-    stream_commands = stream_parser.add_subparsers(dest="stream_command", metavar="ACTION")
-    stream_commands.required = True
-    for name, help_text in (
-        ("start", "start the stream (detached, or --foreground)"),
-        ("stop", "stop the stream gracefully"),
-        ("status", "process, last heartbeat and lag of the stream"),
-    ):
-        sub = stream_commands.add_parser(name, help=help_text, description=help_text)
-        sub.add_argument("--json", action="store_true", help="print the result as JSON")
-        sub.set_defaults(handler=_cmd_stream)
-        if name == "start":
-            stream_arguments(sub)
-            sub.add_argument("--foreground", action="store_true", help="run in this process")
-        else:
-            sub.add_argument("pipeline", help="pipeline name or spec file")
+    streams = actions("stream", "stream_command", "start, stop or inspect a pipeline's stream")
+    start = add("start", _cmd_stream, "start the stream (detached, or --foreground)", under=streams)
+    stream_arguments(start)
+    start.add_argument("--foreground", action="store_true", help="run in this process")
+    add("stop", _cmd_stream, "stop the stream gracefully", True, streams)
+    add("status", _cmd_stream, "process, last heartbeat and lag of the stream", True, streams)
 
-    reset_parser = add("reset", _cmd_reset, "reset a pipeline to reprocess its source")
-    reset_parser.add_argument("pipeline", help="pipeline name or spec file")
-    reset_parser.add_argument("--to-datetime", help="reprocess from this time (ISO-8601)")
-    reset_parser.add_argument("--to-offsets", help="reprocess from these offsets (0:100,1:250)")
-    reset_parser.add_argument("--dry-run", action="store_true", help="print the plan only")
+    rewind = add("reset", _cmd_reset, "reset a pipeline to reprocess its source", True)
+    rewind.add_argument("--to-datetime", help="reprocess from this time (ISO-8601)")
+    rewind.add_argument("--to-offsets", help="reprocess from these offsets (0:100,1:250)")
+    rewind.add_argument("--dry-run", action="store_true", help="print the plan only")
 
     snapshot_arguments(
         add("snapshot", _cmd_snapshot, "rebuild a pipeline's Delta snapshot from its changelog")
     )
-    check = add("validate", _cmd_validate, "validate a snapshot version and publish it")
-    check.add_argument("pipeline", help="pipeline name or spec file")
+    check = add("validate", _cmd_validate, "validate a snapshot version and publish it", True)
     check.add_argument(
         "--reconcile",
         action="store_true",
@@ -747,24 +687,22 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--no-publish", action="store_true", help="validate only; do not publish on success"
     )
-    publisher = add("publish", _cmd_publish, "publish a version that passed validation")
-    publisher.add_argument("pipeline", help="pipeline name or spec file")
+    publisher = add("publish", _cmd_publish, "publish a version that passed validation", True)
     publisher.add_argument(
         "--version", type=int, required=True, help="the version `validate --no-publish` passed"
     )
-    reader = add("read", _cmd_read, "the published (validated) snapshot of a pipeline")
-    reader.add_argument("pipeline", help="pipeline name or spec file")
+    reader = add("read", _cmd_read, "the published (validated) snapshot of a pipeline", True)
     reader.add_argument(
         "--limit",
         type=not_negative,
         default=20,
         help="rows to show, ordered by key (0: only the version and its row count, without Spark)",
     )
-    skew_parser = add("skew", _cmd_skew, "load per partition, hot partitions and keys of a topic")
-    skew_parser.add_argument("topic", help="the topic to inspect")
-    skew_parser.add_argument("--group", help="also show this consumer group's lag")
-    skew_parser.add_argument("--window", default="60s", help="rate window (60s, 5m, 1h)")
-    skew_parser.add_argument("--plot", type=Path, help="draw the load per partition to FILE.png")
+    skewed = add("skew", _cmd_skew, "load per partition, hot partitions and keys of a topic")
+    skewed.add_argument("topic", help="the topic to inspect")
+    skewed.add_argument("--group", help="also show this consumer group's lag")
+    skewed.add_argument("--window", default="60s", help="rate window (60s, 5m, 1h)")
+    skewed.add_argument("--plot", type=Path, help="draw the load per partition to FILE.png")
 
     repartition_arguments(
         add(
@@ -778,6 +716,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2, default=_json_value))
+
+
 def _json_value(value: Any) -> Any:
     """What `json.dumps` cannot write itself: a result dataclass as its fields, else text."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -787,16 +729,8 @@ def _json_value(value: Any) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    command = " ".join(
-        filter(
-            None,
-            (
-                args.command,
-                getattr(args, "spec_command", None),
-                getattr(args, "stream_command", None),
-            ),
-        )
-    )
+    action = getattr(args, "spec_command", None) or getattr(args, "stream_command", None)
+    command = f"{args.command} {action}" if action else args.command
     console = _err if args.json else _out
     settings: Settings | None = None
     try:
@@ -814,13 +748,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DualityError as error:
         if args.json:
             details = getattr(error, "details", {})
-            print(
-                json.dumps(
-                    {**details, "error": str(error), "exit_code": error.exit_code},
-                    indent=2,
-                    default=_json_value,
-                )
-            )
+            _print_json({**details, "error": str(error), "exit_code": error.exit_code})
         _err.print(f"duality {command}: error: {error}", style="red", markup=False, soft_wrap=True)
         return error.exit_code
     except KeyboardInterrupt:
@@ -831,7 +759,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         if args.json:
-            print(json.dumps(result, indent=2, default=_json_value))
+            _print_json(result)
     except BrokenPipeError:
         sys.stderr.close()
     return 0

@@ -1,15 +1,5 @@
-"""`duality demo`: the whole story through Airflow on the stack `duality up` started.
-
-1. produce a skewed workload with bad records to the demo pipeline's source;
-2. the supervisor DAG starts the stream, which counts the good records into the changelog and
-   dead-letters the bad ones;
-3. the snapshot DAG builds a Delta snapshot from the changelog, validates it with Great
-   Expectations and publishes it;
-4. the repartition DAG checks the hot source topic and copies it into a topic with more
-   partitions, exactly once;
-5. a summary: events, dead letters, skew before and after, snapshot version, validation result,
-   where the reports and the skew plot are, and the Airflow address.
-"""
+"""`duality demo`: through Airflow on the stack `duality up` started, a skewed workload with bad
+records is streamed, snapshotted, validated, published and repartitioned, then summed up."""
 
 from __future__ import annotations
 
@@ -31,13 +21,7 @@ _CATCH_UP_TIMEOUT_S = 600.0
 
 
 def run(
-    settings: Settings,
-    events: int,
-    console: Console,
-    *,
-    keys: int = 500,
-    zipf: float = 1.3,
-    seed: int | None = None,
+    settings: Settings, events: int, console: Console, *, seed: int | None = None
 ) -> dict[str, Any]:
     if events < 1:
         raise UsageError(f"--events must be at least 1, got {events}")
@@ -70,8 +54,8 @@ def run(
             settings,
             pipeline,
             events=events,
-            keys=keys,
-            zipf=zipf,
+            keys=500,
+            zipf=1.3,
             bad_fraction=0.02,
             seed=seed,
             progress=lambda done: say(f"{done:,} of {events:,}"),

@@ -1,9 +1,5 @@
-"""The processes duality starts: pid files, daemons in a group of their own, stopping a group
-(a signal, a grace period, then SIGKILL), and children that die with their parent.
-
-Every caller (the local stack, stream control, the Airflow operators, the tests and the bench)
-goes through these few functions, so "stop what you started" is written once.
-"""
+"""The processes duality starts, for every caller: pid files, daemons in a group of their own,
+stopping a group (a signal, a grace period, then SIGKILL), children that die with their parent."""
 
 from __future__ import annotations
 
@@ -95,12 +91,9 @@ def stop_group(
     whole_group: bool = False,
     reap: subprocess.Popen[Any] | None = None,
 ) -> bool:
-    """Send `first` to `pid` (to its whole process group with `whole_group`), wait up to `grace`
-    seconds for every process of the group to exit, then SIGKILL what is left of the group.
-    `pid` must lead its group (started with `start_new_session`). `reap` is the `Popen` of `pid`
-    when it is our child, so that it is reaped and stops counting as alive.
-
-    Returns whether anything had to be killed."""
+    """Send `first` to `pid`, the leader of its group (or to the group, `whole_group`), SIGKILL
+    what of the group is left after `grace` seconds; returns whether anything had to be.
+    `reap`: the `Popen` of `pid` when it is our child, reaped so that it stops counting."""
     try:
         group = os.getpgid(pid)
         if whole_group:

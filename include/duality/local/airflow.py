@@ -1,5 +1,4 @@
-"""Airflow with this checkout's `dags/` and `plugins/`, as the local stack runs it: standalone on
-SQLite, or its components as separate processes on the stack's PostgreSQL."""
+"""The local stack's Airflow with this checkout's `dags/` and `plugins/` (docs/operations.md)."""
 
 from __future__ import annotations
 
@@ -27,7 +26,6 @@ from duality.local.startup import tail, wait_started
 from duality.process import end_processes, kill_group, live_pid, start_daemon, wait_exited
 
 _START_TIMEOUT_S = 300.0
-_STOP_TIMEOUT_S = 30.0
 AIRFLOW_USER = "admin"
 # Airflow's long-running components, each `airflow <name>` in a process of its own on
 # PostgreSQL, after `airflow db migrate`: the commands of docker-compose.yml's Airflow services.
@@ -69,19 +67,9 @@ class AirflowStopped:
 
 
 class LocalAirflow:
-    """Airflow with this checkout's `dags/` and `plugins/`, on what `DUALITY_AIRFLOW_DB` says:
-
-    - `sqlite` (default): `airflow standalone` (SQLite, LocalExecutor), one process tree.
-    - `postgres`: a `LocalPostgres` server, `airflow db migrate`, then each of
-      `AIRFLOW_COMPONENTS` as its own process (group, pid file `<name>.pid`, log `<name>.log`),
-      as in docker-compose.yml. Starting again starts the components that do not run.
-
-    Its home is `<local_dir>/airflow`. The connections `kafka_default` and `spark_default` are
-    given as `AIRFLOW_CONN_*` variables built from the settings (`kafka_default` with the SASL
-    login, if any), and every `DUALITY_*` setting is passed on, so tasks see the same stack as
-    the command that started Airflow. `stop()` stops
-    whichever of the two runs, whatever the setting says now.
-    """
+    """`airflow standalone` on SQLite, or (`DUALITY_AIRFLOW_DB=postgres`) each of
+    `AIRFLOW_COMPONENTS` in its own process group on `LocalPostgres`, as docker-compose.yml; its
+    tasks get every `DUALITY_*` setting, so they see the stack of the command that started it."""
 
     def __init__(self, settings: Settings):
         self.settings = settings
@@ -158,8 +146,7 @@ class LocalAirflow:
         return {**os.environ, **settings.as_env(), **airflow, "PATH": path}
 
     def _server_ports(self) -> dict[str, int]:
-        """The ports of the components' side servers: chosen free while no component runs,
-        kept in `ports.json` for the components started later (a restarted scheduler)."""
+        """Chosen free while no component runs; kept in `ports.json` for a restarted one."""
         saved = self.home / "ports.json"
         if saved.is_file() and any(map(self.component_pid, AIRFLOW_COMPONENTS)):
             return dict(json.loads(saved.read_text()))
@@ -169,21 +156,16 @@ class LocalAirflow:
         saved.write_text(json.dumps(ports))
         return ports
 
-    # -- what runs -------------------------------------------------------------------------
-
-    def pid(self) -> int | None:
-        """The pid of `airflow standalone`, when that runs."""
+    def pid(self) -> int | None:  # of `airflow standalone`
         return live_pid(
             self.pid_file,
             lambda cmdline: "standalone" in cmdline and any(p.endswith("airflow") for p in cmdline),
         )
 
     def component_log(self, name: str) -> Path:
-        """The log of component `name`, or of `standalone`."""
         return self.home / f"{name}.log"
 
     def component_pid(self, name: str) -> int | None:
-        """The pid of component `name` (one of `AIRFLOW_COMPONENTS`), when it runs."""
         # The API server's process title says `airflow api_server -- ...`.
         return live_pid(
             self.home / f"{name}.pid",
@@ -238,11 +220,8 @@ class LocalAirflow:
             postgres=database,
         )
 
-    # -- start -----------------------------------------------------------------------------
-
     def start(self, progress: Callable[[str], None] = lambda _: None) -> AirflowStatus:
-        """Start Airflow on `DUALITY_AIRFLOW_DB`'s database unless it runs; wait until every
-        component is healthy. Returns its status, with the admin's password."""
+        """Start what does not run; wait until every component is healthy."""
         wanted = self.settings.airflow_db
         running = self.running_db()
         if running is not None and running != wanted:
@@ -269,32 +248,23 @@ class LocalAirflow:
             )
 
     def _start_standalone(self, progress: Callable[[str], None]) -> bool:
-        """Start `airflow standalone` unless it runs; returns whether it started it."""
+        """Returns whether it started anything."""
         if self.pid() is not None:
             return False
         self._check_port()
-        self.home.mkdir(parents=True, exist_ok=True)
         self.password()  # the file Airflow reads the admin's password from
-        process = start_daemon(
-            [str(_airflow()), "standalone"],
-            self.log_file,
-            self.pid_file,
-            cwd=self.home,
-            env=self.environment(),
-        )
+        process = self._launch("standalone", self.environment())
         progress("starting Airflow (database, scheduler, DAG processor, triggerer, API server)")
         self._wait_healthy({"standalone": process})
         return True
 
     def _start_components(self, progress: Callable[[str], None]) -> bool:
-        """Start PostgreSQL and the components that do not run; returns whether anything
-        did not."""
+        """Returns whether it started anything."""
         missing = [name for name in AIRFLOW_COMPONENTS if self.component_pid(name) is None]
         if not missing and self.postgres.pid() is not None:
             return False
         if "api-server" in missing:
             self._check_port()
-        self.home.mkdir(parents=True, exist_ok=True)
         self.password()  # the file Airflow reads the admin's password from
         progress("starting PostgreSQL")
         self.postgres.start()
@@ -306,16 +276,15 @@ class LocalAirflow:
         since = time.time()
         for name in missing:
             self._clear_predecessor(name)
-            launched[name] = start_daemon(
-                [str(_airflow()), name],
-                self.component_log(name),
-                self.home / f"{name}.pid",
-                cwd=self.home,
-                env=environment,
-            )
+            launched[name] = self._launch(name, environment)
         progress(f"starting Airflow's {', '.join(missing)} on PostgreSQL")
         self._wait_healthy(launched, since)
         return True
+
+    def _launch(self, name: str, environment: dict[str, str]) -> subprocess.Popen[bytes]:
+        """`airflow <name>` (`standalone`, or a component), its log and pid file named for it."""
+        log, pid_file = self.component_log(name), self.home / f"{name}.pid"
+        return start_daemon([str(_airflow()), name], log, pid_file, cwd=self.home, env=environment)
 
     def _migrate(self, environment: dict[str, str]) -> None:
         log = self.home / "db-migrate.log"
@@ -337,10 +306,8 @@ class LocalAirflow:
             )
 
     def _clear_predecessor(self, name: str) -> None:
-        """Before component `name` starts again: end what its killed predecessor left in its
-        session (side servers on the ports the new one needs, idle LocalExecutor workers), but
-        not the workers still running a task, nor their tasks: those finish, and report to the
-        API server, and `stop()` ends them later."""
+        """End what a killed predecessor of `name` left in its session (side servers on the
+        ports, idle workers); workers running a task finish it, and `stop()` ends them later."""
         try:
             session = int((self.home / f"{name}.pid").read_text().strip())
         except (FileNotFoundError, ValueError):
@@ -362,8 +329,7 @@ class LocalAirflow:
     def _wait_healthy(
         self, launched: dict[str, subprocess.Popen[bytes]], since: float = 0.0
     ) -> None:
-        """Wait until Airflow reports every part healthy and each launched component has
-        beaten since `since` (a predecessor's last heartbeat still counts as healthy)."""
+        """Each launched component must beat after `since`: a predecessor's beat is healthy."""
         wait_started(
             {f"Airflow's {name}": process for name, process in launched.items()},
             [self.component_log(name) for name in launched],
@@ -374,13 +340,9 @@ class LocalAirflow:
             interval=1,
         )
 
-    # -- stop ------------------------------------------------------------------------------
-
     def stop(self) -> AirflowStopped:
-        """Stop whatever of this Airflow runs, whatever DUALITY_AIRFLOW_DB says now: standalone
-        (SIGINT, its own shutdown) or the components (SIGTERM), each process group after the
-        grace period, then what Airflow started and left behind (`leftovers`), then
-        PostgreSQL. Idempotent; no process of it is left."""
+        """Stop whichever runs, whatever DUALITY_AIRFLOW_DB says now, its `leftovers` and
+        PostgreSQL; standalone shuts down on SIGINT, the components on SIGTERM."""
         pids = {"standalone": self.pid()} | {n: self.component_pid(n) for n in AIRFLOW_COMPONENTS}
         running = {name: pid for name, pid in pids.items() if pid is not None}
         processes = []
@@ -389,7 +351,7 @@ class LocalAirflow:
                 process = psutil.Process(pid)
                 process.send_signal(signal.SIGINT if name == "standalone" else signal.SIGTERM)
                 processes.append(process)
-        wait_exited(processes, _STOP_TIMEOUT_S)
+        wait_exited(processes, 30.0)
         for pid in running.values():  # each leads its own group (start_daemon)
             kill_group(pid)
         left = self.leftovers()
@@ -406,10 +368,8 @@ class LocalAirflow:
         )
 
     def leftovers(self) -> list[psutil.Process]:
-        """Live processes that this Airflow started and whose component is gone: the
-        LocalExecutor workers and tasks of a scheduler that was killed, for instance. They run
-        with this `AIRFLOW_HOME`. Streams, which tasks start detached on purpose, are not among
-        them (`duality down` stops them first, gracefully)."""
+        """What this Airflow started and outlived its component (a killed scheduler's workers);
+        not the streams, which tasks start detached on purpose."""
         me = psutil.Process()
         spared = {me.pid, *(parent.pid for parent in me.parents())}
         return [
@@ -422,9 +382,7 @@ class LocalAirflow:
         ]
 
     def _ours(self, process: psutil.Process) -> bool:
-        """Whether this Airflow started `process`: it has the environment `environment()`
-        gives, or, where Airflow's process title overwrote that (workers, log servers), an
-        `airflow ...` title and its working folder in this home."""
+        """By its environment, or where a process title hides that, by title and folder."""
         home = str(self.home)
         try:
             env = process.environ()
@@ -439,8 +397,7 @@ class LocalAirflow:
 
 
 def _in_a_stream(pid: int) -> bool:
-    """Whether `pid` belongs to the session of a stream (`python -m duality.stream`,
-    started in a session of its own, with its JVM and Python workers)."""
+    """Whether `pid` is in the session of a stream (`python -m duality.stream`)."""
     try:
         leader = psutil.Process(os.getsid(pid))
         return "duality.stream" in leader.cmdline()
@@ -449,7 +406,6 @@ def _in_a_stream(pid: int) -> bool:
 
 
 def _airflow() -> Path:
-    """The `airflow` command of this interpreter's environment."""
     return Path(sys.executable).with_name("airflow")
 
 
@@ -465,8 +421,7 @@ def airflow_port(url: str) -> int:
 
 
 def _healthy(health: dict[str, Any] | None, beaten_since: dict[str, float] | None = None) -> bool:
-    """Whether Airflow's health document says every part is healthy and each component in
-    `beaten_since` has a heartbeat from that time (seconds since the epoch) on."""
+    """Every part healthy, each of `beaten_since` with a heartbeat since then (epoch s)."""
     if not health:
         return False
     parts = ("metadatabase", "scheduler", "triggerer", "dag_processor")

@@ -1,5 +1,4 @@
-"""One Kafka node (KRaft broker and controller) of this machine, run from the Maven-fetched jars:
-the dev broker of `duality up`, a node of a local cluster, or a throw-away one for tests."""
+"""One Kafka node (KRaft broker and controller) of this machine, run from the Maven-fetched jars."""
 
 from __future__ import annotations
 
@@ -28,20 +27,14 @@ if TYPE_CHECKING:
     from duality.local.kraft import LocalKafkaCluster
 
 _MAIN_CLASS = "kafka.Kafka"
-_START_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 30.0
 
 # Tuned so that compaction is visible within seconds: short segments, an eager cleaner.
 _DEV_BROKER_CONFIG = {
     "num.partitions": "1",
     "auto.create.topics.enable": "false",
-    "offsets.topic.replication.factor": "1",
     "offsets.topic.num.partitions": "8",
-    "transaction.state.log.replication.factor": "1",
-    "transaction.state.log.min.isr": "1",
     "transaction.state.log.num.partitions": "8",
-    "share.coordinator.state.topic.replication.factor": "1",
-    "share.coordinator.state.topic.min.isr": "1",
     "group.initial.rebalance.delay.ms": "0",
     "log.roll.ms": "10000",
     "log.cleaner.backoff.ms": "500",
@@ -74,8 +67,6 @@ logger.cleaner.level = info
 
 @dataclasses.dataclass(frozen=True)
 class QuorumNode:
-    """One KRaft node (broker and controller) of a local cluster: its id and ports."""
-
     node_id: int
     port: int
     controller_port: int
@@ -83,12 +74,9 @@ class QuorumNode:
 
 @dataclasses.dataclass(frozen=True)
 class BrokerStatus:
-    """One node: whether it runs, where it listens (which may differ from the current
-    settings), and whether it answers there."""
-
     state: str  # running, stopped
     pid: int | None
-    bootstrap_servers: str
+    bootstrap_servers: str  # where it listens, which the settings may no longer say
     reachable: bool
     data_dir: Path
     log: Path
@@ -98,17 +86,8 @@ class BrokerStatus:
 
 
 class LocalBroker:
-    """The dev broker of one `local_dir`, listening where `settings.bootstrap_servers` says.
-
-    It formats its storage on the first start, runs `kafka.Kafka` detached with its data, logs
-    and pid file under `<local_dir>/kafka`, waits until it answers, and stops without leaving a
-    process behind. Starting a running broker reports it instead of starting another.
-
-    With `quorum`, it is node `node_id` of that KRaft quorum instead (`LocalKafkaCluster`): its
-    own ports, its own folder `kafka-<id>`, and the cluster id all nodes were formatted with.
-    With `scram`, clients log in with SCRAM-SHA-512 on a SASL_PLAINTEXT listener (`Scram`);
-    `settings` must then log in as one of its users.
-    """
+    """The broker of `<local_dir>/kafka` on `settings.bootstrap_servers`, or node `node_id` of a
+    `quorum` in `kafka-<id>`; with `scram`, `settings` must log in as one of its users."""
 
     def __init__(
         self,
@@ -134,14 +113,11 @@ class LocalBroker:
         self.tmp_dir = self.root / "tmp"
         self.jar_dir = settings.jar_cache / "broker"
 
-    # -- what is there ---------------------------------------------------------------------
-
     @property
     def log_file(self) -> Path:
         return self.logs_dir / "server.log"
 
     def pid(self) -> int | None:
-        """The pid of this broker's running process, or None (a stale pid file is ignored)."""
         return node_pid(self.root)
 
     def _listening(self) -> str | None:
@@ -155,28 +131,23 @@ class LocalBroker:
 
     def status(self) -> BrokerStatus:
         pid = self.pid()
+        address = self._listening() or self.settings.bootstrap_servers
         reachable = False
         if pid is not None:
-            address = self._listening() or self.settings.bootstrap_servers
-            try:
+            with contextlib.suppress(DualityError):  # no answer, or a refused login
                 kafka.ensure_reachable(self.settings.replace(bootstrap_servers=address), timeout=3)
                 reachable = True
-            except DualityError:  # no answer, or a refused login
-                reachable = False
         return BrokerStatus(
             state="running" if pid is not None else "stopped",
             pid=pid,
-            bootstrap_servers=self._listening() or self.settings.bootstrap_servers,
+            bootstrap_servers=address,
             reachable=reachable,
             data_dir=self.data_dir,
             log=self.log_file,
             node_id=self.node_id,
         )
 
-    # -- start -----------------------------------------------------------------------------
-
     def start(self) -> BrokerStatus:
-        """Start the broker unless it runs already; returns its status."""
         already_running = self.pid() is not None
         if not already_running:
             self._check_can_start()
@@ -184,14 +155,18 @@ class LocalBroker:
         return dataclasses.replace(self.status(), already_running=already_running)
 
     def _prepare_and_launch(self) -> subprocess.Popen[bytes]:
-        """Write the config, format the storage once, launch the node and record its pid."""
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
         self.tmp_dir.mkdir()
         self._write_config()
         if not (self.data_dir / "meta.properties").is_file():
             self._format_storage()
-        return self._launch()
+        return start_daemon(
+            self._java(_MAIN_CLASS, str(self.config_file), heap="1g"),
+            self.logs_dir / "stdout.log",
+            self.pid_file,
+            cwd=self.root,
+        )
 
     def _check_can_start(self) -> None:
         host = self.settings.first_bootstrap[0]
@@ -269,7 +244,6 @@ class LocalBroker:
         (self.root / "log4j2.properties").write_text(_LOG4J2.format(logs=self.logs_dir))
 
     def _sasl_config(self) -> dict[str, str]:
-        """The SCRAM listener's settings: the nodes log in to each other as BROKER_USER."""
         if self.scram is None:
             return {}
         jaas = (
@@ -300,32 +274,17 @@ class LocalBroker:
         return path.read_text()
 
     def _java(self, main: str, *args: str, heap: str = "256m") -> list[str]:
-        return [
-            "java",
-            f"-Xmx{heap}",
-            "-XX:+UseG1GC",
-            "-Djava.awt.headless=true",
-            f"-Djava.io.tmpdir={self.tmp_dir}",
-            f"-Dlog4j2.configurationFile={self.root / 'log4j2.properties'}",
-            f"-Dkafka.logs.dir={self.logs_dir}",
-            "-cp",
-            f"{self.jar_dir}/*",
-            main,
-            *args,
-        ]
+        command = ["java", f"-Xmx{heap}", "-XX:+UseG1GC", "-Djava.awt.headless=true"]
+        command += [f"-Djava.io.tmpdir={self.tmp_dir}"]
+        command += [f"-Dlog4j2.configurationFile={self.root / 'log4j2.properties'}"]
+        command += [f"-Dkafka.logs.dir={self.logs_dir}", "-cp", f"{self.jar_dir}/*", main]
+        return [*command, *args]
 
     def _format_storage(self) -> None:
         cluster_id = self.cluster_id or new_cluster_id()
-        command = self._java(
-            "kafka.tools.StorageTool",
-            "format",
-            "--cluster-id",
-            cluster_id,
-            "--config",
-            str(self.config_file),
-            "--ignore-formatted",
-            *self._scram_arguments(),
-        )
+        options = ["--cluster-id", cluster_id, "--config", str(self.config_file)]
+        options += ["--ignore-formatted", *self._scram_arguments()]
+        command = self._java("kafka.tools.StorageTool", "format", *options)
         result = subprocess.run(command, capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             raise LocalStackError(
@@ -343,21 +302,13 @@ class LocalBroker:
             for part in ("--add-scram", scram_argument(user, password))
         ]
 
-    def _launch(self) -> subprocess.Popen[bytes]:
-        return start_daemon(
-            self._java(_MAIN_CLASS, str(self.config_file), heap="1g"),
-            self.logs_dir / "stdout.log",
-            self.pid_file,
-            cwd=self.root,
-        )
-
     def _wait_until_ready(self, process: subprocess.Popen[bytes]) -> None:
         wait_started(
             {"the broker": process},
             [self.log_file, self.logs_dir / "stdout.log"],
             self._answers,
             failure=f"the broker did not answer on {self.settings.bootstrap_servers}",
-            timeout=_START_TIMEOUT_S,
+            timeout=90.0,
             stop=self.stop,
             interval=0,  # each try waits for an answer
         )
@@ -370,11 +321,8 @@ class LocalBroker:
             # A login refused while the broker loads its SCRAM users is not the last word.
             return False
 
-    # -- stop ------------------------------------------------------------------------------
-
     def stop(self) -> int | None:
-        """Stop the broker (SIGTERM, then SIGKILL after a grace period); idempotent. Returns
-        the pid it stopped, if it ran."""
+        """Idempotent; returns the pid it stopped, if it ran."""
         pid = self.pid()
         if pid is not None:
             stop_group(pid, STOP_TIMEOUT_S)
@@ -383,11 +331,7 @@ class LocalBroker:
 
 
 def new_cluster_id() -> str:
-    """A KRaft cluster id: a random UUID in URL-safe base64, never starting with '-'.
-
-    An id starting with '-' reads as an option to `kafka-storage format` (Kafka's own
-    Uuid.randomUuid() draws again in that case too).
-    """
+    """A random UUID in URL-safe base64; not starting with '-', which reads as an option."""
     while True:
         candidate = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
         if not candidate.startswith("-"):
@@ -398,17 +342,10 @@ def new_cluster_id() -> str:
 def ephemeral_broker(
     settings: Settings, *, scram: Scram | None = None, user: str | None = None
 ) -> Iterator[Settings]:
-    """A throw-away broker on free ports in a temporary folder; yields settings that point at it.
-
-    With `scram`, the broker takes SCRAM-SHA-512 logins and the settings log in as `user`
-    (default: the first of its users). Tests and benchmarks use it when
-    DUALITY_BOOTSTRAP_SERVERS does not name a cluster.
-    """
+    """A throw-away broker on free ports; yields settings that reach it (as `user` of `scram`)."""
     root = Path(tempfile.mkdtemp(prefix="duality-broker-"))
     scoped = settings.replace(
-        bootstrap_servers=f"localhost:{free_port()}",
-        controller_port=free_port(),
-        local_dir=root,
+        bootstrap_servers=f"localhost:{free_port()}", controller_port=free_port(), local_dir=root
     )
     if scram is not None:
         scoped = scram.login(scoped, user or next(iter(scram.users)))
@@ -418,9 +355,7 @@ def ephemeral_broker(
 
 @contextlib.contextmanager
 def ephemeral(kafka_nodes: LocalBroker | LocalKafkaCluster, root: Path) -> Iterator[None]:
-    """Start a throw-away broker or cluster; stop it after, and delete its folder `root`
-    unless the block failed with an error (then its logs are kept); an interruption (Ctrl-C,
-    SIGTERM) deletes it too."""
+    """Start, then stop, and delete `root` unless the block raised an Exception (logs kept)."""
     try:
         kafka_nodes.start()
         yield
@@ -432,7 +367,6 @@ def ephemeral(kafka_nodes: LocalBroker | LocalKafkaCluster, root: Path) -> Itera
 
 
 def node_pid(root: Path) -> int | None:
-    """The pid of the Kafka node whose folder is `root`, while it runs."""
     config = str(root / "server.properties")
     return live_pid(
         root / "broker.pid", lambda cmdline: _MAIN_CLASS in cmdline and config in cmdline

@@ -1,5 +1,4 @@
-"""A KRaft cluster of several Kafka nodes on this machine (`duality up --brokers N`, and
-throw-away ones for tests), each node a combined broker and controller."""
+"""A KRaft cluster of several Kafka nodes on this machine, each a broker and a controller."""
 
 from __future__ import annotations
 
@@ -40,9 +39,6 @@ class NodeStopped:
 
 
 class LocalKafkaCluster:
-    """A KRaft cluster of the `quorum`'s nodes on this machine, each a combined broker and
-    controller with its own ports and folder under `<local_dir>`; `.settings` name them all."""
-
     def __init__(
         self,
         settings: Settings,
@@ -51,25 +47,22 @@ class LocalKafkaCluster:
         *,
         scram: Scram | None = None,
     ):
-        host = "localhost"
-        self.settings = settings.replace(
-            bootstrap_servers=",".join(f"{host}:{node.port}" for node in quorum)
-        )
+        addresses = [f"localhost:{node.port}" for node in quorum]
+        self.settings = settings.replace(bootstrap_servers=",".join(addresses))
         # Each node's settings reach that node alone.
         self.nodes = [
             LocalBroker(
-                settings.replace(bootstrap_servers=f"{host}:{node.port}"),
+                settings.replace(bootstrap_servers=address),
                 node.node_id,
                 quorum,
                 cluster_id,
                 scram=scram,
             )
-            for node in quorum
+            for address, node in zip(addresses, quorum, strict=True)
         ]
 
     def start(self) -> ClusterStatus:
-        """Start every node that does not run; a quorum needs a majority, so they are all
-        launched before any is waited for."""
+        """All are launched before any is waited for: a quorum needs a majority."""
         launched = []
         try:
             for node in self.nodes:
@@ -85,8 +78,7 @@ class LocalKafkaCluster:
         return self.status()
 
     def stop(self) -> None:
-        """Stop every node at once: one at a time, the last would wait out its grace period
-        for a quorum that is already gone."""
+        """All at once: one at a time, the last would wait for a quorum already gone."""
         with concurrent.futures.ThreadPoolExecutor(len(self.nodes)) as pool:
             list(pool.map(LocalBroker.stop, self.nodes))
 
@@ -103,9 +95,7 @@ class LocalKafkaCluster:
 def local_cluster(
     settings: Settings, brokers: int, *, scram: Scram | None = None
 ) -> LocalKafkaCluster:
-    """The cluster `duality up --brokers N` runs in `<local_dir>`: node i (from 1) listens on
-    the bootstrap port + 2(i-1) and the controller port + 2(i-1), with its folder `kafka-<i>`;
-    the cluster id is the one its nodes were formatted with, or a new one."""
+    """Node i (from 1) on the bootstrap and controller ports + 2(i-1), in `kafka-<i>`."""
     if brokers < 2:
         raise UsageError(f"a local cluster has two brokers or more, not {brokers}")
     _, port = settings.first_bootstrap
@@ -136,15 +126,9 @@ def stop_brokers(settings: Settings) -> list[NodeStopped]:
 
 @contextlib.contextmanager
 def ephemeral_cluster(
-    settings: Settings,
-    brokers: int = 3,
-    *,
-    scram: Scram | None = None,
-    user: str | None = None,
+    settings: Settings, brokers: int = 3, *, scram: Scram | None = None, user: str | None = None
 ) -> Iterator[LocalKafkaCluster]:
-    """A throw-away KRaft cluster of `brokers` nodes on free ports in a temporary folder, for
-    tests: `.settings` reach the whole cluster (with `scram`, logged in as `user`, default the
-    first of its users), `.node(i)` is one node to stop and start."""
+    """A throw-away cluster on free ports (`ephemeral_broker`); `.node(i)` to stop and start."""
     root = Path(tempfile.mkdtemp(prefix="duality-cluster-"))
     quorum = tuple(QuorumNode(i + 1, free_port(), free_port()) for i in range(brokers))
     scoped = settings.replace(local_dir=root)

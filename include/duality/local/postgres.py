@@ -1,5 +1,4 @@
-"""The PostgreSQL server of the local stack, holding the metadata database of Airflow's components
-(`duality up --airflow-db postgres`)."""
+"""The local stack's PostgreSQL server, with the metadata database of Airflow's components."""
 
 from __future__ import annotations
 
@@ -18,8 +17,6 @@ from duality.local.ports import free_port, port_in_use
 from duality.local.startup import wait_started
 from duality.process import live_pid, start_daemon, stop_group
 
-_START_TIMEOUT_S = 60.0
-_STOP_TIMEOUT_S = 30.0
 # The role and database Airflow uses: the same names as docker-compose.yml's postgres service.
 AIRFLOW_DB_USER = "airflow"
 AIRFLOW_DB_NAME = "airflow"
@@ -30,8 +27,7 @@ POSTGRES_OS_USER = "postgres"
 
 
 def postgres_programs() -> Path:
-    """The folder of PostgreSQL's server programs (`initdb`, `postgres`): Debian's newest
-    /usr/lib/postgresql/<major>/bin, else the folder `initdb` on PATH lives in."""
+    """Debian's newest /usr/lib/postgresql/<major>/bin, else the folder of `initdb` on PATH."""
     folders = sorted(
         (p.parent for p in Path("/usr/lib/postgresql").glob("*/bin/initdb")),
         key=lambda folder: int(folder.parent.name) if folder.parent.name.isdigit() else 0,
@@ -50,7 +46,7 @@ def postgres_programs() -> Path:
 
 
 def _server_user() -> tuple[int, int] | None:
-    """(uid, gid) to run PostgreSQL's programs as when we are root, else None (run as we are)."""
+    """(uid, gid) to run PostgreSQL's programs as when we are root."""
     if os.geteuid() != 0:
         return None
     import pwd
@@ -77,15 +73,8 @@ class PostgresStatus:
 
 
 class LocalPostgres:
-    """The PostgreSQL server of the local stack, holding Airflow's metadata database.
-
-    Everything is under `<local_dir>/postgres`: the data folder `data/`, the socket folder
-    `run/`, the server's log, its pid file, the generated password of the `airflow` role (a 0600
-    file) and the port, chosen free on the first start and kept in `port`. It listens on
-    127.0.0.1 only and asks for the password (SCRAM). Run as root, the server and `initdb` run
-    as Debian's `postgres` user, who owns `data/`, `run/` and the password file, and who must be
-    able to reach `<local_dir>` (its folders must let others through).
-    """
+    """All under `<local_dir>/postgres`, on 127.0.0.1 with a password; run by root, it runs as
+    Debian's `postgres` user, who must be able to reach `<local_dir>`."""
 
     def __init__(self, settings: Settings):
         self.root = settings.local_dir / "postgres"
@@ -106,8 +95,7 @@ class LocalPostgres:
         except (FileNotFoundError, ValueError):
             return None
 
-    def url(self) -> str:
-        """Airflow's `sql_alchemy_conn` for this server."""
+    def url(self) -> str:  # Airflow's `sql_alchemy_conn`
         from urllib.parse import quote
 
         port = self.port()
@@ -154,8 +142,7 @@ class LocalPostgres:
         )
 
     def start(self) -> None:
-        """Start the server unless it runs (`initdb` on the first start); wait until it answers
-        and the `airflow` database exists."""
+        """Unless it runs; wait until it answers and the `airflow` database exists."""
         if self.pid() is not None:
             return
         programs = postgres_programs()
@@ -170,17 +157,8 @@ class LocalPostgres:
         if port is None or port_in_use("127.0.0.1", port):
             port = free_port()
             self.port_file.write_text(f"{port}\n")
-        command = [
-            str(programs / "postgres"),
-            "-D",
-            str(self.data_dir),
-            "-h",
-            "127.0.0.1",
-            "-p",
-            str(port),
-            "-k",
-            str(self.socket_dir),
-        ]
+        command = [str(programs / "postgres"), "-D", str(self.data_dir), "-h", "127.0.0.1"]
+        command += ["-p", str(port), "-k", str(self.socket_dir)]
         process = start_daemon(
             command, self.log_file, self.pid_file, cwd=self.root, env=_server_env(), **as_owner
         )
@@ -189,7 +167,7 @@ class LocalPostgres:
             [self.log_file],
             lambda: self._answers("postgres"),
             failure=f"PostgreSQL did not answer on 127.0.0.1:{port}",
-            timeout=_START_TIMEOUT_S,
+            timeout=60.0,
             stop=self.stop,
         )
         self._create_database()
@@ -214,18 +192,9 @@ class LocalPostgres:
                     f"reach {self.data_dir}: let others pass through the folders above it "
                     "(chmod o+x), or set DUALITY_LOCAL_DIR to a folder they can reach"
                 )
-        command = [
-            str(programs / "initdb"),
-            "-D",
-            str(self.data_dir),
-            "-U",
-            AIRFLOW_DB_USER,
-            f"--pwfile={self.password_file}",
-            "--auth=scram-sha-256",
-            "--encoding=UTF8",
-            "--no-locale",
-            "--no-instructions",
-        ]
+        command = [str(programs / "initdb"), "-D", str(self.data_dir), "-U", AIRFLOW_DB_USER]
+        command += [f"--pwfile={self.password_file}", "--auth=scram-sha-256", "--encoding=UTF8"]
+        command += ["--no-locale", "--no-instructions"]
         result = subprocess.run(
             command,
             capture_output=True,
@@ -253,15 +222,13 @@ class LocalPostgres:
             connection.close()
 
     def stop(self) -> int | None:
-        """Fast shutdown (SIGINT: clients disconnected, a clean checkpoint), SIGKILL of its
-        group after the grace period; idempotent. Returns the pid it stopped, if it ran."""
+        """Fast shutdown (SIGINT: a clean checkpoint); returns the pid it stopped, if it ran."""
         pid = self.pid()
         if pid is not None:
-            stop_group(pid, _STOP_TIMEOUT_S, signal.SIGINT)
+            stop_group(pid, 30.0, signal.SIGINT)
         self.pid_file.unlink(missing_ok=True)
         return pid
 
 
-def _server_env() -> dict[str, str]:
-    """A clean environment for PostgreSQL's programs: no PG* variables of the caller's."""
+def _server_env() -> dict[str, str]:  # no PG* variables of the caller's
     return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C"}

@@ -18,26 +18,17 @@ _SCRAM_ITERATIONS = 4096
 _SCRAM_USER_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._@-")
 
 
-def _secret() -> str:
-    return base64.urlsafe_b64encode(os.urandom(24)).decode()
-
-
 @dataclasses.dataclass(frozen=True)
 class Scram:
-    """SCRAM-SHA-512 logins of a local broker or cluster (docs/decisions/0014-sasl-scram.md).
-
-    Clients reach it on a SASL_PLAINTEXT listener; the nodes log in to each other as
-    `BROKER_USER` on the same listener, with `broker_password`; the KRaft controller listener
-    stays PLAINTEXT. The users (name -> password) and the broker user are created when the
-    storage is formatted, from salted passwords computed here, so no password is on a command
-    line. With `acls`, the StandardAuthorizer denies what no ACL allows, except to
-    `super_users` (and the nodes themselves).
-    """
+    """Users (name -> password) of a local broker (docs/decisions/0014-sasl-scram.md); with
+    `acls`, what no ACL allows is denied, except to `super_users` and the nodes."""
 
     users: Mapping[str, str] = dataclasses.field(repr=False)
     acls: bool = False
     super_users: tuple[str, ...] = ()
-    broker_password: str = dataclasses.field(default_factory=_secret, repr=False)
+    broker_password: str = dataclasses.field(
+        default_factory=lambda: base64.urlsafe_b64encode(os.urandom(24)).decode(), repr=False
+    )
 
     def __post_init__(self) -> None:
         for name in [*self.users, *self.super_users]:
@@ -77,8 +68,7 @@ class Scram:
 
 
 def scram_argument(user: str, password: str) -> str:
-    """StorageTool's `--add-scram` value for one user, with a salted password (RFC 5802's
-    Hi(): PBKDF2 with HMAC-SHA-512), so the password itself is not on the command line."""
+    """StorageTool's `--add-scram` value, salted (RFC 5802's Hi()): no password on command lines."""
     salt = os.urandom(32)
     salted = hashlib.pbkdf2_hmac("sha512", password.encode(), salt, _SCRAM_ITERATIONS)
     encode = base64.b64encode

@@ -1,5 +1,4 @@
-"""A Spark standalone cluster on this machine: a master and workers run with pyspark's own
-`bin/spark-class` (`duality up --spark-workers N`, and the tests' clusters)."""
+"""A Spark standalone cluster on this machine, run with pyspark's own `bin/spark-class`."""
 
 from __future__ import annotations
 
@@ -21,17 +20,8 @@ from duality.local.ports import LOCAL_HOSTS, free_port
 from duality.local.startup import wait_started
 from duality.process import kill_group, live_pid, start_daemon, stop_group
 
-_SPARK_START_TIMEOUT_S = 120.0
-_SPARK_STOP_GRACE_S = 15.0
 _SPARK_MASTER_CLASS = "org.apache.spark.deploy.master.Master"
 _SPARK_WORKER_CLASS = "org.apache.spark.deploy.worker.Worker"
-
-# Read by the master and the workers, not by applications: a taken port fails the start instead
-# of moving silently to the next port, and no REST submission server opens a port of its own.
-_SPARK_DAEMON_PROPERTIES = {
-    "spark.port.maxRetries": "0",
-    "spark.master.rest.enabled": "false",
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +52,7 @@ class SparkStopped:
 
 
 def spark_home() -> Path:
-    """The pyspark package folder: pip's pyspark is a whole Spark (jars, `bin/spark-class`)."""
+    """The pyspark package folder: pip's pyspark is a whole Spark (with no `sbin` scripts)."""
     import importlib.util
 
     found = importlib.util.find_spec("pyspark")
@@ -72,17 +62,8 @@ def spark_home() -> Path:
 
 
 class LocalSparkCluster:
-    """A Spark standalone master and `workers` workers on this machine, run with pyspark's own
-    `bin/spark-class` (the pip package has no `sbin` scripts to lean on).
-
-    Every process has a folder under `root` (default `<local_dir>/spark`) with its log and pid
-    file: `master/` and `worker-<i>/` (i from 0). A worker keeps its executors' work dirs in
-    `worker-<i>/work` and their local dirs (shuffle files, the state store's RocksDB working
-    copies) in `worker-<i>/local`. Each process leads its own process group, so stopping or
-    killing a worker takes its executors with it. The master listens on the port of
-    `settings.spark_master` when that names a master on this machine, else on a free port; the
-    chosen ports are kept in `cluster.json` while the master runs.
-    """
+    """A master and `workers` workers in `root/master` and `root/worker-<i>`, each leading its
+    own process group, so that stopping or killing a worker takes its executors with it."""
 
     def __init__(
         self,
@@ -105,8 +86,6 @@ class LocalSparkCluster:
         self.state_file = self.root / "cluster.json"
         self.properties_file = self.root / "spark-defaults.conf"
 
-    # -- folders and ports -----------------------------------------------------------------
-
     @property
     def master_dir(self) -> Path:
         return self.root / "master"
@@ -116,22 +95,20 @@ class LocalSparkCluster:
             raise UsageError(f"worker {index} does not exist: this cluster has {self.workers}")
         return self.root / f"worker-{index}"
 
-    def work_dir(self, index: int) -> Path:
-        """Where worker `index` runs its executors: one `<app id>/<executor id>/` each."""
+    def work_dir(self, index: int) -> Path:  # one `<app id>/<executor id>/` per executor
         return self.worker_dir(index) / "work"
 
-    def local_dir(self, index: int) -> Path:
-        """Worker `index`'s SPARK_LOCAL_DIRS, under which its executors keep their local files."""
+    def local_dir(self, index: int) -> Path:  # SPARK_LOCAL_DIRS: shuffle files, RocksDB copies
         return self.worker_dir(index) / "local"
 
     def ports(self) -> dict[str, Any]:
-        """The ports that the last start chose (`cluster.json`, removed by `stop()`)."""
+        """The ports that the last start chose, kept while the master runs."""
         if not self.state_file.is_file():
             raise LocalStackError(f"the Spark cluster in {self.root} is not running: start it")
         return dict(json.loads(self.state_file.read_text()))
 
     def _choose_ports(self) -> dict[str, Any]:
-        """The running master's ports, else new ones; free ports for workers not yet known."""
+        """The running master's, else `settings.spark_master`'s on this machine, else free."""
         saved: dict[str, Any] = {}
         if self.state_file.is_file() and self.master_pid() is not None:
             saved = self.ports()
@@ -161,8 +138,6 @@ class LocalSparkCluster:
     def master_ui(self) -> str:
         return f"http://127.0.0.1:{self.ports()['master_ui']}"
 
-    # -- what runs -------------------------------------------------------------------------
-
     def master_pid(self) -> int | None:
         return live_pid(
             self.master_dir / "master.pid",
@@ -187,16 +162,13 @@ class LocalSparkCluster:
             return None
 
     def alive_workers(self) -> list[int]:
-        """Indexes of this cluster's workers that the master lists as ALIVE."""
         state = self.master_state() or {}
         alive = {w.get("port") for w in state.get("workers", []) if w.get("state") == "ALIVE"}
         ports = self.ports()["workers"]
         return [i for i in range(self.workers) if ports[i]["port"] in alive]
 
     def processes(self) -> list[psutil.Process]:
-        """Every live Spark process of this cluster: the master and workers (their command
-        lines name its properties file) and the executors and their Python workers, which run
-        in the workers' folders."""
+        """The master and workers (by properties file), executors and Python workers (by cwd)."""
         root = str(self.root)
         found = []
         for process in psutil.process_iter(["cmdline", "cwd", "status"]):
@@ -230,11 +202,8 @@ class LocalSparkCluster:
             log=self.master_dir / "master.log",
         )
 
-    # -- start -----------------------------------------------------------------------------
-
     def start(self) -> SparkStatus:
-        """Start whatever of the cluster does not run; wait until the master lists every worker
-        ALIVE. Returns its status."""
+        """Start what does not run; wait until the master lists every worker ALIVE."""
         if self.master_pid() is not None and all(
             self.worker_pid(i) is not None for i in range(self.workers)
         ):
@@ -247,8 +216,10 @@ class LocalSparkCluster:
         ports = self._choose_ports()
         self.root.mkdir(parents=True, exist_ok=True)
         self.state_file.write_text(json.dumps(ports))
+        # Read by the master and workers, not by applications: a taken port fails the start
+        # instead of moving on silently, and no REST submission server opens a port of its own.
         self.properties_file.write_text(
-            "".join(f"{k} {v}\n" for k, v in _SPARK_DAEMON_PROPERTIES.items())
+            "spark.port.maxRetries 0\nspark.master.rest.enabled false\n"
         )
         launched: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
         if self.master_pid() is None:
@@ -259,31 +230,20 @@ class LocalSparkCluster:
                 ["--port", str(ports["master"]), "--webui-port", str(ports["master_ui"])],
                 {},
             )
-        # Workers that find no master retry only after several seconds: start them once it
-        # answers.
+        # Workers that find no master retry only after several seconds: start them once it answers.
         self._wait(launched, lambda: self.master_state() is not None, "the master did not answer")
         for i in range(self.workers):
             if self.worker_pid(i) is not None:
                 continue
             self.work_dir(i).mkdir(parents=True, exist_ok=True)
             self.local_dir(i).mkdir(parents=True, exist_ok=True)
+            port, ui = ports["workers"][i]["port"], ports["workers"][i]["ui"]
+            options = f"--port {port} --webui-port {ui} --cores {self.cores} --memory {self.memory}"
             launched[f"worker {i}"] = self._launch(
                 "worker",
                 self.worker_dir(i),
                 _SPARK_WORKER_CLASS,
-                [
-                    self.master_url,
-                    "--port",
-                    str(ports["workers"][i]["port"]),
-                    "--webui-port",
-                    str(ports["workers"][i]["ui"]),
-                    "--cores",
-                    str(self.cores),
-                    "--memory",
-                    self.memory,
-                    "--work-dir",
-                    str(self.work_dir(i)),
-                ],
+                [self.master_url, *options.split(), "--work-dir", str(self.work_dir(i))],
                 {"SPARK_LOCAL_DIRS": str(self.local_dir(i))},
             )
         self._wait(
@@ -298,15 +258,9 @@ class LocalSparkCluster:
     ) -> tuple[subprocess.Popen[bytes], Path]:
         folder.mkdir(parents=True, exist_ok=True)
         log = folder / f"{name}.log"
-        command = [
-            str(spark_home() / "bin" / "spark-class"),
-            main,
-            "--host",
-            "127.0.0.1",
-            *args,
-            "--properties-file",
-            str(self.properties_file),
-        ]
+        spark_class, properties = spark_home() / "bin" / "spark-class", self.properties_file
+        command = [str(spark_class), main, "--host", "127.0.0.1", *args]
+        command += ["--properties-file", str(properties)]
         environment = {
             **os.environ,
             "SPARK_HOME": str(spark_home()),
@@ -330,15 +284,12 @@ class LocalSparkCluster:
             [log for _, log in launched.values()],
             ready,
             failure=f"{failure} ({self.master_ui}/json/)",
-            timeout=_SPARK_START_TIMEOUT_S,
+            timeout=120.0,
             stop=self.stop,
         )
 
-    # -- faults and stop -------------------------------------------------------------------
-
     def kill_worker(self, index: int) -> int:
-        """SIGKILL worker `index` and its executors (its process group), as if its machine
-        died; returns the worker's pid."""
+        """SIGKILL worker `index` and its executors, as if its machine died."""
         pid = self.worker_pid(index)
         if pid is None:
             raise LocalStackError(f"Spark worker {index} does not run ({self.worker_dir(index)})")
@@ -346,12 +297,11 @@ class LocalSparkCluster:
         return pid
 
     def stop(self) -> SparkStopped:
-        """Stop the workers (and their executors), then the master; idempotent, and nothing of
-        the cluster is left running."""
+        """Workers (with their executors), then the master; idempotent, nothing is left."""
         pids = [self.worker_pid(i) for i in range(self.workers)] + [self.master_pid()]
         running = [pid for pid in pids if pid is not None]
         for pid in running:
-            stop_group(pid, _SPARK_STOP_GRACE_S)
+            stop_group(pid, 15.0)
         # A process that left its group (none should) still belongs to the cluster's folders.
         for process in self.processes():
             with contextlib.suppress(psutil.Error):
@@ -364,6 +314,5 @@ class LocalSparkCluster:
 
 
 def local_spark(settings: Settings, workers: int) -> LocalSparkCluster:
-    """The Spark cluster `duality up --spark-workers N` runs in `<local_dir>/spark`: workers of 2
-    cores and 2 GiB each, like docker-compose.yml's."""
+    """`duality up --spark-workers N`'s: workers of 2 cores and 2 GiB, like docker-compose.yml."""
     return LocalSparkCluster(settings, workers, cores=2, memory="2g")

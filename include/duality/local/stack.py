@@ -1,5 +1,4 @@
-"""The local stack as a whole: the topology `duality up` runs (kept in `stack.json` for later
-commands), the order in which `up` starts and `down` stops its parts, and what `status` checks."""
+"""The local stack as a whole: its recorded topology, and `up`, `down` and `status`."""
 
 from __future__ import annotations
 
@@ -29,14 +28,10 @@ from duality.stream.control import StoppedStream
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
-    """What `duality up` runs: Kafka nodes, Spark workers (0: Spark in local mode), Airflow's
-    metadata database."""
-
     brokers: int = 1
-    spark_workers: int = 0
+    spark_workers: int = 0  # 0: Spark in local mode
     airflow_db: str = "sqlite"
-    # Clients log in with SCRAM-SHA-512 (the user and password of the settings).
-    sasl: bool = False
+    sasl: bool = False  # clients log in with SCRAM-SHA-512 as the settings' user
 
     def __post_init__(self) -> None:
         if self.brokers < 1:
@@ -51,23 +46,10 @@ PRODUCTION = Topology(brokers=3, spark_workers=2, airflow_db="postgres")
 
 
 def recorded_stack(settings: Settings) -> Topology | None:
-    """The topology `duality up` recorded in `<local_dir>/stack.json`, if it did."""
     path = settings.local_dir / STACK_FILE
     if not path.is_file():
         return None
     return Topology(**json.loads(path.read_text())["topology"])
-
-
-def record_stack(settings: Settings, topology: Topology, chosen: dict[str, str]) -> None:
-    """Keep the topology and the settings it chose (addresses), read by every later command's
-    `Settings.from_env` where the environment does not say otherwise."""
-    settings.local_dir.mkdir(parents=True, exist_ok=True)
-    document = {"topology": dataclasses.asdict(topology), "settings": chosen}
-    (settings.local_dir / STACK_FILE).write_text(json.dumps(document, indent=2) + "\n")
-
-
-def forget_stack(settings: Settings) -> None:
-    (settings.local_dir / STACK_FILE).unlink(missing_ok=True)
 
 
 def _describe(topology: Topology) -> str:
@@ -83,9 +65,6 @@ def _kafka(
     if topology.brokers == 1:
         return LocalBroker(settings, scram=scram)
     return local_cluster(settings, topology.brokers, scram=scram)
-
-
-# -- up ------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,9 +84,8 @@ def up(
     sasl: bool = False,
     progress: Callable[[str], None] = lambda _: None,
 ) -> StackUp:
-    """Start what of the stack does not run: Kafka, then Spark, then Airflow (whose tasks need
-    both). What is not given is what runs already, else the default; a stack that runs with
-    another topology is refused. `progress` hears what is being started."""
+    """Start what does not run: Kafka, Spark, then Airflow (whose tasks need both); what is not
+    given is what runs, else the default, and another topology than what runs is refused."""
     recorded = recorded_stack(settings)
     base = recorded or Topology(airflow_db=settings.airflow_db)
     topology = Topology(
@@ -130,13 +108,9 @@ def up(
     chosen = {"DUALITY_BOOTSTRAP_SERVERS": where}
     if scram is not None:
         # Who logs in, and how; the password stays in the environment, never on disk.
-        chosen.update(
-            {
-                "DUALITY_SECURITY_PROTOCOL": settings.security_protocol,
-                "DUALITY_SASL_MECHANISM": str(settings.sasl_mechanism),
-                "DUALITY_SASL_USERNAME": str(settings.sasl_username),
-            }
-        )
+        chosen["DUALITY_SECURITY_PROTOCOL"] = settings.security_protocol
+        chosen["DUALITY_SASL_MECHANISM"] = str(settings.sasl_mechanism)
+        chosen["DUALITY_SASL_USERNAME"] = str(settings.sasl_username)
     spark = None
     if topology.spark_workers:
         cluster = local_spark(settings, topology.spark_workers)
@@ -146,15 +120,14 @@ def up(
         # An executor per worker for each application: a stream leaves room for batch jobs.
         chosen["DUALITY_SPARK_CORES_MAX"] = str(topology.spark_workers)
     chosen["DUALITY_AIRFLOW_DB"] = topology.airflow_db
-    # Later commands (and Airflow's tasks) find the stack through the record.
-    record_stack(settings, topology, chosen)
+    # Later commands (and Airflow's tasks) find the stack through the record: `Settings.from_env`.
+    settings.local_dir.mkdir(parents=True, exist_ok=True)
+    document = {"topology": dataclasses.asdict(topology), "settings": chosen}
+    (settings.local_dir / STACK_FILE).write_text(json.dumps(document, indent=2) + "\n")
     stacked = Settings.from_env({**settings.as_env(), **chosen})
     progress(f"starting Airflow on {settings.airflow_url}")
     airflow = LocalAirflow(stacked).start(progress=progress)
     return StackUp(topology, broker, airflow, spark)
-
-
-# -- down ----------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,9 +139,7 @@ class StackDown:
 
 
 def down(settings: Settings) -> StackDown:
-    """Stop everything of the stack in `<local_dir>`, whatever topology it was started with:
-    Airflow first (a supervisor run in between could start a stream again), the streams, Spark,
-    then Kafka; forget the record."""
+    """Airflow first (a supervisor run could start a stream again), the streams, Spark, Kafka."""
     airflow = LocalAirflow(settings).stop()
     streams = control.stop_all(settings)
     # What the stopped (or once killed) drivers' JVMs left in their temporary folders.
@@ -179,11 +150,8 @@ def down(settings: Settings) -> StackDown:
     )
     spark = local_spark(settings, max(1, workers)).stop()
     brokers = stop_brokers(settings)
-    forget_stack(settings)
+    (settings.local_dir / STACK_FILE).unlink(missing_ok=True)
     return StackDown(brokers, spark, airflow, streams)
-
-
-# -- status --------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,9 +161,7 @@ class TopicStatus(kafka.TopicReplication):
 
 
 @dataclasses.dataclass(frozen=True)
-class KafkaStatus:
-    """The cluster the settings name, and the local nodes behind it."""
-
+class KafkaStatus:  # the cluster the settings name, and the local nodes behind it
     # running, degraded, stopped; external: it answers, but no local node runs.
     state: str
     bootstrap_servers: str
@@ -219,8 +185,7 @@ class StackStatus:
 
 
 def status(settings: Settings) -> StackStatus:
-    """What of the recorded stack runs, and whether the cluster that the settings name (the one
-    that matters, whatever runs locally) answers, with how duality's topics are replicated."""
+    """What runs, and whether the cluster the settings name answers, with its topics' replicas."""
     topology = recorded_stack(settings) or Topology()
     local = _kafka(settings, topology).status()
     if isinstance(local, ClusterStatus):
@@ -261,8 +226,7 @@ def status(settings: Settings) -> StackStatus:
 
 
 def require_sound(stack: StackStatus) -> None:
-    """Raise CheckFailed, with the status, when duality's topics are replicated less than
-    configured or the cluster the settings name does not answer."""
+    """Raise CheckFailed when topics have fewer replicas than configured, or no cluster answers."""
     broker = stack.broker
     short = [t for t in broker.topics if t.below_configured]
     if short and broker.durability is not None:
@@ -286,7 +250,7 @@ def require_sound(stack: StackStatus) -> None:
 
 
 def _duality_topics(settings: Settings) -> list[str]:
-    """The topics duality creates for the pipelines, the heartbeats and the repartition DAG."""
+    """The pipelines', the heartbeats' and the repartition DAG's topics."""
     from duality.stream.heartbeat import STATUS_TOPIC
 
     topics = [STATUS_TOPIC]

@@ -1,5 +1,4 @@
-"""Waiting for the local stack's daemons to start: until they are ready, or one exits or the
-time is up, then stopping what was started, with the last lines of its logs in the error."""
+"""Waiting for the local stack's daemons to be ready, with their logs' last lines on failure."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ def wait_started(
     stop: Callable[[], object],
     interval: float = 0.25,
 ) -> None:
-    """Wait until `ready()`. When a `launched` daemon (named for people) exits first, or
-    `timeout` seconds pass (`failure` says what did not happen), call `stop()` and raise."""
+    """Wait until `ready()`; if a `launched` daemon exits first, or time is up, `stop()`."""
     deadline = time.monotonic() + timeout
     while not ready():
         for name, process in launched.items():
@@ -45,7 +43,6 @@ def _tails(logs: Sequence[Path]) -> str:
 
 
 def tail(log: Path, lines: int = 25) -> str:
-    """The last `lines` lines of `log`."""
     if not log.is_file():
         return "(no log output)"
     return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
