@@ -14,15 +14,11 @@ from duality.spec import SQL_TYPES, PipelineSpec
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
 
-# -- partial aggregates ---------------------------------------------------------------------
-
 
 @dataclasses.dataclass(frozen=True)
 class Partial:
-    """One partial aggregate kept in the state: `count`, or `sum|min|max` of a field.
-
-    `name` is its key in the changelog's `_state`; `column` its column inside Spark.
-    """
+    """One partial aggregate kept in the state: `count`, or `sum|min|max` of a field; `name` is
+    its key in the changelog's `_state`, `column` its column inside Spark."""
 
     function: str
     field: str | None
@@ -60,17 +56,9 @@ def partial_type(spec: PipelineSpec, part: Partial) -> str:
     return SQL_TYPES[kind]
 
 
-# -- classification (stateless, in the JVM) -------------------------------------------------
-
-
 def classify(spec: PipelineSpec, raw: DataFrame) -> DataFrame:
-    """Parse the raw Kafka rows and name each bad record's reason in `_error` (null when good).
-
-    Adds `_p`, the parsed struct. Stateless, so it runs inside the streaming query. A record is
-    good when it is one JSON object and nothing else, every field the pipeline uses is present
-    with its type, and every double is finite. Lateness is decided later, against the query's
-    watermark (`ChangelogWriter.write`).
-    """
+    """Parse the raw Kafka rows into `_p` and name each bad record's reason in `_error`, null
+    when good (docs/streams.md#bad-and-late-records); lateness is `ChangelogWriter.write`'s."""
     from pyspark.sql import functions as F
 
     fields = spec.source.fields
@@ -151,12 +139,9 @@ def classify(spec: PipelineSpec, raw: DataFrame) -> DataFrame:
 
 
 def _once(expression: Column) -> Column:
-    """`expression`, computed once per row however often later filters and columns use it.
-
-    Spark's optimizer pushes filters below projections by pasting the projected expressions
-    into them, which would parse each record once per check. A non-deterministic guard (the
-    partition id, always at least 0) keeps the projection where it is.
-    """
+    """`expression`, computed once per row however often later filters and columns use it:
+    Spark would paste it into each filter pushed below it, but not past a non-deterministic
+    guard (the partition id, always at least 0)."""
     from pyspark.sql import functions as F
 
     return F.when(F.spark_partition_id() >= 0, expression)
@@ -176,9 +161,6 @@ def late_records(settings: Settings, spec: PipelineSpec) -> list[tuple[int, int]
                 )
             )
     return late
-
-
-# -- the stateful aggregation ---------------------------------------------------------------
 
 
 def _event_time_ms(spec: PipelineSpec) -> Column:
@@ -290,30 +272,18 @@ def changelog_records(spec: PipelineSpec, table: DataFrame) -> DataFrame:
         F.lit("update").alias("_kind"),
         key.cast("binary").alias("_key"),
         F.to_json(document).cast("binary").alias("_value"),
-        *_no_lineage(),
-    )
-
-
-def _no_lineage() -> list[Column]:
-    from pyspark.sql import functions as F
-
-    return [
         F.lit(None).cast("int").alias("_partition"),
         F.lit(None).cast("bigint").alias("_offset"),
         F.lit(None).cast("string").alias("_error"),
         F.lit(None).cast("bigint").alias("_window_end"),
-    ]
+    )
 
 
 def build_query_frame(spec: PipelineSpec, source: DataFrame, seeds: DataFrame) -> DataFrame:
     """The streaming DataFrame whose micro-batches the driver writes: changed rows and bad
-    records (plus late-event candidates), all as `_kind, _key, _value` and lineage.
-
-    The source is read and classified once: each record becomes its row of partials when good
-    and its lineage when bad (windowed pipelines: always, with its window's end, as a late-event
-    candidate), and one shuffle of those narrow rows feeds both the aggregation and the dead
-    letters, Spark reusing the exchange for the second reader.
-    """
+    records (plus late-event candidates), all as `_kind, _key, _value` and lineage. The source
+    is read and classified once; one shuffle of the narrow rows feeds both the aggregation and
+    the dead letters."""
     from pyspark.sql import functions as F
 
     classified = classify(spec, source)
@@ -349,12 +319,9 @@ def build_query_frame(spec: PipelineSpec, source: DataFrame, seeds: DataFrame) -
 
 
 def _shared(frame: DataFrame, partitions: int) -> DataFrame:
-    """`frame` behind one shuffle that every reader of the result shares.
-
-    Spark reuses an exchange only for readers whose plans below it are the same, but column
-    pruning pushes each reader's own projection below it. Packing the columns into one struct,
-    read back whole through a non-deterministic guard, leaves nothing to prune.
-    """
+    """`frame` behind one shuffle that every reader shares: Spark reuses an exchange only for
+    the same plans below it, so the columns are packed into one struct, read back whole through
+    a non-deterministic guard, and column pruning finds nothing to push below it."""
     from pyspark.sql import functions as F
 
     packed = frame.select(F.struct(*frame.columns).alias("_shared")).repartition(partitions)
