@@ -76,7 +76,6 @@ class Wanted:
 
 
 def desired(settings: Settings, spec: PipelineSpec) -> str:
-    """`running` (the default) or `stopped`: what the user last asked of this stream."""
     return Wanted.load(settings, spec).desired
 
 

@@ -74,19 +74,11 @@ def classify(spec: PipelineSpec, raw: DataFrame) -> DataFrame:
     parsed = F.from_json(F.concat(F.lit("["), text, F.lit("]")), f"array<struct<{ddl}>>")
     frame = raw.withColumn("_parsed", _once(parsed))
     frame = frame.withColumn("_v", F.when(F.size("_parsed") == 1, F.col("_parsed")[0]))
-    frame = frame.withColumn(
-        "_p",
-        F.struct(
-            *[
-                (
-                    F.variant_get(F.col(f"_v.{f}"), "$", "string")
-                    if kind == "string"
-                    else F.col(f"_v.{f}")
-                ).alias(f)
-                for f, kind in fields.items()
-            ]
-        ),
-    )
+    typed = {f: F.col(f"_v.{f}") for f in fields}
+    typed = {
+        f: F.variant_get(v, "$", "string") if fields[f] == "string" else v for f, v in typed.items()
+    }
+    frame = frame.withColumn("_p", F.struct(*[v.alias(f) for f, v in typed.items()]))
     limit = spec.source.max_record_bytes
     checks: list[tuple[Column, Column]] = [
         (F.col("value").isNull(), F.lit("null value")),

@@ -1,6 +1,5 @@
-"""Restoring the state from the changelog: a checkpoint of this engine is resumed as it is;
-without one, the latest `_state` partials per key are written as Parquet seed files that a file
-source feeds into the same aggregation, beside the source read from the committed offsets."""
+"""The checkpoint, and the state seeded from the changelog without one: the latest `_state` per
+key as Parquet files that a file source feeds into the aggregation (docs/streams.md)."""
 
 from __future__ import annotations
 
@@ -30,12 +29,8 @@ def checkpoint_dir(settings: Settings, spec: PipelineSpec) -> Path:
     return settings.checkpoint_root / spec.name
 
 
-def seed_dir(checkpoint: Path) -> Path:
-    return checkpoint / "seed"
-
-
 def seeds_stream(spark: SparkSession, spec: PipelineSpec, checkpoint: Path) -> DataFrame:
-    folder = seed_dir(checkpoint)
+    folder = checkpoint / "seed"
     folder.mkdir(parents=True, exist_ok=True)
     return spark.readStream.schema(rows_schema(spec)).parquet(str(folder))
 
@@ -47,7 +42,7 @@ def write_seed(
     the number of keys. Tombstones remove their key."""
     from pyspark.sql import functions as F
 
-    folder = seed_dir(checkpoint)
+    folder = checkpoint / "seed"
     shutil.rmtree(folder, ignore_errors=True)
     raw = (
         spark.read.format("kafka")
