@@ -79,12 +79,8 @@ class ChangelogWriter:
             linger_ms=20,
             message_max_bytes=self.dead_letter_limit + _DEAD_LETTER_MARGIN,
         )
-        self.committed = {
-            p: offset
-            for p, (offset, _) in kafka.committed_offsets(
-                settings, spec.consumer_group, spec.source.topic
-            ).items()
-        }
+        committed = kafka.committed_offsets(settings, spec.consumer_group, spec.source.topic)
+        self.committed = {p: offset for p, (offset, _) in committed.items()}
         # The group the offsets are committed to; it never subscribes, so it never rebalances.
         group = kafka.consumer(settings, spec.consumer_group)
         self._group_metadata = group.consumer_group_metadata()

@@ -146,27 +146,17 @@ def late_records(settings: Settings, spec: PipelineSpec) -> list[tuple[int, int]
         headers = dict(message.headers() or [])
         reason = headers.get("duality.error") or b""
         if isinstance(reason, bytes) and reason.startswith(b"late event"):
-            late.append(
-                (
-                    int(headers["duality.source.partition"] or -1),
-                    int(headers["duality.source.offset"] or -1),
-                )
-            )
+            partition = int(headers["duality.source.partition"] or -1)
+            late.append((partition, int(headers["duality.source.offset"] or -1)))
     return late
 
 
-def _event_time_ms(spec: PipelineSpec) -> Column:
+def _window_end_ms(spec: PipelineSpec) -> Column:
+    """The end of the tumbling window holding a record's event time (Spark's `window()`)."""
     from pyspark.sql import functions as F
 
-    assert spec.source.event_time is not None
-    return F.unix_millis(F.col(f"_p.{spec.source.event_time}"))
-
-
-def _window_end_ms(spec: PipelineSpec, ts_ms: Column) -> Column:
-    """The end of the tumbling window holding `ts_ms` (Spark's `window()` for these)."""
-    from pyspark.sql import functions as F
-
-    assert spec.window is not None
+    assert spec.window is not None and spec.source.event_time is not None
+    ts_ms = F.unix_millis(F.col(f"_p.{spec.source.event_time}"))
     size = spec.window.size_seconds * 1000
     return ts_ms - F.pmod(ts_ms, F.lit(size)) + F.lit(size)
 
@@ -288,7 +278,7 @@ def build_query_frame(spec: PipelineSpec, source: DataFrame, seeds: DataFrame) -
     )
     window_end = F.lit(None).cast("bigint")
     if spec.window is not None:
-        window_end = F.when(good, _window_end_ms(spec, _event_time_ms(spec))).cast("bigint")
+        window_end = F.when(good, _window_end_ms(spec)).cast("bigint")
     else:
         lineage = F.when(~good, lineage)
     narrow = classified.select(
