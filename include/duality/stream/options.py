@@ -17,8 +17,7 @@ STALL_TIMEOUT_S = 300.0
 
 @dataclasses.dataclass(frozen=True)
 class StreamOptions:
-    """How a stream runs; the same arguments for the supervisor (`python -m duality.stream`)
-    and its driver."""
+    """How a stream runs: the same options for the supervisor and its driver."""
 
     max_offsets_per_trigger: int = MAX_OFFSETS_PER_TRIGGER
     stall_timeout_s: float = STALL_TIMEOUT_S

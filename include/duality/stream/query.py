@@ -1,6 +1,5 @@
-"""The query frame: each source record classified, the good ones as rows of partial aggregates
-in Spark's streaming aggregation, and its changed rows and bad records as changelog records and
-dead letters, all encoded in the JVM."""
+"""The query frame: source records classified and aggregated in Spark's state store, its output
+the changed rows and bad records as changelog records and dead letters, encoded in the JVM."""
 
 from __future__ import annotations
 
@@ -46,12 +45,9 @@ def partials_of(spec: PipelineSpec) -> list[Partial]:
 
 
 def partial_type(spec: PipelineSpec, part: Partial) -> str:
-    if part.field is None:
-        return "bigint"
-    kind = spec.source.fields[part.field]
-    if kind == "timestamp":
-        return "bigint"  # epoch milliseconds
-    if part.function == "sum" and kind in ("int", "long"):
+    kind = None if part.field is None else spec.source.fields[part.field]
+    # Counts, timestamps (as epoch milliseconds) and sums of integers are longs.
+    if kind in (None, "timestamp") or (part.function == "sum" and kind in ("int", "long")):
         return "bigint"
     return SQL_TYPES[kind]
 
@@ -220,12 +216,10 @@ def aggregate_columns(spec: PipelineSpec) -> dict[str, Column]:
 
     columns = {}
     for column, agg in spec.aggregates.items():
-        if agg.function == "count":
-            columns[column] = F.col("_count")
-        elif agg.function == "avg":
+        if agg.function == "avg":
             columns[column] = F.col(f"_sum_{agg.field}") / F.col("_count")
         else:
-            columns[column] = F.col(f"_{agg.function}_{agg.field}")
+            columns[column] = F.col(Partial(agg.function, agg.field).column)
     return columns
 
 
@@ -262,20 +256,13 @@ def changelog_records(spec: PipelineSpec, table: DataFrame) -> DataFrame:
 
 
 def build_query_frame(spec: PipelineSpec, source: DataFrame, seeds: DataFrame) -> DataFrame:
-    """The streaming DataFrame whose micro-batches the driver writes: changed rows and bad
-    records (plus late-event candidates), all as `_kind, _key, _value` and lineage. The source
-    is read and classified once; one shuffle of the narrow rows feeds both the aggregation and
-    the dead letters."""
+    """The frame whose micro-batches the driver writes (`_kind, _key, _value` and lineage): the
+    source classified once, one shuffle feeding both the aggregation and the dead letters."""
     from pyspark.sql import functions as F
 
     classified = classify(spec, source)
     good = F.col("_error").isNull()
-    lineage = F.struct(
-        F.col("key").alias("_key"),
-        F.col("value").alias("_value"),
-        F.col("partition").alias("_partition"),
-        F.col("offset").alias("_offset"),
-    )
+    lineage = F.struct(*[F.col(c).alias(f"_{c}") for c in ("key", "value", "partition", "offset")])
     window_end = F.lit(None).cast("bigint")
     if spec.window is not None:
         window_end = F.when(good, _window_end_ms(spec)).cast("bigint")
@@ -291,12 +278,8 @@ def build_query_frame(spec: PipelineSpec, source: DataFrame, seeds: DataFrame) -
     rows = shared.where(good).select("_row.*").unionByName(seeds)
     table = aggregate(spec, rows)
     records = shared if spec.window is not None else shared.where(~good)
-    dead = records.select(
-        F.when(good, F.lit("candidate")).otherwise(F.lit("dead")).alias("_kind"),
-        "_lineage.*",
-        "_error",
-        "_window_end",
-    )
+    kind = F.when(good, F.lit("candidate")).otherwise(F.lit("dead")).alias("_kind")
+    dead = records.select(kind, "_lineage.*", "_error", "_window_end")
     return changelog_records(spec, table).unionByName(dead)
 
 

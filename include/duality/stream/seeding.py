@@ -58,10 +58,9 @@ def write_seed(
     fields = ", ".join(f"`{f}` {SQL_TYPES[spec.source.fields[f]]}" for f in spec.source.key) + (
         ", `window_start` string" if spec.window is not None else ""
     )
+    schema = f"{fields}, `_state` struct<{state_ddl}>"
     parsed = latest.where(F.col("value").isNotNull()).select(
-        F.from_json(F.col("value").cast("string"), f"{fields}, `_state` struct<{state_ddl}>").alias(
-            "v"
-        )
+        F.from_json(F.col("value").cast("string"), schema).alias("v")
     )
     columns: list[Column] = [F.col(f"v.{f}").alias(f) for f in spec.source.key]
     if spec.window is not None:
@@ -89,9 +88,8 @@ def state_layout(spec: PipelineSpec) -> str:
 
 
 def checkpoint_usable(spec: PipelineSpec, checkpoint: Path) -> bool:
-    """True when the query can resume from `checkpoint`; False when it must be (re)built from
-    the changelog (no checkpoint, or one the query never got going with, or one of the older
-    driver-side engine). A checkpoint of another state layout is a usage error."""
+    """Whether the query can resume from `checkpoint` rather than seed from the changelog; a
+    checkpoint of another state layout is a usage error."""
     offsets = checkpoint / "offsets"
     if not offsets.is_dir() or not any(offsets.iterdir()):
         return False

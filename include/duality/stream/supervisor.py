@@ -1,6 +1,5 @@
-"""The stream's supervisor, the process a stream is (`python -m duality.stream PIPELINE`): it
-holds the pipeline's lock and pid file, and runs the driver in a child process, which it
-restarts when it exits on its own (stalled, its JVM gone, crashed)."""
+"""The stream's supervisor (`python -m duality.stream PIPELINE`): holds the pipeline's lock and
+pid file, and restarts its driver child when it exits on its own (stalled, JVM gone, crashed)."""
 
 from __future__ import annotations
 
@@ -97,8 +96,7 @@ def entry_point(
     run: Callable[[Settings, PipelineSpec, str, StreamOptions], int],
     argv: list[str] | None = None,
 ) -> int:
-    """`prog PIPELINE [options]` of the supervisor and of its driver: a DualityError is logged
-    and becomes the exit code."""
+    """`prog PIPELINE [options]`, the supervisor or its driver; a DualityError is the exit code."""
     parser = argparse.ArgumentParser(
         prog=prog, description="Run one pipeline's changelog-backed stream until SIGTERM."
     )
