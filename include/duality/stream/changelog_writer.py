@@ -155,8 +155,7 @@ class ChangelogWriter:
         return result
 
     def _dead_letter(self, row: Any, reason: str, source: bytes) -> None:
-        key = _bytes(row["_key"])
-        value = _bytes(row["_value"])
+        key, value = (None if v is None else bytes(v) for v in (row["_key"], row["_value"]))
         room = self.dead_letter_limit - _DEAD_LETTER_MARGIN - len(key or b"")
         if value is not None and len(value) > room:
             kept = max(0, room)
@@ -176,10 +175,6 @@ class ChangelogWriter:
 
     def close(self) -> None:
         self.producer.flush(10)
-
-
-def _bytes(value: Any) -> bytes | None:
-    return None if value is None else bytes(value)
 
 
 def _rows(output: DataFrame) -> Iterator[dict[str, Any]]:

@@ -100,7 +100,6 @@ class StreamDriver:
         from duality.spark import session
 
         spec, settings = self.spec, self.settings
-        # The lock is the supervisor's (`supervisor.supervise`); this process runs one driver.
         kafka.ensure_reachable(settings)
         ensure_topics(settings, spec)
         # glibc gives each thread that allocates its own malloc arena; RocksDB's and the JVM's
@@ -126,11 +125,13 @@ class StreamDriver:
                     if refused is not None:
                         heartbeat.publish("failed", error=str(refused))
                         raise refused from None
-                    jvm_code = _jvm_exit_code(spark)
+                    jvm = getattr(spark.sparkContext._gateway, "proc", None)
+                    jvm_code = jvm.poll() if jvm is not None else None
                     if jvm_code is not None:
                         message = f"the driver's JVM exited with {jvm_code}"
                         self._exit_for_new_driver(heartbeat, "restarting", message, JVM_EXITED)
-                    short = _short(error)
+                    lines = str(error).strip().splitlines()
+                    short = lines[0][:300] if lines else type(error).__name__
                     log.warning(
                         "%s: stream failed (%s); restarting in %.0fs", spec.name, short, backoff
                     )
@@ -245,17 +246,6 @@ class StreamDriver:
         heartbeat.close()
         logging.shutdown()
         os._exit(code)
-
-
-def _jvm_exit_code(spark: Any) -> int | None:
-    """The exit code of the JVM this process launched for `spark`, None while it runs."""
-    process = getattr(spark.sparkContext._gateway, "proc", None)
-    return process.poll() if process is not None else None
-
-
-def _short(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0][:300] if text else type(error).__name__
 
 
 def run(settings: Settings, spec: PipelineSpec, pipeline: str, options: StreamOptions) -> int:
