@@ -15,7 +15,6 @@ from collections.abc import Iterable, Iterator, Sized
 from dataclasses import dataclass
 from pathlib import Path
 
-from confluent_kafka import KafkaError
 from rich.progress import Progress
 
 from duality import kafka
@@ -175,12 +174,9 @@ def python_copy(
     try:
         while len(done) < len(ends):
             for msg in consumer.consume(num_messages=10_000, timeout=1.0):
-                error = msg.error()
-                if error is not None:
-                    if error.code() == KafkaError._PARTITION_EOF:
-                        done.add(msg.partition())
-                        continue
-                    raise RuntimeError(f"copy: {error}")
+                if kafka.end_of_partition(msg):  # raises any other error
+                    done.add(msg.partition())
+                    continue
                 key, value = msg.key(), msg.value()
                 kafka.send(producer, target, key=key, value=value)
                 copied += 1

@@ -1,24 +1,34 @@
-"""What the tests share: waiting for conditions, reading topics whole, unique names."""
+"""What the tests (and the bench) share: the command line and a stream run as users run them,
+ground-truth reads of topics with a consumer of their own, waiting for conditions, unique names."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 import psutil
 import yaml
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    IsolationLevel,
+    KafkaError,
+    Message,
+    TopicPartition,
+)
+from confluent_kafka.admin import AdminClient, OffsetSpec
 
-from duality import kafka
+from duality import kafka, process
 from duality.config import SHIPPED_PIPELINES, Settings
 from duality.spec import PipelineSpec, load_spec
 
@@ -82,15 +92,23 @@ def assert_eventually(
 
 
 def run_duality(
-    env: dict[str, str], *args: str, timeout: float = 240
+    config: Settings | Mapping[str, str],
+    *args: str,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 240,
 ) -> subprocess.CompletedProcess[str]:
-    """The `duality` command line run as users run it, in a process of its own."""
+    """The `duality` command line run as users run it, in a process of its own, configured by
+    `config`: settings (as their DUALITY_* variables), or the variables themselves where a test
+    leaves some unset on purpose (a stack's later commands find its addresses in its record);
+    `env` on top."""
+    variables = config.as_env() if isinstance(config, Settings) else config
     return subprocess.run(
         [sys.executable, "-m", "duality.cli", *args],
-        env=env,
+        env={**os.environ, **variables, **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,
+        cwd=ROOT,
     )
 
 
@@ -110,6 +128,60 @@ def unique_name(label: str) -> str:
     return f"{clean}-{uuid.uuid4().hex[:8]}"
 
 
+def read_messages(
+    settings: Settings,
+    topic: str,
+    *,
+    isolation: kafka.Isolation = "read_committed",
+    timeout: float = 60.0,
+) -> list[Message]:
+    """Every record of `topic` up to its end offsets of the moment of the call (under
+    read_committed, its last stable offsets). The ground truth of the tests: read with a plain
+    consumer of their own, never through duality.kafka, whose reader the code under test uses."""
+    config = settings.kafka_client_config()
+    admin = AdminClient(config)
+    partitions = admin.list_topics(topic, timeout=timeout).topics[topic].partitions
+    level = IsolationLevel[isolation.upper()]
+    asked = admin.list_offsets(
+        {TopicPartition(topic, p): OffsetSpec.latest() for p in partitions},
+        isolation_level=level,
+        request_timeout=timeout,
+    )
+    ends = {tp.partition: future.result().offset for tp, future in asked.items()}
+    reader = Consumer(
+        {
+            **config,
+            "group.id": unique_name("ground-truth"),
+            "isolation.level": isolation,
+            "enable.auto.commit": False,
+            "enable.partition.eof": True,
+        }
+    )
+    pending = {p for p, end in ends.items() if end > 0}
+    reader.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in pending])
+    records: list[Message] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while pending:
+            assert time.monotonic() < deadline, f"{topic}: {sorted(pending)} not read to {ends}"
+            for message in reader.consume(num_messages=10_000, timeout=1.0):
+                partition, offset, error = message.partition(), message.offset(), message.error()
+                assert partition is not None and offset is not None
+                if error is not None:
+                    assert error.code() == KafkaError._PARTITION_EOF, error
+                    # At the end the position may sit past it, after transaction markers.
+                    if offset >= ends[partition]:
+                        pending.discard(partition)
+                    continue
+                if offset < ends[partition]:
+                    records.append(message)
+                if offset + 1 >= ends[partition]:
+                    pending.discard(partition)
+    finally:
+        reader.close()
+    return records
+
+
 def read_topic(
     settings: Settings,
     topic: str,
@@ -117,11 +189,27 @@ def read_topic(
     isolation: kafka.Isolation = "read_committed",
     timeout: float = 60.0,
 ) -> list[tuple[int, int, bytes | None, bytes | None]]:
-    """Every record of `topic` up to its current end: (partition, offset, key, value)."""
+    """Every record of `topic` up to its current end (read_messages): (partition, offset, key,
+    value)."""
     return [
-        (m.partition(), m.offset(), m.key(), m.value())
-        for m in kafka.read_to_end(settings, topic, isolation=isolation, timeout=timeout)
+        (m.partition(), m.offset(), m.key(), m.value())  # type: ignore[misc]
+        for m in read_messages(settings, topic, isolation=isolation, timeout=timeout)
     ]
+
+
+def read_latest(settings: Settings, spec: PipelineSpec) -> dict[bytes, dict[str, Any]]:
+    """The latest live value per key of the pipeline's changelog (read_messages): what
+    duality.changelog.read_latest gives, read independently of duality's reader."""
+    latest: dict[bytes, dict[str, Any]] = {}
+    for message in read_messages(settings, spec.changelog_topic, timeout=300):
+        key, value = message.key(), message.value()
+        if key is None:
+            continue
+        if value is None:
+            latest.pop(key, None)
+        else:
+            latest[key] = json.loads(value)
+    return latest
 
 
 def make_pipeline(settings: Settings, folder: Path, template: str, **source: Any) -> PipelineSpec:
@@ -138,8 +226,15 @@ def make_pipeline(settings: Settings, folder: Path, template: str, **source: Any
     return load_spec(path)
 
 
+def stream_command(pipeline: str, *args: str) -> list[str]:
+    """How a pipeline's stream is started, as users start it: the one place that says so."""
+    return [sys.executable, "-m", "duality.stream", pipeline, *args]
+
+
 class StreamProcess:
-    """A pipeline's stream run as a user runs it: `python -m duality.stream` in a process."""
+    """A pipeline's stream run as users run it (`stream_command`) in a process group of its own
+    (supervisor, driver, JVM and Python workers), configured by `settings` with `pipelines` as
+    its folder of specs, its output appended to `log`. Shared by the tests and the bench."""
 
     def __init__(
         self,
@@ -148,59 +243,74 @@ class StreamProcess:
         pipelines: Path,
         log: Path,
         max_offsets_per_trigger: int = 5000,
-        stall_timeout: float = 300,
+        stall_timeout: float | None = 300,
+        trigger_seconds: float | None = None,
     ):
-        self.settings, self.spec, self.log = settings, spec, log
-        self.env = {
-            **os.environ,
-            "DUALITY_BOOTSTRAP_SERVERS": settings.bootstrap_servers,
-            "DUALITY_PIPELINES": str(pipelines),
-            "DUALITY_CHECKPOINT_ROOT": str(settings.checkpoint_root),
-            "DUALITY_WAREHOUSE": str(settings.warehouse),
-            "DUALITY_LOCAL_DIR": str(settings.local_dir),
-        }
-        self.args = [
-            "--max-offsets-per-trigger",
-            str(max_offsets_per_trigger),
-            "--stall-timeout",
-            str(stall_timeout),
-        ]
+        self.settings = settings.replace(pipelines=pipelines)
+        self.spec, self.log = spec, log
+        self.args = ["--max-offsets-per-trigger", str(max_offsets_per_trigger)]
+        if stall_timeout is not None:
+            self.args += ["--stall-timeout", f"{stall_timeout:g}"]
+        if trigger_seconds is not None:
+            self.args += ["--trigger-seconds", f"{trigger_seconds:g}"]
         self.process: subprocess.Popen[bytes] | None = None
+        self.started = 0.0  # perf_counter of the last start
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None, "the stream was not started"
+        return self.process.pid
 
     def start(self) -> None:
+        command = stream_command(self.spec.name, *self.args)
+        self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as out:
+            out.write(f"\n=== {time.strftime('%H:%M:%S')} {' '.join(command)}\n".encode())
+            out.flush()
+            self.started = time.perf_counter()
             self.process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "duality.stream",
-                    self.spec.name,
-                    *self.args,
-                ],
-                env=self.env,
+                command,
+                env={**os.environ, **self.settings.as_env()},
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
 
-    def kill(self) -> None:
-        """SIGKILL the driver and everything it started (its JVM and Python workers)."""
-        assert self.process is not None
-        os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait(30)
-
-    def stop(self) -> int:
-        if self.process is None or self.process.poll() is not None:
-            return self.process.returncode if self.process else 0
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(120)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"the stream did not stop on SIGTERM; see {self.log}") from None
-
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+    def check(self) -> None:
+        """Raise when the stream exited on its own."""
+        if self.process is not None and self.process.poll() is not None:
+            raise RuntimeError(
+                f"the stream of {self.spec.name} exited with code {self.process.returncode}; "
+                f"last lines of {self.log}:\n{self.tail()}"
+            )
+
+    def kill(self) -> None:
+        """SIGKILL the stream's whole group (its JVM and Python workers too)."""
+        if self.process is not None:
+            process.kill_group(self.process.pid, reap=self.process)
+
+    def stop(self, timeout: float = 180) -> int:
+        """SIGTERM (the running micro-batch commits first) and wait for the whole group; its
+        exit code, 0. A stream that must be killed, or that exits otherwise, is an error."""
+        if self.process is None:
+            return 0
+        if process.stop_group(self.process.pid, timeout, reap=self.process):
+            raise AssertionError(
+                f"the stream of {self.spec.name} did not stop within {timeout:g}s of SIGTERM "
+                f"and was killed; see {self.log}"
+            )
+        code = self.process.wait()
+        assert code == 0, f"the stream of {self.spec.name} exited with {code}:\n{self.tail()}"
+        return code
+
+    def __enter__(self) -> StreamProcess:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.kill()
 
     def covered(self) -> int:
         """How many source records the committed offsets cover (all partitions)."""
@@ -211,8 +321,7 @@ class StreamProcess:
 
     def wait_caught_up(self, timeout: float = 240) -> None:
         def caught_up() -> bool:
-            if not self.alive():
-                raise AssertionError(f"the stream exited; see {self.log}:\n{self.tail()}")
+            self.check()
             ends = kafka.end_offsets(self.settings, self.spec.source.topic)
             committed = kafka.committed_offsets(
                 self.settings, self.spec.consumer_group, self.spec.source.topic
@@ -235,4 +344,8 @@ class StreamProcess:
             assert self.stop() == 0, self.tail()
 
     def tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        try:
+            text = self.log.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])

@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ from duality.airflow_api import AirflowClient
 from duality.config import Settings
 from duality.local.airflow import AIRFLOW_USER, LocalAirflow
 from duality.local.ports import free_port
+from tests.harness import run_duality
 
 
 @dataclass
@@ -27,13 +27,7 @@ class Stack:
     password: str
 
     def duality(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "duality.cli", *args],
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        return run_duality(self.env, *args, timeout=timeout)
 
 
 def stack_env(root: Path) -> dict[str, str]:
@@ -58,16 +52,7 @@ def running_stack(root: Path, env: dict[str, str] | None = None) -> Iterator[Sta
     env = env or stack_env(root)
     settings = Settings.from_env(env)
 
-    def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "duality.cli", *args],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-
-    up = run("up", "--json")
+    up = run_duality(env, "up", "--json", timeout=600)
     try:
         assert up.returncode == 0, up.stderr[-3000:]
         started = json.loads(up.stdout)
@@ -75,7 +60,7 @@ def running_stack(root: Path, env: dict[str, str] | None = None) -> Iterator[Sta
         client = AirflowClient(settings.airflow_url, started["airflow"]["user"], password)
         yield Stack(root, env, settings, client, password)
     finally:
-        down = run("down", "--json")
+        down = run_duality(env, "down", "--json", timeout=600)
         assert down.returncode == 0, down.stderr[-3000:]
 
 

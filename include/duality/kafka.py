@@ -804,15 +804,28 @@ def group_offsets(settings: Settings, group: str) -> dict[tuple[str, int], int]:
 
 def committed_offsets(
     settings: Settings, group: str, topic: str, isolation: Isolation = "read_committed"
-) -> dict[int, tuple[int, str | None]]:
+) -> dict[int, tuple[int, bytes | None]]:
     """A group's committed (offset, metadata) per partition of `topic`; absent when none.
 
+    The metadata is bytes, never decoded here: it is the committing client's (Kafka Streams
+    commits binary metadata), and only the code that wrote it knows its format.
     read_committed asks for stable offsets (KIP-447): offsets an open transaction is committing
     are waited out, never half seen; read_uncommitted answers at once with the last stable ones.
     """
     partitions = [TopicPartition(topic, p) for p in range(partition_count(settings, topic))]
     found = _committed(settings, group, partitions, isolation)
-    return {tp.partition: (tp.offset, tp.metadata) for tp in found if tp.offset >= 0}
+    return {tp.partition: (tp.offset, _metadata_bytes(tp)) for tp in found if tp.offset >= 0}
+
+
+def _metadata_bytes(partition: TopicPartition) -> bytes | None:
+    """The committed metadata of `partition` as bytes. confluent-kafka 2.16 decodes it as UTF-8
+    when the attribute is read, and reads librdkafka's unterminated copy up to the next NUL
+    byte, so the bytes may end with a few that were never committed."""
+    try:
+        text: str | None = partition.metadata
+    except UnicodeDecodeError as exc:
+        return bytes(exc.object)
+    return None if text is None else text.encode()
 
 
 def commit_offsets(settings: Settings, group: str, topic: str, offsets: Mapping[int, int]) -> None:

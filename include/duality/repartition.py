@@ -231,7 +231,8 @@ def stored_plan(settings: Settings, requested: Plan) -> Plan | None:
     )
     for _, metadata in committed.values():
         try:
-            data = json.loads(metadata or "")
+            # The plan is a JSON object; bytes after it are not ours (see kafka._metadata_bytes).
+            data, _ = json.JSONDecoder().raw_decode((metadata or b"").decode(errors="replace"))
         except json.JSONDecodeError:
             continue
         if isinstance(data, dict) and "strategy" in data:

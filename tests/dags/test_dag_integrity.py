@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
-import socket
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -102,22 +104,38 @@ def test_a_snapshot_dag_publishes_its_asset_only_after_validation(dags):
     assert all(not t.outlets for t in snapshot.tasks if t.task_id != "publish")
 
 
-def test_parsing_touches_no_broker_and_no_spark(monkeypatch: pytest.MonkeyPatch):
-    """Parse every DAG file with networking refused: nothing at parse time may connect."""
-    from airflow.dag_processing.dagbag import DagBag
+# Run in a fresh interpreter: this test process has imported duality.kafka (conftest) and
+# parsed every DAG (the fixtures) already, so its own sys.modules could never show a new import.
+_PARSE = """
+import json, socket, sys
 
-    def refuse(*args, **kwargs):  # type: ignore[no-untyped-def]
-        raise AssertionError(f"a DAG file opened a connection at parse time: {args}")
+def refuse(*args, **kwargs):
+    raise AssertionError(f"a DAG file opened a connection at parse time: {args}")
 
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket, "create_connection", refuse)
-    import sys
+socket.socket.connect = refuse
+socket.create_connection = refuse
+from airflow.dag_processing.dagbag import DagBag
 
-    before = set(sys.modules)
-    for path in DAG_FILES:
-        assert DagBag(dag_folder=str(path)).import_errors == {}
+errors = {path: DagBag(dag_folder=path).import_errors for path in sys.argv[1:]}
+print(json.dumps({"errors": errors, "modules": sorted(sys.modules)}))
+"""
+
+
+def test_parsing_touches_no_broker_and_no_spark():
+    """Parse every DAG file in a fresh interpreter with networking refused: nothing at parse
+    time may connect, nor import Spark, Great Expectations, Delta or a Kafka client."""
+    result = subprocess.run(
+        [sys.executable, "-c", _PARSE, *map(str, DAG_FILES)],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    parsed = json.loads(result.stdout.splitlines()[-1])
+    assert all(not errors for errors in parsed["errors"].values()), parsed["errors"]
     heavy = {"pyspark", "great_expectations", "confluent_kafka", "delta"}
-    loaded = {m.split(".")[0] for m in set(sys.modules) - before}
+    loaded = {m.split(".")[0] for m in parsed["modules"]}
     assert not heavy & loaded, f"parsing imported {heavy & loaded}"
 
 

@@ -2,8 +2,12 @@
 
 - no import cycle among the modules of `include/duality`, counting imports inside functions;
 - the library never imports Airflow (DAGs and plugins wrap the library, not the other way);
-- `duality.kafka` is the only module of the library, jobs, DAGs and plugins that imports
-  `confluent_kafka`; type names imported under `if TYPE_CHECKING:` are no import at run time.
+- `duality.kafka` is the only module of the library, jobs, DAGs, plugins and bench that imports
+  `confluent_kafka`; type names imported under `if TYPE_CHECKING:` are no import at run time;
+- within the library only the CLI and the demo import the local stack (`duality.local` and its
+  modules), which may import its own;
+- nothing in `jobs/` or `plugins/` imports the CLI: entry points and Airflow depend on the
+  library, not on the command line.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = ROOT / "include"
 KAFKA_MODULE = "duality.kafka"
+LOCAL_STACK = "duality.local"
+CLI = "duality.cli"
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -94,8 +100,42 @@ def importers(paths: list[Path], root: Path, library: str, *, count_typing: bool
     )
 
 
-def _python_files(*folders: str) -> list[Path]:
-    return [path for folder in folders for path in sorted((ROOT / folder).rglob("*.py"))]
+def _python_files(root: Path, *folders: str) -> list[Path]:
+    return [path for folder in folders for path in sorted((root / folder).rglob("*.py"))]
+
+
+def confluent_kafka_importers(root: Path) -> list[str]:
+    """Files of the library, jobs, DAGs, plugins and bench other than `duality.kafka` that
+    import confluent_kafka at run time."""
+    paths = _python_files(root, "include/duality", "jobs", "dags", "plugins", "bench")
+    kafka_module = modules(root / "include", "duality")[KAFKA_MODULE]
+    found = importers(paths, root, "confluent_kafka", count_typing=False)
+    return [name for name in found if name != str(kafka_module.relative_to(root))]
+
+
+def local_stack_importers(root: Path) -> list[str]:
+    """Library modules other than the CLI, the demo and the local stack's own that import the
+    local stack (`duality.local` or a module of it) at run time."""
+    library = root / "include"
+    own = library / "duality" / "local"
+    allowed = {
+        library / "duality" / "cli.py",
+        library / "duality" / "demo.py",
+        own.with_suffix(".py"),
+    }
+    paths = [
+        path
+        for path in _python_files(library, "duality")
+        if path not in allowed and own not in path.parents
+    ]
+    # Module names from include/ (relative imports), file names from the checkout.
+    found = importers(paths, library, LOCAL_STACK, count_typing=False)
+    return [f"include/{name}" for name in found]
+
+
+def cli_importers(root: Path) -> list[str]:
+    """Files of `jobs/` and `plugins/` that import the CLI (`duality.cli`)."""
+    return importers(_python_files(root, "jobs", "plugins"), root, CLI, count_typing=True)
 
 
 def test_no_import_cycle_in_the_library():
@@ -104,17 +144,87 @@ def test_no_import_cycle_in_the_library():
 
 
 def test_the_library_never_imports_airflow():
-    found = importers(_python_files("include/duality"), ROOT, "airflow", count_typing=True)
+    found = importers(_python_files(ROOT, "include/duality"), ROOT, "airflow", count_typing=True)
     assert found == [], f"these library modules import Airflow: {found}"
 
 
 def test_only_the_kafka_module_imports_confluent_kafka():
-    paths = _python_files("include/duality", "jobs", "dags", "plugins")
-    kafka_module = modules(LIBRARY, "duality")[KAFKA_MODULE]
-    found = importers(paths, ROOT, "confluent_kafka", count_typing=False)
-    assert found == [str(kafka_module.relative_to(ROOT))], (
-        f"confluent_kafka is imported outside {KAFKA_MODULE}: {found}"
-    )
+    assert KAFKA_MODULE in {
+        _module_name(path, LIBRARY)
+        for path in _python_files(LIBRARY, "duality")
+        if any(target == "confluent_kafka" for target, _ in imports(path, LIBRARY))
+    }
+    found = confluent_kafka_importers(ROOT)
+    assert found == [], f"confluent_kafka is imported outside {KAFKA_MODULE}: {found}"
+
+
+def test_only_the_cli_and_the_demo_import_the_local_stack():
+    found = local_stack_importers(ROOT)
+    assert found == [], f"these library modules import {LOCAL_STACK}: {found}"
+
+
+def test_jobs_and_plugins_never_import_the_cli():
+    found = cli_importers(ROOT)
+    assert found == [], f"these entry points import {CLI}: {found}"
+
+
+def test_each_rule_fails_on_a_planted_violation(tmp_path: Path):
+    """A checkout with the allowed imports passes every rule; each violation planted in turn
+    fails its rule, naming the file."""
+    files = {
+        "include/duality/__init__.py": "",
+        "include/duality/kafka.py": "import confluent_kafka\n",
+        "include/duality/cli.py": "from duality import local\nfrom duality.local import stack\n",
+        "include/duality/demo.py": "from duality.local.broker import LocalBroker\n",
+        "include/duality/local/__init__.py": "from .stack import up\n",
+        "include/duality/local/stack.py": "from duality.local import broker\nfrom . import web\n",
+        "include/duality/local/broker.py": "from duality import process\n",
+        "include/duality/local/web.py": "",
+        "include/duality/process.py": "",
+        "include/duality/stream.py": "from duality import kafka\n",
+        "jobs/stream_aggregate.py": "from duality.arguments import stream\n",
+        "plugins/duality_airflow/operators.py": "CLI = ['python', '-m', 'duality.cli']\n",
+        "dags/pipelines.py": "from duality import spec\n",
+        "bench/streaming.py": "from duality import kafka\nfrom duality.local import broker\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    rules = (confluent_kafka_importers, local_stack_importers, cli_importers)
+    assert [rule(tmp_path) for rule in rules] == [[], [], []]
+
+    planted = [
+        (
+            confluent_kafka_importers,
+            "bench/baselines.py",
+            "from confluent_kafka import KafkaError\n",
+        ),
+        (confluent_kafka_importers, "plugins/duality_airflow/hooks.py", "import confluent_kafka\n"),
+        (
+            local_stack_importers,
+            "include/duality/stream.py",
+            "from duality.local import free_port\n",
+        ),
+        (
+            local_stack_importers,
+            "include/duality/status.py",
+            "def f():\n    from .local import stack\n",
+        ),
+        (local_stack_importers, "include/duality/control.py", "from duality import local\n"),
+        (cli_importers, "jobs/repartition.py", "from duality.cli import ARGUMENTS\n"),
+        (cli_importers, "plugins/duality_airflow/hooks.py", "from duality import cli\n"),
+    ]
+    for rule, name, text in planted:
+        path = tmp_path / name
+        before = path.read_text() if path.exists() else None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        assert rule(tmp_path) == [name], (rule.__name__, name)
+        if before is None:
+            path.unlink()
+        else:
+            path.write_text(before)
+        assert rule(tmp_path) == []
 
 
 def test_the_checks_find_what_they_look_for(tmp_path: Path):

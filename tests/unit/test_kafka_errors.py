@@ -1,6 +1,6 @@
 """What a failed Kafka call tells the user, and the one retry helper: no broker needed (a closed
-port, and errors as librdkafka reports them). tests/integration/kafka/test_kafka_errors.py checks the
-same against a broker that refuses logins and operations."""
+port, and errors as librdkafka reports them). tests/integration/kafka/test_kafka_errors.py checks
+the same against a broker that refuses logins and operations."""
 
 from __future__ import annotations
 
@@ -260,3 +260,20 @@ def test_retrying_gives_up_with_a_timeout_and_stops_at_a_real_error(sasl: Settin
     with pytest.raises(UsageError, match="does not allow user 'bob' to read offsets"):
         kafka.retrying(sasl, "read offsets", denied)
     assert calls == 1
+
+
+def test_committed_metadata_is_bytes_never_decoded(monkeypatch: pytest.MonkeyPatch):
+    """Another client's metadata (Kafka Streams commits binary metadata) comes back as bytes:
+    confluent-kafka 2.16 decodes it as UTF-8 when the attribute is read, past its end, and
+    raised UnicodeDecodeError on `duality skew --group` (tests/integration/kafka/)."""
+
+    class Committed:
+        topic, partition, offset = "t", 0, 5
+
+        @property
+        def metadata(self) -> str:
+            raise UnicodeDecodeError("utf-8", b"MTIz\xa5", 4, 5, "invalid start byte")
+
+    monkeypatch.setattr(kafka, "partition_count", lambda *_: 1)
+    monkeypatch.setattr(kafka, "_committed", lambda *_: [Committed()])
+    assert kafka.committed_offsets(None, "g", "t") == {0: (5, b"MTIz\xa5")}  # type: ignore[arg-type]

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from duality import skew
+from duality import repartition, skew
 from duality.errors import UsageError
 from duality.repartition import Plan, check_arguments
 
@@ -43,6 +43,23 @@ def test_plan_metadata_names_everything_that_places_records():
     )
     assert plan.group == "duality-repartition-t"
     assert plan.transactional_id(2) != plan.transactional_id(3)
+
+
+def test_the_stored_plan_is_read_from_bytes_and_other_metadata_is_skipped(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """Committed metadata comes as bytes, possibly followed by a few that were never committed
+    (kafka._metadata_bytes); another client's, binary, is no plan."""
+    plan = Plan("s", "t", 6, "salted", ("a",), 2)
+    committed = {
+        0: (5, b"\x02\xff\xfe binary, not UTF-8"),
+        1: (7, plan.metadata().encode() + b"\xa5\x7f"),
+        2: (9, None),
+    }
+    monkeypatch.setattr(repartition.kafka, "committed_offsets", lambda *_, **__: committed)
+    assert repartition.stored_plan(None, Plan("s", "t", 6)) == plan  # type: ignore[arg-type]
+    committed.pop(1)
+    assert repartition.stored_plan(None, Plan("s", "t", 6)) is None  # type: ignore[arg-type]
 
 
 def test_skew_ratio_and_hot_partitions():

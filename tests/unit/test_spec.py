@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ import yaml
 from duality.config import Settings
 from duality.errors import UsageError
 from duality.spec import Aggregate, json_schema, load_spec, parse_duration, spec_files
+from tests.harness import run_duality
 
 GOOD = {
     "name": "shop_sales",
@@ -109,16 +108,9 @@ def test_file_name_must_match_pipeline(tmp_path: Path):
 def test_spec_validate_command_exit_codes(tmp_path: Path):
     good = _write(tmp_path, GOOD)
     bad = _write(tmp_path, {**GOOD, "aggregates": {"x": "median(amount)"}}, name="broken")
-    env = {**os.environ, "DUALITY_PIPELINES": str(tmp_path)}
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "duality.cli", "spec", *args],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        return run_duality({"DUALITY_PIPELINES": str(tmp_path)}, "spec", *args, timeout=60)
 
     ok = run("validate", str(good))
     assert ok.returncode == 0, ok.stderr
@@ -149,19 +141,13 @@ def test_spec_validate_checks_expectations_with_great_expectations(tmp_path: Pat
             {"type": "expect_column_values_to_be_between", "kwargs": {"column": "units"}}
         ],
     }
-    env = {**os.environ, "DUALITY_PIPELINES": str(tmp_path)}
+    env = {"DUALITY_PIPELINES": str(tmp_path)}
     for data, needle in (
         (unknown, "unknown expectation 'expect_revenue_to_grow'"),
         (bad_args, "min_value and max_value cannot both be None"),
     ):
         path = _write(tmp_path, data)
-        result = subprocess.run(
-            [sys.executable, "-m", "duality.cli", "spec", "validate", str(path)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        result = run_duality(env, "spec", "validate", str(path), timeout=120)
         assert result.returncode == 2, result.stderr
         assert str(path) in result.stderr and "expectations[0]" in result.stderr
         assert needle in result.stderr and "Traceback" not in result.stderr

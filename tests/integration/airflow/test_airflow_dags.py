@@ -14,9 +14,17 @@ from typing import Any
 import pytest
 import yaml
 
-from duality import changelog, kafka
+from duality import kafka
 from duality.config import Settings
-from tests.harness import ROOT, StreamProcess, make_pipeline, read_topic
+from tests.harness import (
+    ROOT,
+    StreamProcess,
+    make_pipeline,
+    read_latest,
+    read_messages,
+    read_topic,
+    run_duality,
+)
 
 
 @pytest.fixture(scope="module")
@@ -69,13 +77,7 @@ def dag_test(env: dict[str, str], dag_id: str, conf: dict[str, Any] | None = Non
 def duality(env: dict[str, str], *args: str) -> dict[str, Any]:
     """The CLI as a person runs it outside Airflow: Kafka from DUALITY_BOOTSTRAP_SERVERS."""
     real = json.loads(env["AIRFLOW_CONN_KAFKA_DEFAULT"])["extra"]["bootstrap.servers"]
-    done = subprocess.run(
-        [sys.executable, "-m", "duality.cli", *args, "--json"],
-        env={**env, "DUALITY_BOOTSTRAP_SERVERS": real},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = run_duality(env, *args, "--json", env={"DUALITY_BOOTSTRAP_SERVERS": real}, timeout=600)
     result = json.loads(done.stdout) if done.stdout.strip() else {}
     return {**result, "exit_code": done.returncode}
 
@@ -107,7 +109,7 @@ def _snapshot_runs(airflow_env, spec, stream, workload_args) -> None:  # type: i
     assert good["tasks"] == {"snapshot": "success", "validate": "success", "publish": "success"}
     published = duality(airflow_env, "read", spec.name, "--limit", "0")
     assert published["exit_code"] == 0, published
-    live = changelog.read_latest(settings, spec)
+    live = read_latest(settings, spec)
     assert published["rows"] == len(live)
     first_version = published["version"]
     report = json.loads(
@@ -171,7 +173,7 @@ def test_repartition_dag_moves_every_record_and_a_dry_run_moves_none(
     assert kafka.partition_count(settings, target) == 8
     source = {(p, o) for p, o, _, _ in read_topic(settings, topic)}
     lineage = set()
-    for message in kafka.read_to_end(settings, target):
+    for message in read_messages(settings, target):
         headers = dict(message.headers() or [])
         lineage.add(
             (int(headers["duality.source.partition"]), int(headers["duality.source.offset"]))

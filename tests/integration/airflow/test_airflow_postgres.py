@@ -12,8 +12,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -24,7 +22,7 @@ import psutil
 import pytest
 import yaml
 
-from duality import changelog, kafka, workload
+from duality import kafka, workload
 from duality.airflow_api import AirflowClient
 from duality.config import Settings
 from duality.local.airflow import AIRFLOW_COMPONENTS, AIRFLOW_USER, LocalAirflow
@@ -32,7 +30,7 @@ from duality.local.ports import free_port
 from duality.snapshot import delta_log
 from duality.snapshot.publish import PUBLISHED_VERSION
 from duality.spec import PipelineSpec, load_spec
-from tests.harness import assert_eventually, make_pipeline
+from tests.harness import assert_eventually, make_pipeline, read_latest, run_duality
 
 
 @pytest.fixture
@@ -105,15 +103,11 @@ def test_scheduler_killed_mid_snapshot_publishes_once_and_runs_one_stream(
             _stream_and_snapshot(scoped, spec, airflow, client, streams)
             client.set_paused(f"duality_{spec.name}_stream", True)
     finally:
-        down = subprocess.run(
-            [sys.executable, "-m", "duality.cli", "down", "--json"],
-            env={
-                **os.environ,
-                **scoped.as_env(),
-                "DUALITY_AIRFLOW_DB": "sqlite",  # stops whatever runs, whatever the setting
-            },
-            capture_output=True,
-            text=True,
+        down = run_duality(
+            scoped,
+            "down",
+            "--json",
+            env={"DUALITY_AIRFLOW_DB": "sqlite"},  # stops whatever runs, whatever the setting
             timeout=300,
         )
     assert down.returncode == 0, down.stderr[-3000:]
@@ -187,7 +181,7 @@ def _stream_and_snapshot(
     newest = delta_log.table_state(path, history[0].version)
     assert newest is not None and newest.properties[PUBLISHED_VERSION] == str(version)
     built = delta_log.table_state(path, version)
-    latest = changelog.read_latest(settings, spec)
+    latest = read_latest(settings, spec)
     assert built is not None and built.rows == sum(v is not None for v in latest.values()) > 0
     assert streams.now()["duality.stream"], "the stream is not running any more"
 

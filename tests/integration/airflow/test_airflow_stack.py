@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,12 +14,12 @@ from typing import Any
 import psutil
 import pytest
 
-from duality import changelog, kafka
+from duality import kafka, process
 from duality.config import SHIPPED_PIPELINES
 from duality.spec import find_spec
 from duality.stream import control
 from tests import truth
-from tests.harness import ROOT, assert_eventually, read_topic
+from tests.harness import ROOT, assert_eventually, read_latest, read_topic
 from tests.stack import Stack, running_stack, stack_env
 
 SUPERVISE_INTERVAL_S = 60.0  # the stream DAG's schedule
@@ -72,7 +71,7 @@ def test_reduced_demo_tells_the_whole_story(stack: Stack, demo: dict[str, Any]):
     assert read.returncode == 0, read.stderr[-3000:]
     published = json.loads(read.stdout)
     assert published["version"] == snap["version"]
-    latest = changelog.read_latest(stack.settings, spec)
+    latest = read_latest(stack.settings, spec)
     assert published["rows"] == snap["rows"] == sum(v is not None for v in latest.values())
 
     moved = demo["repartition"]
@@ -96,7 +95,7 @@ def test_supervisor_restarts_a_killed_stream_and_the_changelog_stays_exact(
     # More events while it runs, then SIGKILL the whole stream (supervisor and driver).
     produced = stack.duality("produce", "product_sales", "--events", "2000", "--seed", "8")
     assert produced.returncode == 0, produced.stderr
-    os.killpg(os.getpgid(pid), signal.SIGKILL)
+    process.kill_group(os.getpgid(pid))
     killed_at = time.time()
     assert_eventually(lambda: not psutil.pid_exists(pid) or _zombie(pid), timeout=30)
 
@@ -124,9 +123,7 @@ def test_supervisor_restarts_a_killed_stream_and_the_changelog_stays_exact(
     source = read_topic(settings, spec.source.topic)
     assert len(source) == DEMO_EVENTS + 2000
     table, _ = truth.expected(spec, source)
-    truth.assert_tables_equal(
-        truth.changelog_table(spec, changelog.read_latest(settings, spec)), table
-    )
+    truth.assert_tables_equal(truth.changelog_table(spec, read_latest(settings, spec)), table)
 
 
 def _zombie(pid: int) -> bool:

@@ -21,7 +21,7 @@ from duality.config import Settings
 from duality.snapshot import build, delta_log, publish
 from duality.snapshot.coverage import Coverage
 from duality.spec import PipelineSpec
-from tests.harness import ROOT, StreamProcess, make_pipeline, read_topic
+from tests.harness import ROOT, StreamProcess, make_pipeline, read_latest, read_topic, run_duality
 
 # -- a changelog writer, as the stream writes it (transactions, tombstones, aborted ones) ----
 
@@ -168,7 +168,7 @@ def test_full_then_incremental_equal_the_changelog(spark, pipeline) -> None:  # 
     # The job's entry point, run with Python as users run it.
     job = subprocess.run(
         [sys.executable, str(ROOT / "jobs" / "rebuild_snapshot.py"), spec.name, "--incremental"],
-        env=_env(settings),
+        env={**os.environ, **settings.as_env()},
         capture_output=True,
         text=True,
         timeout=300,
@@ -195,26 +195,8 @@ def _create_again(settings: Settings, spec: PipelineSpec) -> None:
     assert_eventually(created, timeout=60, message="changelog could not be recreated")
 
 
-def _env(settings: Settings) -> dict[str, str]:
-    return {
-        **os.environ,
-        "DUALITY_BOOTSTRAP_SERVERS": settings.bootstrap_servers,
-        "DUALITY_PIPELINES": str(settings.pipelines),
-        "DUALITY_WAREHOUSE": str(settings.warehouse),
-        "DUALITY_REPORTS": str(settings.reports),
-        "DUALITY_LOCAL_DIR": str(settings.local_dir),
-    }
-
-
 def _cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "duality.cli", *args, "--json"],
-        env=_env(settings),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
+    return run_duality(settings, *args, "--json", timeout=300)
 
 
 def test_failed_validation_keeps_the_published_version(spark, pipeline) -> None:  # type: ignore[no-untyped-def]
@@ -304,7 +286,7 @@ def test_reconcile_with_the_source(spark, pipeline, tmp_path: Path) -> None:  # 
     assert report.reconciled and report.checks > 10
 
     # Tamper with one changelog value: the snapshot follows it, reconciliation catches it.
-    latest = changelog.read_latest(settings, spec)
+    latest = read_latest(settings, spec)
     key, value = next(iter(sorted(latest.items())))
     value = {**value, "orders": value["orders"] + 1}
     producer = kafka.producer(settings)
@@ -345,12 +327,10 @@ def test_publish_reads_the_verdict_from_the_table_not_from_a_report(
         assert report.success is success and not report.published
 
     def run_publish(version: int) -> subprocess.CompletedProcess[str]:
-        command = ["publish", spec.name, "--version", str(version), "--json"]
-        return subprocess.run(
-            [sys.executable, "-m", "duality.cli", *command],
-            env={**_env(worker("b")), "AIRFLOW_HOME": str(tmp_path / "b" / "airflow")},
-            capture_output=True,
-            text=True,
+        return run_duality(
+            worker("b"),
+            *("publish", spec.name, "--version", str(version), "--json"),
+            env={"AIRFLOW_HOME": str(tmp_path / "b" / "airflow")},
             timeout=300,
         )
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from collections import Counter
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 from confluent_kafka import TopicPartition
 
-from duality import changelog, cli, kafka, repartition, skew, workload
+from duality import cli, kafka, process, repartition, skew, workload
 from duality.config import Settings
 from duality.errors import UsageError
 from tests import truth
@@ -26,6 +25,8 @@ from tests.harness import (
     StreamProcess,
     assert_eventually,
     make_pipeline,
+    read_latest,
+    read_messages,
     read_topic,
 )
 
@@ -34,7 +35,7 @@ EVENTS, KEYS = 30_000, 1_000
 
 def _records(settings: Settings, topic: str) -> list[dict]:
     rows = []
-    for m in kafka.read_to_end(settings, topic):
+    for m in read_messages(settings, topic):
         headers = list(m.headers() or [])
         rows.append(
             {
@@ -160,8 +161,7 @@ def test_sigkill_mid_copy_then_resume(settings: Settings, topic: str, tmp_path: 
         )
         seen = copied()
     finally:
-        os.killpg(first.pid, signal.SIGKILL)
-        first.wait(30)
+        process.kill_group(first.pid, reap=first)
     # The killed copiers may have left transactions open (with offset commits in them): the
     # progress is final only after the next run fenced them, so it is read from that run.
     second = _job(settings, log, *args)
@@ -241,7 +241,7 @@ def test_salted_evens_a_hot_key_and_aggregates_stay_exact(
         assert stream.stop() == 0, stream.tail()
     expected, bad = truth.expected(spec, original)
     assert not bad
-    latest = changelog.read_latest(settings, spec)
+    latest = read_latest(settings, spec)
     truth.assert_tables_equal(truth.changelog_table(spec, latest), expected)
     stream_group = spec.consumer_group
     skew_lag = cli.main(["skew", target, "--group", stream_group, "--json"])

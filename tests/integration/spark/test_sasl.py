@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,12 +20,12 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from duality import changelog, kafka
+from duality import kafka
 from duality.config import Settings, jaas_quote
 from duality.local.broker import ephemeral_broker
 from duality.local.scram import Scram
 from tests import truth
-from tests.harness import assert_eventually, make_pipeline, read_topic
+from tests.harness import assert_eventually, make_pipeline, read_latest, read_topic, run_duality
 
 USER = "pipeline-user"
 # Needs escaping in a JAAS string and in a properties file; the start is distinctive enough
@@ -48,26 +45,13 @@ class Run:
         self.spec = make_pipeline(settings, self.pipelines, "product_sales")
         self.outputs: list[str] = []
 
-    def env(self, password: str = PASSWORD) -> dict[str, str]:
-        return {
-            **os.environ,
-            **self.settings.as_env(),
-            "DUALITY_SASL_PASSWORD": password,
-            "DUALITY_PIPELINES": str(self.pipelines),
-        }
-
     def duality(
         self, *args: str, password: str = PASSWORD, expect: int = 0
     ) -> tuple[dict[str, Any], str, float]:
         """Run `duality ARGS --json`; (its JSON, its stderr, seconds it took)."""
         started = time.monotonic()
-        result = subprocess.run(
-            [sys.executable, "-m", "duality.cli", *args, "--json"],
-            env=self.env(password),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        login = self.settings.replace(pipelines=self.pipelines, sasl_password=password)
+        result = run_duality(login, *args, "--json", timeout=300)
         took = time.monotonic() - started
         self.outputs += [result.stdout, result.stderr]
         assert result.returncode == expect, (args, result.stdout[-2000:], result.stderr[-3000:])
@@ -150,9 +134,7 @@ def test_a_pipeline_end_to_end_through_the_sasl_listener(run: Run):
     assert len(read_topic(settings, target)) == EVENTS
     source = read_topic(settings, spec.source.topic)
     table, _ = truth.expected(spec, source, None)
-    truth.assert_tables_equal(
-        truth.changelog_table(spec, changelog.read_latest(settings, spec)), table
-    )
+    truth.assert_tables_equal(truth.changelog_table(spec, read_latest(settings, spec)), table)
 
     # The snapshot (Spark's Kafka source reads the changelog) equals the ground truth; it passes
     # validation and is published.

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from duality import changelog, kafka, workload
+from duality import kafka, workload
 from duality.config import Settings
 from duality.local.broker import LocalBroker, ephemeral_broker
 from duality.stream import driver, heartbeat
@@ -26,6 +26,8 @@ from tests.harness import (
     assert_eventually,
     java_processes,
     make_pipeline,
+    read_latest,
+    read_messages,
     read_topic,
 )
 
@@ -45,13 +47,13 @@ def _verify_records(settings: Settings, spec, source) -> None:  # type: ignore[n
         checkpoint = settings.checkpoint_root / spec.name
         batches = truth.batches_from_checkpoint(checkpoint, spec.source.topic)
     table, bad = truth.expected(spec, source, batches)
-    latest = changelog.read_latest(settings, spec)
+    latest = read_latest(settings, spec)
     truth.assert_tables_equal(truth.changelog_table(spec, latest), table)
 
     lineage: Counter[tuple[int, int]] = Counter()
     reasons = {}
     dead = 0
-    for message in kafka.read_to_end(settings, spec.dlq_topic):
+    for message in read_messages(settings, spec.dlq_topic):
         dead += 1
         headers = dict(message.headers() or [])
         where = (int(headers["duality.source.partition"]), int(headers["duality.source.offset"]))
@@ -115,7 +117,7 @@ def test_changelog_equals_ground_truth(settings: Settings, pipelines: Path, tmp_
 
     limit = kafka.max_message_bytes(settings, spec.dlq_topic)
     assert limit < len(huge)
-    letters = {m.value()[:40]: m for m in kafka.read_to_end(settings, spec.dlq_topic) if m.value()}
+    letters = {m.value()[:40]: m for m in read_messages(settings, spec.dlq_topic) if m.value()}
     for value in DEFECTS:
         assert letters[value[:40]].value() == value  # kept whole, byte for byte
     cut = letters[huge[:40]]

@@ -16,18 +16,8 @@ from duality.stream import control
 from tests.harness import assert_eventually, make_pipeline, run_duality
 
 
-def _kafka_env(settings: Settings, pipelines: Path) -> dict[str, str]:
-    return {
-        **os.environ,
-        "DUALITY_BOOTSTRAP_SERVERS": settings.bootstrap_servers,
-        "DUALITY_PIPELINES": str(pipelines),
-        "DUALITY_CHECKPOINT_ROOT": str(settings.checkpoint_root),
-        "DUALITY_LOCAL_DIR": str(settings.local_dir),
-    }
-
-
-def _duality(env: dict[str, str], *args: str, timeout: float = 240) -> dict:
-    result = run_duality(env, *args, "--json", timeout=timeout)
+def _duality(settings: Settings, *args: str, timeout: float = 240) -> dict:
+    result = run_duality(settings, *args, "--json", timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout)
 
@@ -48,9 +38,9 @@ def _running(name: str) -> list[psutil.Process]:
 def test_stream_lifecycle_and_reset(settings: Settings, tmp_path: Path):
     pipelines = tmp_path / "pipelines"
     spec = make_pipeline(settings, pipelines, "product_sales")
-    env = _kafka_env(settings, pipelines)
+    scoped = settings.replace(pipelines=pipelines)
     produced = _duality(
-        env,
+        scoped,
         "produce",
         spec.name,
         "--events",
@@ -65,28 +55,28 @@ def test_stream_lifecycle_and_reset(settings: Settings, tmp_path: Path):
     assert produced["produced"] == 3000 and sum(produced["bad"].values()) > 0
 
     try:
-        first = _duality(env, "stream", "start", spec.name)
-        second = _duality(env, "stream", "start", spec.name)
+        first = _duality(scoped, "stream", "start", spec.name)
+        second = _duality(scoped, "stream", "start", spec.name)
         assert first["already_running"] is False and second["already_running"] is True
         assert first["pid"] == second["pid"]
         assert len(_drivers(spec.name)) == 1
 
-        status = _duality(env, "stream", "status", spec.name)
+        status = _duality(scoped, "stream", "status", spec.name)
         assert status["state"] == "running"
         assert status["heartbeat"]["ppid"] == first["pid"]  # the driver under the supervisor
     finally:
-        stopped = _duality(env, "stream", "stop", spec.name)
+        stopped = _duality(scoped, "stream", "stop", spec.name)
     assert stopped["was_running"] is True
     assert _drivers(spec.name) == []
-    assert _duality(env, "stream", "status", spec.name)["state"] == "stopped"
+    assert _duality(scoped, "stream", "status", spec.name)["state"] == "stopped"
 
-    plan = _duality(env, "reset", spec.name, "--dry-run")
+    plan = _duality(scoped, "reset", spec.name, "--dry-run")
     assert plan["dry_run"] is True and plan["steps"]
     records_before = plan["changelog_records"]
-    again = _duality(env, "reset", spec.name, "--dry-run")
+    again = _duality(scoped, "reset", spec.name, "--dry-run")
     assert again["changelog_records"] == records_before  # a dry run changes nothing
 
-    done = _duality(env, "reset", spec.name)
+    done = _duality(scoped, "reset", spec.name)
     assert done["dry_run"] is False
     committed = kafka.committed_offsets(settings, spec.consumer_group, spec.source.topic)
     assert {p: offset for p, (offset, _) in committed.items()} == {
@@ -107,7 +97,7 @@ def test_down_stops_a_stream_started_in_the_foreground(settings: Settings, tmp_p
         # take that group down.
         stream = subprocess.Popen(
             [sys.executable, "-m", "duality.cli", "stream", "start", spec.name, "--foreground"],
-            env=_kafka_env(settings, pipelines),
+            env={**os.environ, **settings.replace(pipelines=pipelines).as_env()},
             stdout=log,
             stderr=subprocess.STDOUT,
         )

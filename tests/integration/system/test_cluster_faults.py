@@ -29,7 +29,7 @@ from duality.local.kraft import LocalKafkaCluster, ephemeral_cluster
 from duality.snapshot import build, delta_log
 from duality.spec import PipelineSpec
 from duality.stream import control, health, heartbeat, topics
-from tests.harness import ROOT, assert_eventually, make_pipeline
+from tests.harness import ROOT, assert_eventually, make_pipeline, run_duality
 from tests.integration.snapshot.test_snapshot import _table, _truth
 from tests.integration.spark.test_repartition import _assert_exact_copy
 from tests.integration.spark.test_stream import _verify
@@ -116,7 +116,7 @@ def _run(settings: Settings, *args: str, timeout: float = 120) -> subprocess.Com
 
 
 def _cli(settings: Settings, *args: str) -> dict:
-    done = _run(settings, "-m", "duality.cli", *args, "--json", timeout=60)
+    done = run_duality(settings, *args, "--json", timeout=60)
     assert done.returncode == 0, f"duality {' '.join(args)}: {done.stdout}{done.stderr}"
     return dict(json.loads(done.stdout))
 

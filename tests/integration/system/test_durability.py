@@ -5,7 +5,6 @@ one that has fewer."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,19 +26,10 @@ def cluster(base_settings: Settings) -> Iterator[LocalKafkaCluster]:
         yield started
 
 
-def _env(settings: Settings, pipelines: Path) -> dict[str, str]:
-    return {
-        **os.environ,
-        "DUALITY_BOOTSTRAP_SERVERS": settings.bootstrap_servers,
-        "DUALITY_PIPELINES": str(pipelines),
-        "DUALITY_REPARTITION_CONFIG": str(pipelines / "no-repartition.yaml"),
-        "DUALITY_LOCAL_DIR": str(settings.local_dir),
-        "DUALITY_CHECKPOINT_ROOT": str(settings.checkpoint_root),
-    }
-
-
-def _duality(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return run_duality(env, *args, "--json", timeout=120)
+def _duality(
+    settings: Settings, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return run_duality(settings, *args, "--json", env=env, timeout=120)
 
 
 def _pipeline(settings: Settings, folder: Path) -> PipelineSpec:
@@ -49,8 +39,8 @@ def _pipeline(settings: Settings, folder: Path) -> PipelineSpec:
     return spec
 
 
-def _status(env: dict[str, str]) -> tuple[int, dict[str, Any], str]:
-    result = _duality(env, "status")
+def _status(settings: Settings) -> tuple[int, dict[str, Any], str]:
+    result = _duality(settings, "status")
     report = json.loads(result.stdout) if result.stdout.strip() else {}
     return result.returncode, report, result.stderr
 
@@ -73,10 +63,13 @@ def test_every_topic_is_replicated_as_configured(cluster: LocalKafkaCluster, tmp
         timeout=30,
     )
 
-    env = _env(settings, tmp_path / "pipelines")
+    pipelines = tmp_path / "pipelines"
+    scoped = settings.replace(
+        pipelines=pipelines, repartition_config=pipelines / "no-repartition.yaml"
+    )
     ours = {spec.changelog_topic, spec.dlq_topic, heartbeat.STATUS_TOPIC}
     code, report, stderr = assert_eventually(
-        lambda: _status(env),
+        lambda: _status(scoped),
         lambda seen: seen[0] == 0 and set(_listed(seen[1])) == ours,
         timeout=60,
         message="status exits 0 and lists the pipeline's and the heartbeats' topics",
@@ -94,7 +87,7 @@ def test_every_topic_is_replicated_as_configured(cluster: LocalKafkaCluster, tmp
     short = make_pipeline(settings, tmp_path / "pipelines", "product_sales")
     kafka.create_topic(settings.replace(replication_factor=1), short.changelog_topic, 3)
     code, report, stderr = assert_eventually(
-        lambda: _status(env),
+        lambda: _status(scoped),
         lambda seen: short.changelog_topic in _listed(seen[1]),
         timeout=60,
         message="status lists the changelog made with one replica",
@@ -107,7 +100,7 @@ def test_every_topic_is_replicated_as_configured(cluster: LocalKafkaCluster, tmp
     assert listed[spec.changelog_topic]["below_configured"] is False
 
     # More replicas than brokers is a bad setting, named before any topic is made.
-    result = _duality({**env, "DUALITY_REPLICATION_FACTOR": "4"}, "status")
+    result = _duality(scoped, "status", env={"DUALITY_REPLICATION_FACTOR": "4"})
     assert result.returncode == 2, result.stderr[-2000:]
     assert "DUALITY_REPLICATION_FACTOR=4" in result.stderr and "3 brokers" in result.stderr, (
         result.stderr[-2000:]

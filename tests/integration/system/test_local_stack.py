@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 from pathlib import Path
 
 import psutil
 
+from duality.config import Settings
 from duality.local.ports import free_port
 from tests.harness import ended_pid, run_duality
 
@@ -24,12 +24,11 @@ def _kafka_processes(marker: str) -> list[psutil.Process]:
 
 def test_up_twice_status_down(tmp_path: Path):
     port = free_port()
-    env = {
-        **os.environ,
-        "DUALITY_LOCAL_DIR": str(tmp_path / "local"),
-        "DUALITY_BOOTSTRAP_SERVERS": f"localhost:{port}",
-        "DUALITY_CONTROLLER_PORT": str(free_port()),
-    }
+    env = Settings.from_env().replace(
+        local_dir=tmp_path / "local",
+        bootstrap_servers=f"localhost:{port}",
+        controller_port=free_port(),
+    )
     try:
         first = run_duality(env, "up", "--json")
         assert first.returncode == 0, first.stderr

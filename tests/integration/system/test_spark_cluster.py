@@ -122,10 +122,10 @@ def test_stream_survives_a_worker_sigkill(
     spec = make_pipeline(settings, pipelines, "product_sales")
     kafka.create_topic(settings, spec.source.topic, 4)
     workload.produce(settings, spec, events=EVENTS, keys=KEYS, bad_fraction=0.06, seed=51)
+    on_cluster = settings.replace(spark_master=cluster.master_url)
     stream = StreamProcess(
-        settings, spec, pipelines, tmp_path / "stream.log", max_offsets_per_trigger=3_000
+        on_cluster, spec, pipelines, tmp_path / "stream.log", max_offsets_per_trigger=3_000
     )
-    stream.env["DUALITY_SPARK_MASTER"] = cluster.master_url
     stream.start()
     try:
         assert_eventually(

@@ -1,0 +1,63 @@
+"""A consumer group whose committed offsets carry another client's metadata (Kafka Streams
+commits binary metadata, Base64 encoded): `duality skew --group` and `duality lag --group`
+answer with its offsets, and never decode the metadata."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+from confluent_kafka import Consumer, TopicPartition
+
+from duality import kafka
+from duality.config import Settings
+from tests.harness import run_duality
+
+PARTITIONS = 12
+
+
+def test_skew_and_lag_of_a_group_with_binary_metadata(settings: Settings, topic: str):
+    kafka.create_topic(settings, topic, PARTITIONS)
+    producer = kafka.producer(settings)
+    for n in range(2400):
+        kafka.send(producer, topic, key=f"k{n}", value=b"v")
+    assert producer.flush(30) == 0
+    group = f"{topic}-streams-app"
+    # As Kafka Streams does: binary (a magic byte, a timestamp, processor metadata) in Base64.
+    # confluent-kafka 2.16 reads it back past its end, up to the next NUL byte, and raised
+    # UnicodeDecodeError when the bytes that follow were not UTF-8; lengths of 16n + 8 bytes
+    # fill a heap allocation exactly, which made that likely. The commands run first, each in a
+    # fresh process as users run them.
+    committer = Consumer({**settings.kafka_client_config(), "group.id": group})
+    offsets = [
+        TopicPartition(
+            topic, p, 10 * p, base64.b64encode(bytes([2, 0xFF, 0xFE]) * (4 * p + 6)).decode()
+        )
+        for p in range(PARTITIONS)
+    ]
+    try:
+        committer.commit(offsets=offsets, asynchronous=False)
+    finally:
+        committer.close()
+
+    skew = run_duality(settings, "skew", topic, "--group", group, "--json")
+    assert skew.returncode == 0, skew.stderr[-3000:]
+    loads = {load["partition"]: load for load in json.loads(skew.stdout)["partitions"]}
+    ends = kafka.end_offsets(settings, topic)
+    assert {p: load["lag"] for p, load in loads.items()} == {
+        p: max(0, ends[p] - 10 * p) for p in range(PARTITIONS)
+    }
+
+    lag = run_duality(settings, "lag", "--group", group, "--json")
+    assert lag.returncode == 0, lag.stderr[-3000:]
+    rows = json.loads(lag.stdout)["lag"]
+    assert {(r["partition"], r["committed"]) for r in rows} == {
+        (p, 10 * p) for p in range(PARTITIONS)
+    }
+
+    committed = kafka.committed_offsets(settings, group, topic)
+    assert {p: offset for p, (offset, _) in committed.items()} == {
+        p: 10 * p for p in range(PARTITIONS)
+    }
+    for p, (_, metadata) in committed.items():
+        assert metadata is not None and metadata.startswith(offsets[p].metadata.encode())
