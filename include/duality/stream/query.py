@@ -75,17 +75,13 @@ def classify(spec: PipelineSpec, raw: DataFrame) -> DataFrame:
         f: F.variant_get(v, "$", "string") if fields[f] == "string" else v for f, v in typed.items()
     }
     frame = frame.withColumn("_p", F.struct(*[v.alias(f) for f, v in typed.items()]))
-    limit = spec.source.max_record_bytes
+    limit, size = spec.source.max_record_bytes, F.octet_length("value")
+    oversized = F.concat(
+        F.lit("oversized: "), size.cast("string"), F.lit(f" bytes, the limit is {limit}")
+    )
     checks: list[tuple[Column, Column]] = [
         (F.col("value").isNull(), F.lit("null value")),
-        (
-            F.octet_length("value") > limit,
-            F.concat(
-                F.lit("oversized: "),
-                F.octet_length("value").cast("string"),
-                F.lit(f" bytes, the limit is {limit}"),
-            ),
-        ),
+        (size > limit, oversized),
         (~F.coalesce(one_value, F.lit(False)), F.lit("malformed JSON: not one JSON value")),
         (~F.ltrim(text).startswith("{"), F.lit("not a JSON object")),
         (F.col("_v").isNull(), F.lit("malformed JSON: text after the object")),
@@ -97,30 +93,19 @@ def classify(spec: PipelineSpec, raw: DataFrame) -> DataFrame:
         kind = fields[field]
         value = F.col(f"_p.{field}")
         wrong = F.lit(f"wrong type for {field}: expected {kind}")
+        absent = F.lit(f"missing field {field}")
         if kind == "string":
             json_type = F.schema_of_variant(F.col(f"_v.{field}"))
             missing = json_type.isNull() | (json_type == "VOID")
-            checks.append(
-                (
-                    json_type.isNull() | (json_type != "STRING"),
-                    F.when(missing, F.lit(f"missing field {field}")).otherwise(wrong),
-                )
-            )
+            not_string = json_type.isNull() | (json_type != "STRING")
+            checks.append((not_string, F.when(missing, absent).otherwise(wrong)))
             continue
         present = F.from_json(text, as_text)[field].isNotNull()
-        checks.append(
-            (value.isNull(), F.when(present, wrong).otherwise(F.lit(f"missing field {field}")))
-        )
+        checks.append((value.isNull(), F.when(present, wrong).otherwise(absent)))
         if kind == "double":
-            checks.append(
-                (
-                    F.isnan(value) | (F.abs(value) == F.lit(float("inf"))),
-                    F.concat(
-                        F.lit(f"wrong type for {field}: expected a finite double, got "),
-                        value.cast("string"),
-                    ),
-                )
-            )
+            infinite = F.isnan(value) | (F.abs(value) == F.lit(float("inf")))
+            got = F.lit(f"wrong type for {field}: expected a finite double, got ")
+            checks.append((infinite, F.concat(got, value.cast("string"))))
     # The first check that holds names the reason; later ones are not evaluated.
     error = F.coalesce(*[F.when(condition, reason) for condition, reason in checks])
     return frame.drop("_parsed").withColumn("_error", _once(error))
