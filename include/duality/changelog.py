@@ -18,15 +18,10 @@ from duality.config import Settings
 from duality.spec import PipelineSpec
 
 
-def window_iso(start: datetime | int) -> str:
-    """A window start as ISO-8601 UTC with millisecond precision ('2026-11-21T10:00:00.000Z')."""
-    if isinstance(start, int):
-        start = datetime.fromtimestamp(start / 1000, tz=UTC)
-    elif start.tzinfo is None:
-        start = start.replace(tzinfo=UTC)
-    return (
-        start.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{start.microsecond // 1000:03d}Z"
-    )
+def window_iso(epoch_ms: int) -> str:
+    """Epoch milliseconds as ISO-8601 UTC to the millisecond ('2026-11-21T10:00:00.000Z')."""
+    moment = datetime.fromtimestamp(epoch_ms / 1000, tz=UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
 
 
 def encode_key(spec: PipelineSpec, key: Sequence[Any]) -> bytes:

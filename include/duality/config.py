@@ -1,9 +1,5 @@
-"""The one settings object: every host, port and path duality uses comes from here.
-
-Settings are read from `DUALITY_*` environment variables (the table in README.md lists them).
-Inside Airflow, the connections `kafka_default` and `spark_default` override the Kafka and Spark
-fields through `Settings.replace`, so the library itself never imports Airflow.
-"""
+"""The one settings object, read from `DUALITY_*` variables: every host, port and path duality
+uses (in Airflow, its connections override them through `Settings.replace`)."""
 
 from __future__ import annotations
 
@@ -40,10 +36,7 @@ def _checkout_root() -> Path:
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """Where duality finds Kafka, Spark, Airflow and its folders.
-
-    Relative paths in the environment are taken relative to `home`.
-    """
+    """Where duality finds Kafka, Spark, Airflow and its folders (relative to `home`)."""
 
     home: Path
     bootstrap_servers: str = "localhost:9092"

@@ -1,9 +1,5 @@
-"""The application reset tool: reprocess a pipeline's source from a chosen point.
-
-Stops the stream, sets the pipeline's committed source offsets (earliest, a datetime or given
-offsets), deletes the checkpoint, and recreates the changelog empty with its configs. With
-`dry_run` it only returns the plan.
-"""
+"""The application reset tool: stop the stream, set its committed source offsets, delete the
+checkpoint and recreate the changelog empty, to reprocess the source from a chosen point."""
 
 from __future__ import annotations
 
@@ -111,20 +107,16 @@ def plan(
 def execute(settings: Settings, spec: PipelineSpec, reset: ResetPlan) -> None:
     # The supervisor must not start the stream halfway through; afterwards it may again.
     with control.held(settings, spec):
-        _execute(settings, spec, reset)
-
-
-def _execute(settings: Settings, spec: PipelineSpec, reset: ResetPlan) -> None:
-    if reset.stop_pid is not None or control.running_pid(settings, spec) is not None:
-        control.stop(settings, spec, hold=False)
-    kafka.commit_offsets(settings, spec.consumer_group, spec.source.topic, reset.offsets)
-    shutil.rmtree(reset.checkpoint, ignore_errors=True)
-    if reset.changelog_partitions is not None:
-        # KRaft has removed a topic when it answers the deletion: the name is free again.
-        kafka.delete_topic(settings, spec.changelog_topic)
-        kafka.create_topic(
-            settings,
-            spec.changelog_topic,
-            reset.changelog_partitions,
-            config=changelog_config(spec),
-        )
+        if reset.stop_pid is not None or control.running_pid(settings, spec) is not None:
+            control.stop(settings, spec, hold=False)
+        kafka.commit_offsets(settings, spec.consumer_group, spec.source.topic, reset.offsets)
+        shutil.rmtree(reset.checkpoint, ignore_errors=True)
+        if reset.changelog_partitions is not None:
+            # KRaft has removed a topic when it answers the deletion: the name is free again.
+            kafka.delete_topic(settings, spec.changelog_topic)
+            kafka.create_topic(
+                settings,
+                spec.changelog_topic,
+                reset.changelog_partitions,
+                config=changelog_config(spec),
+            )

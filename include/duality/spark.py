@@ -1,8 +1,5 @@
-"""The one Spark session builder: local jars, Delta, RocksDB state with changelog checkpointing.
-
-Jars come from the Maven-fetched cache through `spark.jars`; nothing is resolved with Ivy when a
-session starts, so sessions start quickly and work offline.
-"""
+"""The one Spark session builder: local jars (`spark.jars`, never Ivy, so sessions work
+offline), Delta, RocksDB state with changelog checkpointing, the JVM's temporary files."""
 
 from __future__ import annotations
 
@@ -54,12 +51,8 @@ def spark_jars(settings: Settings) -> list[Path]:
 
 
 def package_zip(settings: Settings) -> Path:
-    """The `duality` package as a zip that executors put on their Python path.
-
-    Built from the imported package's folder into `<local_dir>/pyfiles/duality-<digest>.zip`,
-    the digest taken over the sources, so a zip is made again only when a source changed and a
-    running application keeps serving the zip it started with.
-    """
+    """The `duality` package as a zip that executors put on their Python path, named by the
+    digest of its sources: a running application keeps serving the zip it started with."""
     import duality
 
     package = Path(duality.__file__).resolve().parent
@@ -147,33 +140,29 @@ def session_config(settings: Settings, app_name: str) -> dict[str, str]:
         # a state store commit, and more partitions than cores only queue
         # (docs/decisions/0018-stream-latency.md).
         cores = str(local_cores(settings.spark_master))
-        config.update(
-            {
-                "spark.sql.shuffle.partitions": cores,
-                "spark.default.parallelism": cores,
-                "spark.ui.enabled": "false",
-                "spark.sql.adaptive.enabled": "true",
-                # Delta rebuilds a table's state from its log in this many tasks (default 50).
-                "spark.databricks.delta.snapshotPartitions": "2",
-                "spark.driver.host": "127.0.0.1",
-                "spark.driver.bindAddress": "127.0.0.1",
-            }
-        )
+        config |= {
+            "spark.sql.shuffle.partitions": cores,
+            "spark.default.parallelism": cores,
+            "spark.ui.enabled": "false",
+            "spark.sql.adaptive.enabled": "true",
+            # Delta rebuilds a table's state from its log in this many tasks (default 50).
+            "spark.databricks.delta.snapshotPartitions": "2",
+            "spark.driver.host": "127.0.0.1",
+            "spark.driver.bindAddress": "127.0.0.1",
+        }
     else:
-        config.update(
-            {
-                # Executors import duality from this zip: a worker needs only Python and the
-                # packages duality depends on, not duality itself.
-                "spark.submit.pyFiles": str(package_zip(settings)),
-                # One executor per core, small enough that a 1 GiB, 1-core worker takes one.
-                "spark.executor.cores": "1",
-                "spark.executor.memory": "512m",
-                # An executor's temporary files (the native libraries it unpacks) go to its
-                # working folder on the worker, not the worker's /tmp, where a killed executor
-                # left them (docs/decisions/0022-jvm-temporary-files.md).
-                "spark.executor.extraJavaOptions": "-Djava.io.tmpdir=.",
-            }
-        )
+        config |= {
+            # Executors import duality from this zip: a worker needs only Python and the
+            # packages duality depends on, not duality itself.
+            "spark.submit.pyFiles": str(package_zip(settings)),
+            # One executor per core, small enough that a 1 GiB, 1-core worker takes one.
+            "spark.executor.cores": "1",
+            "spark.executor.memory": "512m",
+            # An executor's temporary files (the native libraries it unpacks) go to its working
+            # folder on the worker, not the worker's /tmp, where a killed executor left them
+            # (docs/decisions/0022-jvm-temporary-files.md).
+            "spark.executor.extraJavaOptions": "-Djava.io.tmpdir=.",
+        }
         if settings.spark_cores_max is not None:
             config["spark.cores.max"] = str(settings.spark_cores_max)
         if settings.spark_master.startswith("spark://") and all(
@@ -211,16 +200,9 @@ def session(
 
 
 def scratch_folder(settings: Settings) -> Path:
-    """This process's temporary folder for its JVM, `<local_dir>/jvm-tmp/<host>-<pid>`.
-
-    A JVM unpacks native libraries into `java.io.tmpdir` when it starts (RocksDB's alone is
-    14 MB; LZ4's and Snappy's too) and deletes them only when it exits in order; Spark's block
-    manager folders go the same way. A driver that is killed, or whose JVM is, left them in /tmp
-    for good. Here they live in a folder of the process's own: it is removed when the process
-    exits, and the folders of this host's processes that are gone are removed when the next
-    session starts (and by `duality down`). The folder is made once per process and reused by
-    its later sessions.
-    """
+    """This process's temporary folder for its JVM, `<local_dir>/jvm-tmp/<host>-<pid>`, made
+    once per process, removed at its exit or by a later sweep
+    (docs/decisions/0022-jvm-temporary-files.md)."""
     folder = settings.local_dir / "jvm-tmp" / f"{socket.gethostname()}-{os.getpid()}"
     if folder in _SCRATCH_MADE:
         return folder
@@ -270,11 +252,8 @@ _SCRATCH_MADE: set[Path] = set()
 
 
 def _with_stdout_to_stderr(start: Callable[[], T]) -> T:
-    """Run `start` with file descriptor 1 pointing at stderr.
-
-    The JVM that a first session launches inherits it, so what Spark and Delta print (VACUUM
-    prints its counts) goes to stderr, and stdout stays for results (`--json`, job output).
-    """
+    """Run `start` with file descriptor 1 pointing at stderr: the JVM it launches inherits it,
+    so what Spark and Delta print goes to stderr, and stdout stays for results (`--json`)."""
     sys.stdout.flush()
     saved = os.dup(1)
     try:

@@ -7,7 +7,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -33,11 +33,8 @@ class PlannedBatch:
 
 
 def planned_batch(checkpoint: Path, topic: str, batch_id: int) -> PlannedBatch:
-    """Read `offsets/<batch_id>` of the checkpoint, which Spark writes before it runs the batch.
-
-    Lines: a version, the batch's metadata (with `batchWatermarkMs`), then one offset per
-    source; the Kafka source's is `{topic: {partition: offset}}`.
-    """
+    """Read `offsets/<batch_id>`, which Spark writes before it runs the batch: a version, the
+    batch's metadata (with `batchWatermarkMs`), then one offset per source."""
     path = checkpoint / "offsets" / str(batch_id)
     lines = path.read_text().splitlines()
     metadata = json.loads(lines[1])
@@ -53,10 +50,10 @@ def planned_batch(checkpoint: Path, topic: str, batch_id: int) -> PlannedBatch:
 @dataclasses.dataclass
 class BatchResult:
     batch_id: int
-    records: int  # source offsets the batch covers
-    dead_lettered: int
-    late: int
-    updated_keys: int
+    records: int = 0  # source offsets the batch covers
+    dead_lettered: int = 0
+    late: int = 0
+    updated_keys: int = 0
     replayed: bool = False  # its offsets were committed already: a replay, or no new records
     seconds: float = 0.0  # the whole batch in the driver
 
@@ -82,12 +79,8 @@ class ChangelogWriter:
             linger_ms=20,
             message_max_bytes=self.dead_letter_limit + _DEAD_LETTER_MARGIN,
         )
-        self.committed = {
-            p: offset
-            for p, (offset, _) in kafka.committed_offsets(
-                settings, spec.consumer_group, spec.source.topic
-            ).items()
-        }
+        committed = kafka.committed_offsets(settings, spec.consumer_group, spec.source.topic)
+        self.committed = {p: offset for p, (offset, _) in committed.items()}
         # The group the offsets are committed to; it never subscribes, so it never rebalances.
         group = kafka.consumer(settings, spec.consumer_group)
         self._group_metadata = group.consumer_group_metadata()
@@ -112,19 +105,14 @@ class ChangelogWriter:
             # Spark replays a batch whose transaction had committed (the driver died between
             # the commit and Spark's own commit log). Run it for its state, write nothing.
             batch.write.format("noop").mode("overwrite").save()
-            return BatchResult(batch_id, 0, 0, 0, 0, replayed=True)
+            return BatchResult(batch_id, replayed=True)
         wanted = F.col("_kind") != "candidate"
         if self.spec.window is not None:
             # Spark drops a windowed row whose window ended at or before the batch's watermark.
             wanted = wanted | (F.col("_window_end") <= F.lit(planned.watermark_ms))
-        result = self._commit(_rows(batch.where(wanted)), batch_id, planned)
-        result.records = records
-        result.seconds = round(time.perf_counter() - started, 2)
-        return result
-
-    def _commit(self, rows: Iterable[Any], batch_id: int, planned: PlannedBatch) -> BatchResult:
+        rows = _rows(batch.where(wanted))
         spec, producer = self.spec, self.producer
-        result = BatchResult(batch_id, 0, 0, 0, 0)
+        result = BatchResult(batch_id, records)
         source = spec.source.topic.encode()
         watermark = changelog.window_iso(planned.watermark_ms)
         delay = spec.window.watermark if spec.window is not None else ""
@@ -163,11 +151,11 @@ class ChangelogWriter:
                 log.warning("%s: aborting the transaction failed too", spec.name)
             raise
         self.committed.update(planned.end_offsets)
+        result.seconds = round(time.perf_counter() - started, 2)
         return result
 
     def _dead_letter(self, row: Any, reason: str, source: bytes) -> None:
-        key = _bytes(row["_key"])
-        value = _bytes(row["_value"])
+        key, value = (None if v is None else bytes(v) for v in (row["_key"], row["_value"]))
         room = self.dead_letter_limit - _DEAD_LETTER_MARGIN - len(key or b"")
         if value is not None and len(value) > room:
             kept = max(0, room)
@@ -189,19 +177,10 @@ class ChangelogWriter:
         self.producer.flush(10)
 
 
-def _bytes(value: Any) -> bytes | None:
-    return None if value is None else bytes(value)
-
-
 def _rows(output: DataFrame) -> Iterator[dict[str, Any]]:
-    """The rows of a micro-batch's output, one Arrow batch at a time as Spark sends them.
-
-    `toArrow()` reads the same stream of Arrow batches but keeps them all, and the rows' order,
-    for one table; a micro-batch's output has each key once, so its order does not matter, and
-    the driver then holds one Arrow batch (`spark.sql.execution.arrow.maxRecordsPerBatch` rows)
-    however many keys the micro-batch changed. The calls are PySpark's own, of the pinned
-    version, that `toArrow()` makes.
-    """
+    """The output's rows one Arrow batch at a time, as Spark sends them: the calls `toArrow()`
+    makes (pinned PySpark), without keeping every batch and their order, which a micro-batch's
+    output, each key once, does not need. The driver's memory does not grow with the keys."""
     import pyarrow as pa
     from pyspark.errors.exceptions.captured import unwrap_spark_exception
     from pyspark.sql.pandas.serializers import ArrowCollectSerializer

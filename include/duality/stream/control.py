@@ -1,13 +1,5 @@
-"""Starting, stopping and describing a pipeline's stream, and the files that find it.
-
-`start` runs the supervisor (`python -m duality.stream PIPELINE`) detached, its log under
-`<local_dir>/streams`, and waits until it reports `running`; the supervisor's own lock makes a
-second start fail rather than run two streams on one checkpoint. However a stream was started
-(detached, `--foreground`, `python -m duality.stream`), its supervisor writes its pid file there
-and removes it at exit, and its command line carries the module's name: that is how `stop` and
-`stop_all` (`duality down`) find it. `stop` is graceful (SIGTERM, the query finishes its batch),
-with SIGKILL only after a grace period.
-"""
+"""Starting, stopping and describing a pipeline's stream, and the files under
+`<local_dir>/streams` that find it (docs/streams.md#the-streams-processes)."""
 
 from __future__ import annotations
 
@@ -84,7 +76,6 @@ class Wanted:
 
 
 def desired(settings: Settings, spec: PipelineSpec) -> str:
-    """`running` (the default) or `stopped`: what the user last asked of this stream."""
     return Wanted.load(settings, spec).desired
 
 

@@ -1,14 +1,9 @@
-"""The stream's driver, the Spark driver process (`python -m duality.stream.driver PIPELINE`,
-started by the supervisor): creates the pipeline's topics, runs the query and keeps it running.
-
-A failed query (the broker went away, a transaction could not commit) is restarted with
-backoff from its checkpoint, so the stream recovers by itself; only a lost checkpoint makes it
-seed its state from the changelog. SIGTERM stops it gracefully.
-"""
+"""The stream's driver process (`python -m duality.stream.driver PIPELINE`, the supervisor's
+child): creates the topics and runs the query, restarting it from its checkpoint on failure."""
 
 from __future__ import annotations
 
-import argparse
+import json
 import logging
 import os
 import signal
@@ -26,6 +21,7 @@ from duality.stream.changelog_writer import ChangelogWriter
 from duality.stream.heartbeat import Heartbeat
 from duality.stream.options import StreamOptions
 from duality.stream.query import build_query_frame
+from duality.stream.supervisor import entry_point
 from duality.stream.topics import ensure_topics
 
 log = logging.getLogger("duality.stream")
@@ -84,8 +80,6 @@ def _heartbeat_listener(heartbeat: Heartbeat, writer: ChangelogWriter) -> Any:
 
 
 def json_or_none(text: Any) -> Any:
-    import json
-
     try:
         return json.loads(text) if isinstance(text, str) else text
     except ValueError:
@@ -96,9 +90,7 @@ class StreamDriver:
     def __init__(self, settings: Settings, spec: PipelineSpec, options: StreamOptions):
         self.settings = settings
         self.spec = spec
-        self.trigger_seconds = options.trigger_seconds
-        self.max_offsets_per_trigger = options.max_offsets_per_trigger
-        self.stall_timeout_s = options.stall_timeout_s
+        self.options = options
         self.stopping = threading.Event()
 
     def request_stop(self, *_: Any) -> None:
@@ -108,7 +100,6 @@ class StreamDriver:
         from duality.spark import session
 
         spec, settings = self.spec, self.settings
-        # The lock is the supervisor's (`supervisor.supervise`); this process runs one driver.
         kafka.ensure_reachable(settings)
         ensure_topics(settings, spec)
         # glibc gives each thread that allocates its own malloc arena; RocksDB's and the JVM's
@@ -134,17 +125,17 @@ class StreamDriver:
                     if refused is not None:
                         heartbeat.publish("failed", error=str(refused))
                         raise refused from None
-                    jvm_code = _jvm_exit_code(spark)
+                    jvm = getattr(spark.sparkContext._gateway, "proc", None)
+                    jvm_code = jvm.poll() if jvm is not None else None
                     if jvm_code is not None:
                         message = f"the driver's JVM exited with {jvm_code}"
                         self._exit_for_new_driver(heartbeat, "restarting", message, JVM_EXITED)
+                    lines = str(error).strip().splitlines()
+                    short = lines[0][:300] if lines else type(error).__name__
                     log.warning(
-                        "%s: stream failed (%s); restarting in %.0fs",
-                        spec.name,
-                        _short(error),
-                        backoff,
+                        "%s: stream failed (%s); restarting in %.0fs", spec.name, short, backoff
                     )
-                    heartbeat.publish("restarting", error=_short(error), backoff_s=backoff)
+                    heartbeat.publish("restarting", error=short, backoff_s=backoff)
                     self.stopping.wait(backoff)
                     backoff = min(backoff * 2, 30.0)
             heartbeat.publish("stopped")
@@ -188,7 +179,7 @@ class StreamDriver:
             .options(**settings.spark_kafka_source_options())
             .option("subscribe", spec.source.topic)
             .option("startingOffsets", writer.starting_offsets())
-            .option("maxOffsetsPerTrigger", str(self.max_offsets_per_trigger))
+            .option("maxOffsetsPerTrigger", str(self.options.max_offsets_per_trigger))
             .option("kafka.isolation.level", "read_committed")
             .load()
         )
@@ -203,12 +194,13 @@ class StreamDriver:
             .outputMode("update")
             .foreachBatch(apply)
             .option("checkpointLocation", str(checkpoint))
-            .trigger(processingTime=f"{self.trigger_seconds} seconds")
+            .trigger(processingTime=f"{self.options.trigger_seconds} seconds")
             .start()
         )
         try:
             # Stalled means one micro-batch running too long, not many busy ones in a row.
             busy_since: float | None = None
+            stall_timeout_s = self.options.stall_timeout_s
             last_batch = None
             while query.isActive and not self.stopping.is_set():
                 query.awaitTermination(1)
@@ -216,8 +208,11 @@ class StreamDriver:
                 batch = progress["batchId"] if progress else None
                 if query.status.get("isTriggerActive") and batch == last_batch:
                     busy_since = busy_since or time.monotonic()
-                    if time.monotonic() - busy_since > self.stall_timeout_s:
-                        self._give_up_stalled(heartbeat)
+                    if time.monotonic() - busy_since > stall_timeout_s:
+                        # It hangs in a call that cannot be interrupted (a Kafka client waiting
+                        # on a broker that went away): a new driver aborts its transaction.
+                        message = f"a micro-batch ran for more than {stall_timeout_s:g}s: stalled"
+                        self._exit_for_new_driver(heartbeat, "stalled", message, STALLED_EXIT)
                 else:
                     busy_since = None
                 last_batch = batch
@@ -241,19 +236,11 @@ class StreamDriver:
             spark.streams.removeListener(listener)
             writer.close()
 
-    def _give_up_stalled(self, heartbeat: Heartbeat) -> None:
-        """A batch hangs in a call that cannot be interrupted (a Kafka client waiting on a
-        broker that went away): end the process at once; the supervisor starts a new one, which
-        aborts the open transaction and restores from the changelog."""
-        message = f"a micro-batch ran for more than {self.stall_timeout_s:g}s: stalled"
-        self._exit_for_new_driver(heartbeat, "stalled", message, STALLED_EXIT)
-
     def _exit_for_new_driver(
         self, heartbeat: Heartbeat, state: str, message: str, code: int
     ) -> None:
-        """Say why on the status topic and end this process with `code` at once (not a return:
-        PySpark's exit handlers would wait on a JVM that hangs or is gone); the supervisor
-        starts a new driver."""
+        """Say why on the status topic and end the process at once: PySpark's exit handlers
+        would wait on a JVM that hangs or is gone. The supervisor starts a new driver."""
         log.error("%s: %s; exiting for a new driver", self.spec.name, message)
         heartbeat.publish(state, error=message)
         heartbeat.close()
@@ -261,43 +248,12 @@ class StreamDriver:
         os._exit(code)
 
 
-def _jvm_exit_code(spark: Any) -> int | None:
-    """The exit code of the JVM this process launched for `spark`, None while it runs."""
-    process = getattr(spark.sparkContext._gateway, "proc", None)
-    return process.poll() if process is not None else None
-
-
-def _short(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0][:300] if text else type(error).__name__
-
-
-def run_child(settings: Settings, spec: PipelineSpec, options: StreamOptions) -> int:
-    """Run the driver in this process (the supervisor holds the pipeline's lock)."""
+def run(settings: Settings, spec: PipelineSpec, pipeline: str, options: StreamOptions) -> int:
     driver = StreamDriver(settings, spec, options)
     signal.signal(signal.SIGTERM, driver.request_stop)
     signal.signal(signal.SIGINT, driver.request_stop)
     return driver.run()
 
 
-def main(argv: list[str] | None = None) -> int:
-    from duality.spec import find_spec
-
-    parser = argparse.ArgumentParser(prog="python -m duality.stream.driver")
-    parser.add_argument("pipeline")
-    StreamOptions.add_arguments(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    try:
-        settings = Settings.from_env()
-        spec = find_spec(settings, args.pipeline)
-        return run_child(settings, spec, StreamOptions.from_args(args))
-    except DualityError as error:
-        log.error("%s", error)
-        return error.exit_code
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry_point("python -m duality.stream.driver", run))

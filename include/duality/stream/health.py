@@ -1,6 +1,5 @@
-"""The rules of the stream's Airflow supervisor: whether a stream is healthy, starting, stalled
-or stopped, the backoff between restarts, and one look that acts on them (`supervise_once`,
-which the supervisor DAG runs every minute)."""
+"""The rules of the stream's Airflow supervisor (health, backoff) and `supervise_once`, the look
+at a stream that its DAG takes every minute."""
 
 from __future__ import annotations
 
@@ -80,10 +79,7 @@ def diagnose(
 
 
 def check(
-    settings: Settings,
-    spec: PipelineSpec,
-    now: float | None = None,
-    stall_after_s: float = STALL_AFTER_S,
+    settings: Settings, spec: PipelineSpec, now: float | None = None
 ) -> tuple[StreamState, str, str]:
     """`describe()` and the diagnosis of it: (state, health, reason); acts on nothing."""
     now = time.time() if now is None else now
@@ -92,29 +88,18 @@ def check(
         started_at = psutil.Process(state.pid).create_time() if state.pid is not None else None
     except psutil.NoSuchProcess:  # ended between the two looks
         state.pid = started_at = None
-    health, reason = diagnose(state.pid, started_at, state.heartbeat, state.lag, now, stall_after_s)
+    health, reason = diagnose(state.pid, started_at, state.heartbeat, state.lag, now)
     return state, health, reason
 
 
 def supervise_once(
-    settings: Settings,
-    spec: PipelineSpec,
-    action: Action = "ensure",
-    *,
-    stall_after_s: float = STALL_AFTER_S,
-    now: float | None = None,
+    settings: Settings, spec: PipelineSpec, action: Action = "ensure"
 ) -> Supervision:
-    """One look at the stream, and what it did: started, restarted, stopped, waited or nothing.
-
-    `ensure` starts the stream when it should run and does not, and restarts it when it is
-    stalled, with backoff between restarts; `start`, `stop` and `restart` are a person's
-    orders and also set what the stream should be from now on. Starting never waits for the
-    stream to come up (the caller may, without holding anything); a second copy is never started
-    (`start` checks the pid, the supervisor's lock refuses a second one).
-    """
+    """`ensure` starts the stream when it should run and does not, and restarts it when stalled,
+    with backoff; `start`, `stop` and `restart` are a person's orders and also set what the
+    stream should be from now on. Never waits for the stream to come up."""
     if action not in ACTIONS:
         raise UsageError(f"action {action!r} is unknown: use one of {', '.join(ACTIONS)}")
-    now = time.time() if now is None else now
     if action == "stop":
         stopped = stop(settings, spec)
         return Supervision(
@@ -131,8 +116,9 @@ def supervise_once(
         stop(settings, spec, hold=False)
         return Supervision(**vars(start(settings, spec, wait=False)), action="restarted")
 
+    now = time.time()
     wanted = Wanted.load(settings, spec)
-    state, health, reason = check(settings, spec, now, stall_after_s)
+    state, health, reason = check(settings, spec, now)
     found: dict[str, Any] = {**vars(state), "health": health, "reason": reason}
     found["desired"] = wanted.desired
     if wanted.desired == "stopped":

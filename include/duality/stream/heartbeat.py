@@ -29,20 +29,13 @@ class Heartbeat:
         self.pipeline = pipeline
         self.producer = kafka.producer(settings, linger_ms=0)
         # ppid: the supervisor that `duality stream start` launched (`supervisor.supervise`).
-        self.base = {
-            "pipeline": pipeline,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "ppid": os.getppid(),
-        }
+        self.base = dict(
+            pipeline=pipeline, host=socket.gethostname(), pid=os.getpid(), ppid=os.getppid()
+        )
 
     def publish(self, state: str, **details: Any) -> None:
-        document = {
-            **self.base,
-            "state": state,
-            "last_progress_ms": int(time.time() * 1000),
-            **details,
-        }
+        now_ms = int(time.time() * 1000)
+        document = {**self.base, "state": state, "last_progress_ms": now_ms, **details}
         try:
             self.producer.produce(
                 STATUS_TOPIC, key=self.pipeline.encode(), value=json.dumps(document, default=str)

@@ -17,8 +17,7 @@ STALL_TIMEOUT_S = 300.0
 
 @dataclasses.dataclass(frozen=True)
 class StreamOptions:
-    """How a stream runs; the same arguments for the supervisor (`python -m duality.stream`)
-    and its driver."""
+    """How a stream runs: the same options for the supervisor and its driver."""
 
     max_offsets_per_trigger: int = MAX_OFFSETS_PER_TRIGGER
     stall_timeout_s: float = STALL_TIMEOUT_S
@@ -26,24 +25,13 @@ class StreamOptions:
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument(
-            "--max-offsets-per-trigger",
-            type=int,
-            default=MAX_OFFSETS_PER_TRIGGER,
-            help="the most source records one micro-batch reads (default %(default)s)",
-        )
-        parser.add_argument(
-            "--stall-timeout",
-            type=float,
-            default=STALL_TIMEOUT_S,
-            help="seconds after which a running micro-batch is stalled (default %(default)s)",
-        )
-        parser.add_argument(
-            "--trigger-seconds",
-            type=float,
-            default=1.0,
-            help="the micro-batch trigger interval in seconds (default %(default)s)",
-        )
+        for (flag, what), field in zip(_ARGUMENTS, dataclasses.fields(StreamOptions), strict=True):
+            parser.add_argument(
+                flag,
+                type=type(field.default),
+                default=field.default,
+                help=f"{what} (default %(default)s)",
+            )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> StreamOptions:
@@ -54,11 +42,13 @@ class StreamOptions:
         return cls(args.max_offsets_per_trigger, args.stall_timeout, args.trigger_seconds)
 
     def to_args(self) -> list[str]:
-        return [
-            "--max-offsets-per-trigger",
-            str(self.max_offsets_per_trigger),
-            "--stall-timeout",
-            str(self.stall_timeout_s),
-            "--trigger-seconds",
-            str(self.trigger_seconds),
-        ]
+        pairs = zip(_ARGUMENTS, dataclasses.astuple(self), strict=True)
+        return [part for (flag, _), value in pairs for part in (flag, str(value))]
+
+
+# Each field's flag and help, in the fields' order.
+_ARGUMENTS = (
+    ("--max-offsets-per-trigger", "the most source records one micro-batch reads"),
+    ("--stall-timeout", "seconds after which a running micro-batch is stalled"),
+    ("--trigger-seconds", "the micro-batch trigger interval in seconds"),
+)

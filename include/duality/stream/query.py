@@ -1,6 +1,5 @@
-"""The query frame: each source record classified, the good ones as rows of partial aggregates
-in Spark's streaming aggregation, and its changed rows and bad records as changelog records and
-dead letters, all encoded in the JVM."""
+"""The query frame: source records classified and aggregated in Spark's state store, its output
+the changed rows and bad records as changelog records and dead letters, encoded in the JVM."""
 
 from __future__ import annotations
 
@@ -14,15 +13,11 @@ from duality.spec import SQL_TYPES, PipelineSpec
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
 
-# -- partial aggregates ---------------------------------------------------------------------
-
 
 @dataclasses.dataclass(frozen=True)
 class Partial:
-    """One partial aggregate kept in the state: `count`, or `sum|min|max` of a field.
-
-    `name` is its key in the changelog's `_state`; `column` its column inside Spark.
-    """
+    """One partial aggregate kept in the state: `count`, or `sum|min|max` of a field; `name` is
+    its key in the changelog's `_state`, `column` its column inside Spark."""
 
     function: str
     field: str | None
@@ -50,27 +45,16 @@ def partials_of(spec: PipelineSpec) -> list[Partial]:
 
 
 def partial_type(spec: PipelineSpec, part: Partial) -> str:
-    if part.field is None:
-        return "bigint"
-    kind = spec.source.fields[part.field]
-    if kind == "timestamp":
-        return "bigint"  # epoch milliseconds
-    if part.function == "sum" and kind in ("int", "long"):
+    kind = None if part.field is None else spec.source.fields[part.field]
+    # Counts, timestamps (as epoch milliseconds) and sums of integers are longs.
+    if kind in (None, "timestamp") or (part.function == "sum" and kind in ("int", "long")):
         return "bigint"
     return SQL_TYPES[kind]
 
 
-# -- classification (stateless, in the JVM) -------------------------------------------------
-
-
 def classify(spec: PipelineSpec, raw: DataFrame) -> DataFrame:
-    """Parse the raw Kafka rows and name each bad record's reason in `_error` (null when good).
-
-    Adds `_p`, the parsed struct. Stateless, so it runs inside the streaming query. A record is
-    good when it is one JSON object and nothing else, every field the pipeline uses is present
-    with its type, and every double is finite. Lateness is decided later, against the query's
-    watermark (`ChangelogWriter.write`).
-    """
+    """Parse the raw Kafka rows into `_p` and name each bad record's reason in `_error`, null
+    when good (docs/streams.md#bad-and-late-records); lateness is `ChangelogWriter.write`'s."""
     from pyspark.sql import functions as F
 
     fields = spec.source.fields
@@ -86,30 +70,18 @@ def classify(spec: PipelineSpec, raw: DataFrame) -> DataFrame:
     parsed = F.from_json(F.concat(F.lit("["), text, F.lit("]")), f"array<struct<{ddl}>>")
     frame = raw.withColumn("_parsed", _once(parsed))
     frame = frame.withColumn("_v", F.when(F.size("_parsed") == 1, F.col("_parsed")[0]))
-    frame = frame.withColumn(
-        "_p",
-        F.struct(
-            *[
-                (
-                    F.variant_get(F.col(f"_v.{f}"), "$", "string")
-                    if kind == "string"
-                    else F.col(f"_v.{f}")
-                ).alias(f)
-                for f, kind in fields.items()
-            ]
-        ),
+    typed = {f: F.col(f"_v.{f}") for f in fields}
+    typed = {
+        f: F.variant_get(v, "$", "string") if fields[f] == "string" else v for f, v in typed.items()
+    }
+    frame = frame.withColumn("_p", F.struct(*[v.alias(f) for f, v in typed.items()]))
+    limit, size = spec.source.max_record_bytes, F.octet_length("value")
+    oversized = F.concat(
+        F.lit("oversized: "), size.cast("string"), F.lit(f" bytes, the limit is {limit}")
     )
-    limit = spec.source.max_record_bytes
     checks: list[tuple[Column, Column]] = [
         (F.col("value").isNull(), F.lit("null value")),
-        (
-            F.octet_length("value") > limit,
-            F.concat(
-                F.lit("oversized: "),
-                F.octet_length("value").cast("string"),
-                F.lit(f" bytes, the limit is {limit}"),
-            ),
-        ),
+        (size > limit, oversized),
         (~F.coalesce(one_value, F.lit(False)), F.lit("malformed JSON: not one JSON value")),
         (~F.ltrim(text).startswith("{"), F.lit("not a JSON object")),
         (F.col("_v").isNull(), F.lit("malformed JSON: text after the object")),
@@ -121,42 +93,28 @@ def classify(spec: PipelineSpec, raw: DataFrame) -> DataFrame:
         kind = fields[field]
         value = F.col(f"_p.{field}")
         wrong = F.lit(f"wrong type for {field}: expected {kind}")
+        absent = F.lit(f"missing field {field}")
         if kind == "string":
             json_type = F.schema_of_variant(F.col(f"_v.{field}"))
             missing = json_type.isNull() | (json_type == "VOID")
-            checks.append(
-                (
-                    json_type.isNull() | (json_type != "STRING"),
-                    F.when(missing, F.lit(f"missing field {field}")).otherwise(wrong),
-                )
-            )
+            not_string = json_type.isNull() | (json_type != "STRING")
+            checks.append((not_string, F.when(missing, absent).otherwise(wrong)))
             continue
         present = F.from_json(text, as_text)[field].isNotNull()
-        checks.append(
-            (value.isNull(), F.when(present, wrong).otherwise(F.lit(f"missing field {field}")))
-        )
+        checks.append((value.isNull(), F.when(present, wrong).otherwise(absent)))
         if kind == "double":
-            checks.append(
-                (
-                    F.isnan(value) | (F.abs(value) == F.lit(float("inf"))),
-                    F.concat(
-                        F.lit(f"wrong type for {field}: expected a finite double, got "),
-                        value.cast("string"),
-                    ),
-                )
-            )
+            infinite = F.isnan(value) | (F.abs(value) == F.lit(float("inf")))
+            got = F.lit(f"wrong type for {field}: expected a finite double, got ")
+            checks.append((infinite, F.concat(got, value.cast("string"))))
     # The first check that holds names the reason; later ones are not evaluated.
     error = F.coalesce(*[F.when(condition, reason) for condition, reason in checks])
     return frame.drop("_parsed").withColumn("_error", _once(error))
 
 
 def _once(expression: Column) -> Column:
-    """`expression`, computed once per row however often later filters and columns use it.
-
-    Spark's optimizer pushes filters below projections by pasting the projected expressions
-    into them, which would parse each record once per check. A non-deterministic guard (the
-    partition id, always at least 0) keeps the projection where it is.
-    """
+    """`expression`, computed once per row however often later filters and columns use it:
+    Spark would paste it into each filter pushed below it, but not past a non-deterministic
+    guard (the partition id, always at least 0)."""
     from pyspark.sql import functions as F
 
     return F.when(F.spark_partition_id() >= 0, expression)
@@ -169,30 +127,17 @@ def late_records(settings: Settings, spec: PipelineSpec) -> list[tuple[int, int]
         headers = dict(message.headers() or [])
         reason = headers.get("duality.error") or b""
         if isinstance(reason, bytes) and reason.startswith(b"late event"):
-            late.append(
-                (
-                    int(headers["duality.source.partition"] or -1),
-                    int(headers["duality.source.offset"] or -1),
-                )
-            )
+            partition = int(headers["duality.source.partition"] or -1)
+            late.append((partition, int(headers["duality.source.offset"] or -1)))
     return late
 
 
-# -- the stateful aggregation ---------------------------------------------------------------
-
-
-def _event_time_ms(spec: PipelineSpec) -> Column:
+def _window_end_ms(spec: PipelineSpec) -> Column:
+    """The end of the tumbling window holding a record's event time (Spark's `window()`)."""
     from pyspark.sql import functions as F
 
-    assert spec.source.event_time is not None
-    return F.unix_millis(F.col(f"_p.{spec.source.event_time}"))
-
-
-def _window_end_ms(spec: PipelineSpec, ts_ms: Column) -> Column:
-    """The end of the tumbling window holding `ts_ms` (Spark's `window()` for these)."""
-    from pyspark.sql import functions as F
-
-    assert spec.window is not None
+    assert spec.window is not None and spec.source.event_time is not None
+    ts_ms = F.unix_millis(F.col(f"_p.{spec.source.event_time}"))
     size = spec.window.size_seconds * 1000
     return ts_ms - F.pmod(ts_ms, F.lit(size)) + F.lit(size)
 
@@ -256,12 +201,10 @@ def aggregate_columns(spec: PipelineSpec) -> dict[str, Column]:
 
     columns = {}
     for column, agg in spec.aggregates.items():
-        if agg.function == "count":
-            columns[column] = F.col("_count")
-        elif agg.function == "avg":
+        if agg.function == "avg":
             columns[column] = F.col(f"_sum_{agg.field}") / F.col("_count")
         else:
-            columns[column] = F.col(f"_{agg.function}_{agg.field}")
+            columns[column] = F.col(Partial(agg.function, agg.field).column)
     return columns
 
 
@@ -290,43 +233,24 @@ def changelog_records(spec: PipelineSpec, table: DataFrame) -> DataFrame:
         F.lit("update").alias("_kind"),
         key.cast("binary").alias("_key"),
         F.to_json(document).cast("binary").alias("_value"),
-        *_no_lineage(),
-    )
-
-
-def _no_lineage() -> list[Column]:
-    from pyspark.sql import functions as F
-
-    return [
         F.lit(None).cast("int").alias("_partition"),
         F.lit(None).cast("bigint").alias("_offset"),
         F.lit(None).cast("string").alias("_error"),
         F.lit(None).cast("bigint").alias("_window_end"),
-    ]
+    )
 
 
 def build_query_frame(spec: PipelineSpec, source: DataFrame, seeds: DataFrame) -> DataFrame:
-    """The streaming DataFrame whose micro-batches the driver writes: changed rows and bad
-    records (plus late-event candidates), all as `_kind, _key, _value` and lineage.
-
-    The source is read and classified once: each record becomes its row of partials when good
-    and its lineage when bad (windowed pipelines: always, with its window's end, as a late-event
-    candidate), and one shuffle of those narrow rows feeds both the aggregation and the dead
-    letters, Spark reusing the exchange for the second reader.
-    """
+    """The frame whose micro-batches the driver writes (`_kind, _key, _value` and lineage): the
+    source classified once, one shuffle feeding both the aggregation and the dead letters."""
     from pyspark.sql import functions as F
 
     classified = classify(spec, source)
     good = F.col("_error").isNull()
-    lineage = F.struct(
-        F.col("key").alias("_key"),
-        F.col("value").alias("_value"),
-        F.col("partition").alias("_partition"),
-        F.col("offset").alias("_offset"),
-    )
+    lineage = F.struct(*[F.col(c).alias(f"_{c}") for c in ("key", "value", "partition", "offset")])
     window_end = F.lit(None).cast("bigint")
     if spec.window is not None:
-        window_end = F.when(good, _window_end_ms(spec, _event_time_ms(spec))).cast("bigint")
+        window_end = F.when(good, _window_end_ms(spec)).cast("bigint")
     else:
         lineage = F.when(~good, lineage)
     narrow = classified.select(
@@ -339,22 +263,15 @@ def build_query_frame(spec: PipelineSpec, source: DataFrame, seeds: DataFrame) -
     rows = shared.where(good).select("_row.*").unionByName(seeds)
     table = aggregate(spec, rows)
     records = shared if spec.window is not None else shared.where(~good)
-    dead = records.select(
-        F.when(good, F.lit("candidate")).otherwise(F.lit("dead")).alias("_kind"),
-        "_lineage.*",
-        "_error",
-        "_window_end",
-    )
+    kind = F.when(good, F.lit("candidate")).otherwise(F.lit("dead")).alias("_kind")
+    dead = records.select(kind, "_lineage.*", "_error", "_window_end")
     return changelog_records(spec, table).unionByName(dead)
 
 
 def _shared(frame: DataFrame, partitions: int) -> DataFrame:
-    """`frame` behind one shuffle that every reader of the result shares.
-
-    Spark reuses an exchange only for readers whose plans below it are the same, but column
-    pruning pushes each reader's own projection below it. Packing the columns into one struct,
-    read back whole through a non-deterministic guard, leaves nothing to prune.
-    """
+    """`frame` behind one shuffle that every reader shares: Spark reuses an exchange only for
+    the same plans below it, so the columns are packed into one struct, read back whole through
+    a non-deterministic guard, and column pruning finds nothing to push below it."""
     from pyspark.sql import functions as F
 
     packed = frame.select(F.struct(*frame.columns).alias("_shared")).repartition(partitions)

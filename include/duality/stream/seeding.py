@@ -1,6 +1,5 @@
-"""Restoring the state from the changelog: a checkpoint of this engine is resumed as it is;
-without one, the latest `_state` partials per key are written as Parquet seed files that a file
-source feeds into the same aggregation, beside the source read from the committed offsets."""
+"""The checkpoint, and the state seeded from the changelog without one: the latest `_state` per
+key as Parquet files that a file source feeds into the aggregation (docs/streams.md)."""
 
 from __future__ import annotations
 
@@ -30,12 +29,8 @@ def checkpoint_dir(settings: Settings, spec: PipelineSpec) -> Path:
     return settings.checkpoint_root / spec.name
 
 
-def seed_dir(checkpoint: Path) -> Path:
-    return checkpoint / "seed"
-
-
 def seeds_stream(spark: SparkSession, spec: PipelineSpec, checkpoint: Path) -> DataFrame:
-    folder = seed_dir(checkpoint)
+    folder = checkpoint / "seed"
     folder.mkdir(parents=True, exist_ok=True)
     return spark.readStream.schema(rows_schema(spec)).parquet(str(folder))
 
@@ -47,7 +42,7 @@ def write_seed(
     the number of keys. Tombstones remove their key."""
     from pyspark.sql import functions as F
 
-    folder = seed_dir(checkpoint)
+    folder = checkpoint / "seed"
     shutil.rmtree(folder, ignore_errors=True)
     raw = (
         spark.read.format("kafka")
@@ -63,10 +58,9 @@ def write_seed(
     fields = ", ".join(f"`{f}` {SQL_TYPES[spec.source.fields[f]]}" for f in spec.source.key) + (
         ", `window_start` string" if spec.window is not None else ""
     )
+    schema = f"{fields}, `_state` struct<{state_ddl}>"
     parsed = latest.where(F.col("value").isNotNull()).select(
-        F.from_json(F.col("value").cast("string"), f"{fields}, `_state` struct<{state_ddl}>").alias(
-            "v"
-        )
+        F.from_json(F.col("value").cast("string"), schema).alias("v")
     )
     columns: list[Column] = [F.col(f"v.{f}").alias(f) for f in spec.source.key]
     if spec.window is not None:
@@ -94,9 +88,8 @@ def state_layout(spec: PipelineSpec) -> str:
 
 
 def checkpoint_usable(spec: PipelineSpec, checkpoint: Path) -> bool:
-    """True when the query can resume from `checkpoint`; False when it must be (re)built from
-    the changelog (no checkpoint, or one the query never got going with, or one of the older
-    driver-side engine). A checkpoint of another state layout is a usage error."""
+    """Whether the query can resume from `checkpoint` rather than seed from the changelog; a
+    checkpoint of another state layout is a usage error."""
     offsets = checkpoint / "offsets"
     if not offsets.is_dir() or not any(offsets.iterdir()):
         return False

@@ -1,6 +1,5 @@
-"""The stream's supervisor, the process a stream is (`python -m duality.stream PIPELINE`): it
-holds the pipeline's lock and pid file, and runs the driver in a child process, which it
-restarts when it exits on its own (stalled, its JVM gone, crashed)."""
+"""The stream's supervisor (`python -m duality.stream PIPELINE`): holds the pipeline's lock and
+pid file, and restarts its driver child when it exits on its own (stalled, JVM gone, crashed)."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +27,11 @@ from duality.stream.options import StreamOptions
 log = logging.getLogger("duality.stream")
 
 
-def lock_file(settings: Settings, spec: PipelineSpec) -> Path:
-    return streams_folder(settings) / f"{spec.name}.lock"
-
-
 @contextlib.contextmanager
 def exclusive(settings: Settings, spec: PipelineSpec) -> Iterator[None]:
     """Hold the pipeline's lock for the life of the stream, or fail if another stream holds
     it: one checkpoint never has two drivers."""
-    path = lock_file(settings, spec)
+    path = streams_folder(settings) / f"{spec.name}.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as handle:
         try:
@@ -46,10 +41,7 @@ def exclusive(settings: Settings, spec: PipelineSpec) -> Iterator[None]:
                 f"pipeline {spec.name} already runs (lock {path} is held): stop it first with "
                 f"`duality stream stop {spec.name}`"
             ) from None
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        yield  # closing the file releases the lock
 
 
 @contextlib.contextmanager
@@ -67,11 +59,8 @@ def owned_pid_file(path: Path) -> Iterator[None]:
 
 
 def supervise(settings: Settings, spec: PipelineSpec, pipeline: str, options: StreamOptions) -> int:
-    """Hold the lock and the pid file and keep a driver process running until SIGTERM.
-
-    A driver that exits on its own (stalled, crashed) is replaced after a backoff; one that
-    exits with a usage error (a bad spec, say) ends the supervision with that code.
-    """
+    """Hold the lock and the pid file and keep a driver process running until SIGTERM; a
+    driver that exits with a usage error (a bad spec, say) ends the supervision."""
     stopping = threading.Event()
     child: subprocess.Popen[bytes] | None = None
 
@@ -102,10 +91,14 @@ def supervise(settings: Settings, spec: PipelineSpec, pipeline: str, options: St
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def entry_point(
+    prog: str,
+    run: Callable[[Settings, PipelineSpec, str, StreamOptions], int],
+    argv: list[str] | None = None,
+) -> int:
+    """`prog PIPELINE [options]`, the supervisor or its driver; a DualityError is the exit code."""
     parser = argparse.ArgumentParser(
-        prog=f"python -m {MODULE}",
-        description="Run one pipeline's changelog-backed stream until SIGTERM.",
+        prog=prog, description="Run one pipeline's changelog-backed stream until SIGTERM."
     )
     stream_arguments(parser)
     args = parser.parse_args(argv)
@@ -116,7 +109,11 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings.from_env()
         options = StreamOptions.from_args(args)
         spec = find_spec(settings, args.pipeline)
-        return supervise(settings, spec, args.pipeline, options)
+        return run(settings, spec, args.pipeline, options)
     except DualityError as error:
         log.error("%s", error)
         return error.exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    return entry_point(f"python -m {MODULE}", supervise, argv)

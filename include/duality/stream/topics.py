@@ -1,5 +1,4 @@
-"""The topics a stream writes besides its source: the changelog, the dead letters and the
-heartbeats (the source is the user's, never created here)."""
+"""The topics a stream creates: changelog, dead letters and heartbeats (never its source)."""
 
 from __future__ import annotations
 
