@@ -1,8 +1,4 @@
-"""docker-compose.yml and docker/Dockerfile agree with the code, the Makefile and the poms.
-
-No Docker engine runs here, so the distributed stack (DESIGN §10) is kept correct by reading
-the files: the compose file with PyYAML, the Dockerfile and the Makefile as text.
-"""
+"""docker-compose.yml and docker/Dockerfile agree with the code, the Makefile and the poms."""
 
 from __future__ import annotations
 
@@ -47,15 +43,10 @@ POSTGRES = "postgres"
 WAREHOUSE_VOLUME = "warehouse"
 
 
-# -- reading the files ---------------------------------------------------------------------
-
-
 @functools.cache
 def _compose() -> dict[str, Any]:
     data = yaml.safe_load(COMPOSE.read_text())
-    assert isinstance(data, dict) and isinstance(data.get("services"), dict), (
-        f"{COMPOSE} has no services mapping"
-    )
+    assert isinstance(data, dict) and isinstance(data.get("services"), dict)
     return data
 
 
@@ -77,10 +68,7 @@ def _interpolate(value: str) -> str:
 
     def resolve(match: re.Match[str]) -> str:
         name, operator, default = match.groups()
-        assert operator in ("-", ":-"), (
-            f"${{{name}}} in docker-compose.yml has no default: `docker compose up` without an "
-            f".env file would fail; write ${{{name}:-default}}"
-        )
+        assert operator in ("-", ":-"), name
         return default
 
     return _INTERPOLATION.sub(resolve, value.replace("$$", "\0")).replace("\0", "$")
@@ -243,17 +231,6 @@ def _listeners(value: str) -> dict[str, tuple[str, int]]:
     return listeners
 
 
-def _all_envs() -> dict[str, dict[str, str]]:
-    return {name: _env(name) for name in _services()}
-
-
-def _settings_names() -> set[str]:
-    return {PREFIX + field.name.upper() for field in dataclasses.fields(Settings)}
-
-
-# -- 1. services ---------------------------------------------------------------------------
-
-
 def test_every_service_of_the_stack_is_there():
     expected = {*KAFKA, *SPARK, POSTGRES, *AIRFLOW}
     missing = expected - set(_services())
@@ -263,9 +240,7 @@ def test_every_service_of_the_stack_is_there():
 @pytest.mark.parametrize("name", AIRFLOW)
 def test_each_airflow_service_runs_its_airflow_command(name: str):
     command = _command(name)
-    assert command[0] == "airflow" and command[1:] == AIRFLOW_COMMANDS[name], (
-        f"{name} runs {command}, expected airflow {' '.join(AIRFLOW_COMMANDS[name])}"
-    )
+    assert command[0] == "airflow" and command[1:] == AIRFLOW_COMMANDS[name], name
 
 
 def test_airflow_services_run_the_local_components():
@@ -278,12 +253,10 @@ def test_airflow_services_run_the_local_components():
 
 def test_spark_services_run_master_and_workers_from_pyspark():
     spark_class = _image_env()["SPARK_HOME"] + "/bin/spark-class"
-    assert _command(SPARK_MASTER)[:2] == [spark_class, "org.apache.spark.deploy.master.Master"], (
-        f"spark-master must run {spark_class} org.apache.spark.deploy.master.Master"
-    )
+    assert _command(SPARK_MASTER)[:2] == [spark_class, "org.apache.spark.deploy.master.Master"]
     for worker in SPARK_WORKERS:
         assert _command(worker)[:2] == [spark_class, "org.apache.spark.deploy.worker.Worker"], (
-            f"{worker} must run {spark_class} org.apache.spark.deploy.worker.Worker"
+            worker
         )
 
 
@@ -297,25 +270,17 @@ def test_dependencies_exist_and_wait_for_health():
             assert target in services, f"{name} depends on {target!r}, which is no service"
             condition = (spec or {}).get("condition")
             if condition == "service_healthy":
-                assert services[target].get("healthcheck"), (
-                    f"{name} waits for {target} to be healthy, but {target} has no healthcheck"
-                )
+                assert services[target].get("healthcheck"), name
             if target == "airflow-init":
-                assert condition == "service_completed_successfully", (
-                    f"{name} must wait for airflow-init to complete successfully"
-                )
+                assert condition == "service_completed_successfully", name
     for name in AIRFLOW:
         depends_on = _service(name).get("depends_on") or {}
-        assert depends_on.get(POSTGRES, {}).get("condition") == "service_healthy", (
-            f"{name} must wait for a healthy postgres"
-        )
+        assert depends_on.get(POSTGRES, {}).get("condition") == "service_healthy", name
         if name != "airflow-init":
             assert "airflow-init" in depends_on, f"{name} must wait for airflow-init (db migrate)"
     scheduler = _service("airflow-scheduler")["depends_on"]
     for name in (*KAFKA, SPARK_MASTER):
-        assert scheduler.get(name, {}).get("condition") == "service_healthy", (
-            f"airflow-scheduler runs the Spark drivers: it must wait for a healthy {name}"
-        )
+        assert scheduler.get(name, {}).get("condition") == "service_healthy", name
     for worker in SPARK_WORKERS:
         condition = (_service(worker).get("depends_on") or {}).get(SPARK_MASTER, {})
         assert condition.get("condition") == "service_healthy", f"{worker} must wait for master"
@@ -329,27 +294,19 @@ def test_every_interpolation_has_a_default():
         _interpolate(variable.group(0))
 
 
-# -- 2. Kafka ------------------------------------------------------------------------------
-
-
 def test_kafka_image_is_the_broker_version_of_the_pom():
     version = _pom("broker").find("m:properties/m:kafka.version", NS)
     assert version is not None and version.text
     for name in KAFKA:
         image = _service(name).get("image")
-        assert image == f"apache/kafka:{version.text}", (
-            f"{name} runs {image!r}, but jars/broker/pom.xml's kafka.version is {version.text}: "
-            f"use apache/kafka:{version.text}"
-        )
+        assert image == f"apache/kafka:{version.text}", name
 
 
 def test_kraft_quorum_lists_exactly_the_three_brokers():
     node_ids = {}
     for name in KAFKA:
         env = _env(name)
-        assert set(env["KAFKA_PROCESS_ROLES"].split(",")) == {"broker", "controller"}, (
-            f"{name} must run in combined mode (broker,controller)"
-        )
+        assert set(env["KAFKA_PROCESS_ROLES"].split(",")) == {"broker", "controller"}, name
         node_ids[name] = int(env["KAFKA_NODE_ID"])
     assert sorted(node_ids.values()) == [1, 2, 3], f"node ids must be 1..3, got {node_ids}"
     voter_lists = {_env(name)["KAFKA_CONTROLLER_QUORUM_VOTERS"] for name in KAFKA}
@@ -369,14 +326,10 @@ def test_kraft_quorum_lists_exactly_the_three_brokers():
 
 def test_kafka_cluster_id_is_one_valid_id():
     ids = {name: _env(name).get("CLUSTER_ID") for name in KAFKA}
-    assert len(set(ids.values())) == 1 and None not in ids.values(), (
-        f"every broker needs the same CLUSTER_ID, got {ids}"
-    )
+    assert len(set(ids.values())) == 1 and None not in ids.values()
     cluster_id = next(iter(ids.values()))
     assert cluster_id is not None and not cluster_id.startswith("-"), cluster_id
-    assert len(base64.urlsafe_b64decode(cluster_id + "==")) == 16, (
-        f"CLUSTER_ID {cluster_id!r} is not a base64 UUID (kafka-storage.sh random-uuid)"
-    )
+    assert len(base64.urlsafe_b64decode(cluster_id + "==")) == 16
 
 
 def test_advertised_listeners_are_reachable_names():
@@ -389,22 +342,14 @@ def test_advertised_listeners_are_reachable_names():
             item.split(":") for item in env["KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"].split(",")
         )
         assert set(listeners) <= set(protocols), f"{name}: listeners without a protocol"
-        assert env["KAFKA_CONTROLLER_LISTENER_NAMES"] not in advertised, (
-            f"{name} must not advertise its controller listener"
-        )
+        assert env["KAFKA_CONTROLLER_LISTENER_NAMES"] not in advertised, name
         internal = env["KAFKA_INTER_BROKER_LISTENER_NAME"]
-        assert advertised[internal] == (name, listeners[internal][1]), (
-            f"{name} advertises {internal} as {advertised[internal]}: clients in the compose "
-            f"network need ({name!r}, {listeners[internal][1]}), the service name"
-        )
+        assert advertised[internal] == (name, listeners[internal][1]), name
         ports = _published_ports(name)
         for listener, (host, port) in advertised.items():
             if listener == internal:
                 continue
-            assert host == "localhost" and ports.get(port) == listeners[listener][1], (
-                f"{name} advertises {listener} as {host}:{port}, which the host cannot reach: "
-                f"publish {port}:{listeners[listener][1]}"
-            )
+            assert host == "localhost" and ports.get(port) == listeners[listener][1], name
             published[port] = name
     assert len(published) == len(KAFKA), f"each broker needs its own host listener: {published}"
 
@@ -412,13 +357,9 @@ def test_advertised_listeners_are_reachable_names():
 def test_kafka_cluster_settings():
     for name in KAFKA:
         env = _env(name)
-        assert env.get("KAFKA_AUTO_CREATE_TOPICS_ENABLE") == "false", (
-            f"{name}: topic auto-creation must be off (DESIGN §3)"
-        )
+        assert env.get("KAFKA_AUTO_CREATE_TOPICS_ENABLE") == "false", name
         for prefix in ("KAFKA_OFFSETS_TOPIC", "KAFKA_TRANSACTION_STATE_LOG"):
-            assert env.get(f"{prefix}_REPLICATION_FACTOR") == str(len(KAFKA)), (
-                f"{name}: {prefix}_REPLICATION_FACTOR must be {len(KAFKA)}"
-            )
+            assert env.get(f"{prefix}_REPLICATION_FACTOR") == str(len(KAFKA)), name
         assert env.get("KAFKA_TRANSACTION_STATE_LOG_MIN_ISR") == "2", name
     data = {name: _volume_mounts(name) for name in KAFKA}
     for name, mounts in data.items():
@@ -426,9 +367,6 @@ def test_kafka_cluster_settings():
         assert log_dir in mounts.values(), f"{name} keeps its log dir {log_dir} on no volume"
     volumes = [volume for mounts in data.values() for volume in mounts]
     assert len(volumes) == len(set(volumes)) == len(KAFKA), f"one data volume per broker: {data}"
-
-
-# -- 3. the image --------------------------------------------------------------------------
 
 
 def test_image_base_and_environment():
@@ -451,22 +389,15 @@ def test_image_fetches_jars_like_the_makefile():
     def without_cache(args: list[str]) -> list[str]:
         return [a for a in args if not a.startswith("-Djar.cache=")]
 
-    assert without_cache(image_mvn) == without_cache(make_mvn), (
-        f"docker/Dockerfile runs {image_mvn}, the Makefile {make_mvn}: keep them the same"
-    )
+    assert without_cache(image_mvn) == without_cache(make_mvn)
     make_cache = [a for a in make_mvn if a.startswith("-Djar.cache=")]
     assert make_cache == ["-Djar.cache=$(JAR_CACHE)"], make_cache
     image_cache = [a.partition("=")[2] for a in image_mvn if a.startswith("-Djar.cache=")]
-    assert image_cache == [_image_env()["DUALITY_JAR_CACHE"]], (
-        f"the image fetches jars into {image_cache} but sets "
-        f"DUALITY_JAR_CACHE={_image_env()['DUALITY_JAR_CACHE']}"
-    )
+    assert image_cache == [_image_env()["DUALITY_JAR_CACHE"]]
     assert _copied().get("jars") == _workdir() + "/jars", "jars/ is not copied next to the poms"
     for part in make_parts:
         output = _pom(part).find("m:build/m:plugins/m:plugin/m:configuration/m:outputDirectory", NS)
-        assert output is not None and output.text == f"${{jar.cache}}/{part}", (
-            f"jars/{part}/pom.xml must copy into ${{jar.cache}}/{part}"
-        )
+        assert output is not None and output.text == f"${{jar.cache}}/{part}"
 
 
 def test_image_installs_the_lock_then_reinstalls_its_pyspark():
@@ -477,10 +408,7 @@ def test_image_installs_the_lock_then_reinstalls_its_pyspark():
     reinstall = re.search(
         r"pip install --no-deps --force-reinstall \"?pyspark==(\S+?)\"?(\s|;)", run
     )
-    assert reinstall and reinstall.start() > install, (
-        "after requirements.lock the image must reinstall pyspark with --no-deps "
-        "--force-reinstall, like `make setup`"
-    )
+    assert reinstall and reinstall.start() > install
     pinned = _lock_pins()["pyspark"]
     version = reinstall.group(1)
     if version.startswith("$"):
@@ -489,10 +417,7 @@ def test_image_installs_the_lock_then_reinstalls_its_pyspark():
         derivation = re.search(rf"{variable}=\"?\$\((sed [^)]*)\)", run)
         make_sed = re.fullmatch(r"\$\(shell (sed [^)]*)\)", _makefile_variable("PYSPARK_VERSION"))
         assert derivation and make_sed, f"${variable} is not derived from requirements.lock"
-        assert shlex.split(derivation.group(1)) == shlex.split(make_sed.group(1)), (
-            f"the image derives pyspark's version with {derivation.group(1)!r}, "
-            f"the Makefile with {make_sed.group(1)!r}"
-        )
+        assert shlex.split(derivation.group(1)) == shlex.split(make_sed.group(1))
         expression = shlex.split(derivation.group(1))[2]
         pattern = re.fullmatch(r"s/(.*)//p", expression)
         assert pattern, expression
@@ -504,9 +429,7 @@ def test_image_installs_the_lock_then_reinstalls_its_pyspark():
         assert found == [pinned], f"{expression} finds {found} in requirements.lock"
     else:
         assert version == pinned, f"the image reinstalls pyspark=={version}, the lock pins {pinned}"
-    assert re.search(r"pip install --no-deps (-e )?\.(\s|;|$)", run), (
-        "the image must install duality itself (pip install --no-deps -e .)"
-    )
+    assert re.search(r"pip install --no-deps (-e )?\.(\s|;|$)", run)
     pins = _lock_pins()
     for driver in ("psycopg2-binary", "asyncpg"):  # Airflow's sync and async engines
         assert driver in pins, f"requirements.lock must pin {driver}, a driver of Airflow's DB"
@@ -517,9 +440,7 @@ def test_image_holds_the_code_at_duality_home():
     home = _image_env()["DUALITY_HOME"]
     copied = _copied()
     for source in ("pyproject.toml", "include", "jars", "jobs", "dags", "plugins"):
-        assert copied.get(source) == f"{home}/{source}", (
-            f"docker/Dockerfile must copy {source} to {home}/{source}, got {copied.get(source)}"
-        )
+        assert copied.get(source) == f"{home}/{source}", source
 
 
 def test_spark_and_airflow_run_the_one_built_image():
@@ -532,24 +453,17 @@ def test_spark_and_airflow_run_the_one_built_image():
             "docker/Dockerfile"
         ), f"{name} builds {build}, expected context . and docker/Dockerfile"
         images[name] = service.get("image")
-    assert len(set(images.values())) == 1 and None not in images.values(), (
-        f"Spark and Airflow must share one image name: {images}"
-    )
-
-
-# -- 4. settings ---------------------------------------------------------------------------
+    assert len(set(images.values())) == 1 and None not in images.values()
 
 
 def test_every_duality_variable_is_a_setting():
-    known = _settings_names() | {PREFIX + "HOME"}
-    sources = {name: env for name, env in _all_envs().items()}
+    known = {PREFIX + field.name.upper() for field in dataclasses.fields(Settings)}
+    known.add(PREFIX + "HOME")
+    sources = {name: _env(name) for name in _services()}
     sources["docker/Dockerfile"] = _image_env()
     for source, env in sources.items():
         unknown = sorted(k for k in env if k.startswith(PREFIX) and k not in known)
-        assert not unknown, (
-            f"{source} sets {unknown}, which duality.config.Settings does not read; "
-            f"known: {sorted(known)}"
-        )
+        assert not unknown, source
 
 
 def test_spark_and_airflow_see_the_same_settings():
@@ -558,9 +472,7 @@ def test_spark_and_airflow_see_the_same_settings():
     for name in (*SPARK, *AIRFLOW):
         env = {k: v for k, v in _env(name).items() if k.startswith(PREFIX)}
         assert env.get("DUALITY_HOME") == image_env["DUALITY_HOME"], name
-        assert env.get("DUALITY_JAR_CACHE") == image_env["DUALITY_JAR_CACHE"], (
-            f"{name}'s DUALITY_JAR_CACHE is not where the image fetched the jars"
-        )
+        assert env.get("DUALITY_JAR_CACHE") == image_env["DUALITY_JAR_CACHE"], name
         expected = expected or env
         assert env == expected, f"{name} has other DUALITY_* settings than the rest: {env}"
 
@@ -568,27 +480,20 @@ def test_spark_and_airflow_see_the_same_settings():
 def test_data_paths_lie_on_the_shared_volume():
     assert WAREHOUSE_VOLUME in (_compose().get("volumes") or {}), "no top-level warehouse volume"
     mount_paths = set()
-    for name, env in _all_envs().items():
+    for name, env in ((name, _env(name)) for name in _services()):
         if name in (*SPARK, *AIRFLOW):
             assert "DUALITY_WAREHOUSE" in env, f"{name} does not set DUALITY_WAREHOUSE"
         if "DUALITY_WAREHOUSE" not in env:
             continue
         mounts = _volume_mounts(name)
-        assert WAREHOUSE_VOLUME in mounts, (
-            f"{name} sets DUALITY_WAREHOUSE but does not mount the {WAREHOUSE_VOLUME} volume"
-        )
+        assert WAREHOUSE_VOLUME in mounts, name
         mount = PurePosixPath(mounts[WAREHOUSE_VOLUME])
         mount_paths.add(mount)
         settings = Settings.from_env(env)
         for field in ("warehouse", "checkpoint_root", "reports", "local_dir"):
             path = PurePosixPath(getattr(settings, field))
-            assert path.is_relative_to(mount) and path != mount, (
-                f"{name}: {field} {path} is not on the shared volume mounted at {mount}"
-            )
-    assert len(mount_paths) == 1, (
-        f"the warehouse volume is mounted at different paths {sorted(map(str, mount_paths))}: "
-        "Delta tables and checkpoints are addressed by absolute path"
-    )
+            assert path.is_relative_to(mount) and path != mount, name
+    assert len(mount_paths) == 1
 
 
 def test_settings_build_from_each_service_environment():
@@ -598,9 +503,6 @@ def test_settings_build_from_each_service_environment():
         assert str(settings.home) == env["DUALITY_HOME"]
         assert str(settings.jar_cache) == env["DUALITY_JAR_CACHE"]
         assert settings.spark_master == env["DUALITY_SPARK_MASTER"]
-
-
-# -- 5. connections ------------------------------------------------------------------------
 
 
 def _overrides_of(env: dict[str, str]) -> dict[str, Any]:
@@ -642,17 +544,9 @@ def test_connections_name_the_cluster(name: str):
     env = _env(name)
     changes = _overrides_of(env)
     brokers = _broker_addresses()
-    assert changes.get("bootstrap_servers", "").split(",") == brokers, (
-        f"{name}: kafka_default gives bootstrap servers {changes.get('bootstrap_servers')!r}, "
-        f"the brokers advertise {','.join(brokers)}"
-    )
-    assert env["DUALITY_BOOTSTRAP_SERVERS"].split(",") == brokers, (
-        f"{name}: DUALITY_BOOTSTRAP_SERVERS is not the three brokers' client listeners"
-    )
-    assert changes.get("spark_master") == _master_url() == env["DUALITY_SPARK_MASTER"], (
-        f"{name}: spark_default gives {changes.get('spark_master')!r}, "
-        f"DUALITY_SPARK_MASTER is {env['DUALITY_SPARK_MASTER']!r}, the master is {_master_url()}"
-    )
+    assert changes.get("bootstrap_servers", "").split(",") == brokers, name
+    assert env["DUALITY_BOOTSTRAP_SERVERS"].split(",") == brokers, name
+    assert changes.get("spark_master") == _master_url() == env["DUALITY_SPARK_MASTER"], name
     settings = Settings.from_env(env).replace(**changes)
     assert settings.bootstrap_servers == ",".join(brokers)
     assert settings.spark_master == _master_url()
@@ -661,12 +555,7 @@ def test_connections_name_the_cluster(name: str):
 
 def test_workers_register_with_the_master():
     for worker in SPARK_WORKERS:
-        assert _master_url() in _command(worker), (
-            f"{worker} runs {_command(worker)}, which does not name {_master_url()}"
-        )
-
-
-# -- 6. Airflow ----------------------------------------------------------------------------
+        assert _master_url() in _command(worker), worker
 
 
 def test_airflow_uses_the_postgres_service():
@@ -693,10 +582,7 @@ def test_airflow_reads_the_image_dags_and_plugins():
     for name in AIRFLOW:
         env = _env(name)
         assert env["AIRFLOW__CORE__EXECUTOR"] == "LocalExecutor", name
-        assert env["AIRFLOW__CORE__DAGS_FOLDER"] == copied["dags"], (
-            f"{name}: DAGS_FOLDER {env['AIRFLOW__CORE__DAGS_FOLDER']} is not where the image "
-            f"holds dags/ ({copied['dags']})"
-        )
+        assert env["AIRFLOW__CORE__DAGS_FOLDER"] == copied["dags"], name
         assert env["AIRFLOW__CORE__PLUGINS_FOLDER"] == copied["plugins"], name
         assert env["AIRFLOW__CORE__LOAD_EXAMPLES"] == "False", name
 
@@ -727,9 +613,6 @@ def test_airflow_services_share_one_environment():
     assert re.search(r"^x-airflow-common:\s*&airflow-common", COMPOSE.read_text(), re.MULTILINE)
 
 
-# -- 7. ports ------------------------------------------------------------------------------
-
-
 def test_published_ports_do_not_collide():
     owners: dict[int, list[str]] = {}
     for name in _services():
@@ -738,9 +621,6 @@ def test_published_ports_do_not_collide():
     collisions = {port: names for port, names in owners.items() if len(names) > 1}
     assert not collisions, f"host ports published twice: {collisions}"
     assert 8080 in _published_ports("airflow-apiserver"), "the Airflow UI is not published"
-
-
-# -- the same topology as local processes (`duality up`, decision 16) ------------------------
 
 
 def _option(command: list[str], flag: str) -> str:
