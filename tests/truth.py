@@ -1,12 +1,5 @@
-"""Ground truth for stream tests, computed in plain Python from the source records.
-
-Independent of duality's stream code: it reads the records back from the source topic and
-applies the contract of DESIGN §7 (which records are bad, how late is defined, what each
-aggregate means) record by record. Lateness follows Spark's watermark, which moves between
-micro-batches, so for windowed pipelines the batches' source offsets are read from the query's
-checkpoint (`batches`); the watermark itself is computed here, from the records, and checked
-against the one Spark recorded.
-"""
+"""Ground truth for stream tests, in plain Python from the source records read back (DESIGN §7);
+for windows, the batches' offsets come from the checkpoint and the watermark is recomputed."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""`dag.test()` runs of the snapshot and repartition DAGs against the real broker, Spark and
-Delta. Each run is a child process (tests/run_dag.py) with its own Airflow home; Kafka comes
-from the `kafka_default` connection, as in a deployment (DUALITY_BOOTSTRAP_SERVERS is wrong on
-purpose, so a task that ignored the connection would fail)."""
+"""`dag.test()` runs of the DAGs in child processes (tests/run_dag.py); DUALITY_BOOTSTRAP_SERVERS
+is wrong on purpose, so a task that ignored `kafka_default` would fail."""
 
 from __future__ import annotations
 

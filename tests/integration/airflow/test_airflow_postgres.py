@@ -1,10 +1,5 @@
-"""Airflow as separate components on PostgreSQL (DUALITY_AIRFLOW_DB=postgres), on the session's
-broker: the stream supervisor DAG keeps a pipeline's stream running, and the snapshot DAG of
-that pipeline builds, validates and publishes while its scheduler is SIGKILLed in the middle of
-the `snapshot` task and started again. The run ends in success with exactly one published
-version, whose rows are the changelog's keys, and the pipeline never has two streams. Then
-`duality down`, told `DUALITY_AIRFLOW_DB=sqlite`, still stops every component, PostgreSQL and
-the stream, and no process of the stack is left (docs/decisions/0015-airflow-on-postgres.md)."""
+"""Airflow's components on PostgreSQL survive a scheduler SIGKILLed mid-task, and `duality down`
+stops them all (docs/decisions/0015-airflow-on-postgres.md)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Airflow tasks clean up after themselves, on the real stack: Airflow standalone as `duality up`
-starts it, on the session's broker. The snapshot task's Spark master does not answer, so its
-`duality snapshot` child and that child's JVM wait for it for a minute or more; the task is
-ended by a 5 s execution timeout, or set to failed through Airflow's REST API, and within 30 s
-no process of it is left (docs/decisions/0009-airflow-task-processes.md)."""
+"""Airflow tasks ended by a timeout or set to failed leave no process within 30 s
+(docs/decisions/0009-airflow-task-processes.md)."""
 
 from __future__ import annotations
 

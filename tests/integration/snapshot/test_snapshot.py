@@ -1,8 +1,4 @@
-"""Delta snapshots from compacted changelogs: full, incremental, validated, published, maintained.
-
-Ground truth is an independent read of the changelog (confluent-kafka, read_committed) reduced
-in plain Python to the latest live value per key.
-"""
+"""Delta snapshots from compacted changelogs, against an independent read_committed read of it."""
 
 from __future__ import annotations
 

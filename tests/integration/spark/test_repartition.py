@@ -1,8 +1,5 @@
-"""Repartitioning against the real broker and Spark: every record exactly once, in the right place.
-
-The checks read the target back with read_committed and compare it with the source read
-independently: lineage headers, keys, values, headers and timestamps.
-"""
+"""Repartitioning against the real broker and Spark, the target compared with the source read
+independently."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""A pipeline end to end against a broker that takes only SCRAM-SHA-512 logins: produce, stream,
-snapshot, validate, repartition, every step a `duality` command as a user runs it; a wrong
-password named as a refused login within 15 s; and the password in no file and no output that
-the run left (docs/decisions/0014-sasl-scram.md).
-
-The Airflow part is covered by tests/unit/test_sasl.py: the `kafka_default` connection that
-`LocalAirflow` defines, read through Airflow's own code, gives these settings and masks the
-password; running a DAG here as well would cost minutes for no other client.
-"""
+"""A pipeline end to end through SCRAM-SHA-512 (docs/decisions/0014-sasl-scram.md); Airflow's
+`kafka_default` side is tests/unit/test_sasl.py's (a DAG here would cost minutes)."""
 
 from __future__ import annotations
 

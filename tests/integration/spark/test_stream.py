@@ -1,7 +1,4 @@
-"""The changelog-backed stream against the real broker and Spark: exact, exactly once, restorable.
-
-Ground truth comes from tests/truth.py, computed from the source records read back.
-"""
+"""The changelog-backed stream against the real broker and Spark, checked against tests/truth.py."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""A broker of a three-node cluster (replication factor 3, min ISR 2) SIGKILLed under work.
-
-One outage serves three checks, so the minute without the broker is paid once: while a stream
-runs under load, a repartition copies and a snapshot merges, the broker that leads the status
-topic (and, on three brokers, one partition of every three-partition topic: source, changelog,
-dead letters, repartition source and target) is killed, and started again a minute later.
-Meanwhile `duality stream status`, `duality lag` and the supervisor answer with what they see.
-Afterwards the changelog equals the ground truth, every record was copied exactly once, and the
-snapshot run either committed a correct version or left the previous one; the next run is exact.
-"""
+"""A broker of a three-node cluster SIGKILLed for a minute under a stream, a repartition and a
+snapshot at once, so the minute without it is paid once."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""The production topology as `duality up` runs it on one machine (decision 16): three KRaft
-brokers, a Spark master and two workers, Airflow's components on PostgreSQL; later commands
-find it through the stack record alone, a pipeline runs on it, and `duality down` leaves no
-process.
-
-Free ports in a temporary folder; the commands run as a user runs them, in child processes.
-"""
+"""The production topology as `duality up` runs it on one machine (decision 16), as a user runs
+the commands, on free ports in a temporary folder."""
 
 from __future__ import annotations
 

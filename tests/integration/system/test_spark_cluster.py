@@ -1,11 +1,5 @@
-"""duality on a real Spark standalone cluster: a master and two workers from pyspark's own
-`bin/spark-class`. The stream survives a worker SIGKILLed mid-stream and its changelog still
-equals the truth; the snapshot and the repartition give what local mode gives.
-
-The stream runs unchanged (`python -m duality.stream` with `DUALITY_SPARK_MASTER=spark://…`);
-its executors get duality as a zip (`spark.submit.pyFiles`) and keep the state store in their
-workers' own folders.
-"""
+"""duality on a Spark standalone cluster from pyspark's `bin/spark-class`: the stream runs
+unchanged, its executors get duality as a zip (`spark.submit.pyFiles`)."""
 
 from __future__ import annotations
 
