@@ -112,6 +112,15 @@ def run_duality(
     )
 
 
+def duality_json(
+    config: Settings | Mapping[str, str], *args: str, timeout: float = 240
+) -> dict[str, Any]:
+    """The JSON output of a `run_duality` with `--json` that must succeed."""
+    done = run_duality(config, *args, "--json", timeout=timeout)
+    assert done.returncode == 0, f"duality {' '.join(args)}: {done.stdout}{done.stderr[-3000:]}"
+    return dict(json.loads(done.stdout))
+
+
 def java_processes(pid: int) -> list[psutil.Process]:
     """The JVMs among a process's descendants (Python workers come and go meanwhile)."""
     found = []

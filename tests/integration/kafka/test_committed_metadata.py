@@ -5,13 +5,12 @@ answer with its offsets, and never decode the metadata."""
 from __future__ import annotations
 
 import base64
-import json
 
 from confluent_kafka import Consumer, TopicPartition
 
 from duality import kafka
 from duality.config import Settings
-from tests.harness import run_duality
+from tests.harness import duality_json
 
 PARTITIONS = 12
 
@@ -40,17 +39,14 @@ def test_skew_and_lag_of_a_group_with_binary_metadata(settings: Settings, topic:
     finally:
         committer.close()
 
-    skew = run_duality(settings, "skew", topic, "--group", group, "--json")
-    assert skew.returncode == 0, skew.stderr[-3000:]
-    loads = {load["partition"]: load for load in json.loads(skew.stdout)["partitions"]}
+    skew = duality_json(settings, "skew", topic, "--group", group)
+    loads = {load["partition"]: load for load in skew["partitions"]}
     ends = kafka.end_offsets(settings, topic)
     assert {p: load["lag"] for p, load in loads.items()} == {
         p: max(0, ends[p] - 10 * p) for p in range(PARTITIONS)
     }
 
-    lag = run_duality(settings, "lag", "--group", group, "--json")
-    assert lag.returncode == 0, lag.stderr[-3000:]
-    rows = json.loads(lag.stdout)["lag"]
+    rows = duality_json(settings, "lag", "--group", group)["lag"]
     assert {(r["partition"], r["committed"]) for r in rows} == {
         (p, 10 * p) for p in range(PARTITIONS)
     }

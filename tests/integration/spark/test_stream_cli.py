@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -13,13 +12,7 @@ import psutil
 from duality import kafka
 from duality.config import Settings
 from duality.stream import control
-from tests.harness import assert_eventually, make_pipeline, run_duality
-
-
-def _duality(settings: Settings, *args: str, timeout: float = 240) -> dict:
-    result = run_duality(settings, *args, "--json", timeout=timeout)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout)
+from tests.harness import assert_eventually, duality_json, make_pipeline
 
 
 def _drivers(name: str) -> list[psutil.Process]:
@@ -39,44 +32,33 @@ def test_stream_lifecycle_and_reset(settings: Settings, tmp_path: Path):
     pipelines = tmp_path / "pipelines"
     spec = make_pipeline(settings, pipelines, "product_sales")
     scoped = settings.replace(pipelines=pipelines)
-    produced = _duality(
-        scoped,
-        "produce",
-        spec.name,
-        "--events",
-        "3000",
-        "--keys",
-        "100",
-        "--bad-fraction",
-        "0.05",
-        "--seed",
-        "5",
-    )
+    produce = ("--events", "3000", "--keys", "100", "--bad-fraction", "0.05", "--seed", "5")
+    produced = duality_json(scoped, "produce", spec.name, *produce)
     assert produced["produced"] == 3000 and sum(produced["bad"].values()) > 0
 
     try:
-        first = _duality(scoped, "stream", "start", spec.name)
-        second = _duality(scoped, "stream", "start", spec.name)
+        first = duality_json(scoped, "stream", "start", spec.name)
+        second = duality_json(scoped, "stream", "start", spec.name)
         assert first["already_running"] is False and second["already_running"] is True
         assert first["pid"] == second["pid"]
         assert len(_drivers(spec.name)) == 1
 
-        status = _duality(scoped, "stream", "status", spec.name)
+        status = duality_json(scoped, "stream", "status", spec.name)
         assert status["state"] == "running"
         assert status["heartbeat"]["ppid"] == first["pid"]  # the driver under the supervisor
     finally:
-        stopped = _duality(scoped, "stream", "stop", spec.name)
+        stopped = duality_json(scoped, "stream", "stop", spec.name)
     assert stopped["was_running"] is True
     assert _drivers(spec.name) == []
-    assert _duality(scoped, "stream", "status", spec.name)["state"] == "stopped"
+    assert duality_json(scoped, "stream", "status", spec.name)["state"] == "stopped"
 
-    plan = _duality(scoped, "reset", spec.name, "--dry-run")
+    plan = duality_json(scoped, "reset", spec.name, "--dry-run")
     assert plan["dry_run"] is True and plan["steps"]
     records_before = plan["changelog_records"]
-    again = _duality(scoped, "reset", spec.name, "--dry-run")
+    again = duality_json(scoped, "reset", spec.name, "--dry-run")
     assert again["changelog_records"] == records_before  # a dry run changes nothing
 
-    done = _duality(scoped, "reset", spec.name)
+    done = duality_json(scoped, "reset", spec.name)
     assert done["dry_run"] is False
     committed = kafka.committed_offsets(settings, spec.consumer_group, spec.source.topic)
     assert {p: offset for p, (offset, _) in committed.items()} == {

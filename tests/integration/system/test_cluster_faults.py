@@ -21,7 +21,7 @@ from duality.local.kraft import LocalKafkaCluster, ephemeral_cluster
 from duality.snapshot import build, delta_log
 from duality.spec import PipelineSpec
 from duality.stream import control, health, heartbeat, topics
-from tests.harness import ROOT, assert_eventually, make_pipeline, run_duality
+from tests.harness import ROOT, assert_eventually, duality_json, make_pipeline
 from tests.integration.snapshot.test_snapshot import _table, _truth
 from tests.integration.spark.test_repartition import _assert_exact_copy
 from tests.integration.spark.test_stream import _verify
@@ -94,23 +94,6 @@ def cluster(base_settings: Settings) -> Iterator[LocalKafkaCluster]:
 def _leaders(settings: Settings, topic: str) -> dict[int, int]:
     metadata = kafka.admin(settings).list_topics(topic, timeout=10)
     return {p: entry.leader for p, entry in metadata.topics[topic].partitions.items()}
-
-
-def _run(settings: Settings, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, *args],
-        env={**os.environ, **settings.as_env()},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
-
-
-def _cli(settings: Settings, *args: str) -> dict:
-    done = run_duality(settings, *args, "--json", timeout=60)
-    assert done.returncode == 0, f"duality {' '.join(args)}: {done.stdout}{done.stderr}"
-    return dict(json.loads(done.stdout))
 
 
 def _job(settings: Settings, log: Path, job: str, *args: str) -> subprocess.Popen[bytes]:
@@ -224,9 +207,9 @@ def test_leader_killed_mid_stream_repartition_and_snapshot(
         assert copy_ended is None, f"the copy ended before the kill; see {copy_log}"
 
         # While it is down, the commands and the supervisor answer with what they see.
-        seen = _cli(settings, "stream", "status", spec.name)
+        seen = duality_json(settings, "stream", "status", spec.name, timeout=60)
         assert seen["state"] == "running" and seen["heartbeat"]["state"] == "running", seen
-        lags = _cli(settings, "lag", "--group", group)["lag"]
+        lags = duality_json(settings, "lag", "--group", group, timeout=60)["lag"]
         assert {row["topic"] for row in lags} == {spec.source.topic}, lags
         look = health.supervise_once(settings, spec)
         assert look.health == "healthy" and look.action == "none", look

@@ -10,7 +10,7 @@ import psutil
 
 from duality.config import Settings
 from duality.local.ports import free_port
-from tests.harness import ended_pid, run_duality
+from tests.harness import duality_json, ended_pid, run_duality
 
 
 def _kafka_processes(marker: str) -> list[psutil.Process]:
@@ -30,14 +30,10 @@ def test_up_twice_status_down(tmp_path: Path):
         controller_port=free_port(),
     )
     try:
-        first = run_duality(env, "up", "--json")
-        assert first.returncode == 0, first.stderr
-        started = json.loads(first.stdout)["broker"]
+        started = duality_json(env, "up")["broker"]
         assert started["already_running"] is False
 
-        second = run_duality(env, "up", "--json")
-        assert second.returncode == 0, second.stderr
-        again = json.loads(second.stdout)["broker"]
+        again = duality_json(env, "up")["broker"]
         assert again["already_running"] is True
         assert again["pid"] == started["pid"]
         assert len(_kafka_processes(str(tmp_path))) == 1
@@ -45,9 +41,7 @@ def test_up_twice_status_down(tmp_path: Path):
         (broker_jvm,) = _kafka_processes(str(tmp_path))
         assert f"-Djava.io.tmpdir={tmp_path / 'local' / 'kafka' / 'tmp'}" in broker_jvm.cmdline()
 
-        status = run_duality(env, "status", "--json")
-        assert status.returncode == 0, status.stderr
-        broker = json.loads(status.stdout)["broker"]
+        broker = duality_json(env, "status")["broker"]
         assert broker["state"] == "running"
         assert broker["reachable"] is True
         assert broker["bootstrap_servers"] == f"localhost:{port}"
