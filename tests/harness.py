@@ -91,25 +91,34 @@ def assert_eventually(
         time.sleep(interval)
 
 
-def run_duality(
+def run_python(
     config: Settings | Mapping[str, str],
     *args: str,
     env: Mapping[str, str] | None = None,
     timeout: float = 240,
 ) -> subprocess.CompletedProcess[str]:
-    """The `duality` command line run as users run it, in a process of its own, configured by
-    `config`: settings (as their DUALITY_* variables), or the variables themselves where a test
-    leaves some unset on purpose (a stack's later commands find its addresses in its record);
-    `env` on top."""
+    """Python run as users run it, in a process of its own, configured by `config`: settings (as
+    their DUALITY_* variables), or the variables themselves where a test leaves some unset on
+    purpose (a stack's later commands find its addresses in its record); `env` on top."""
     variables = config.as_env() if isinstance(config, Settings) else config
     return subprocess.run(
-        [sys.executable, "-m", "duality.cli", *args],
+        [sys.executable, *args],
         env={**os.environ, **variables, **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,
         cwd=ROOT,
     )
+
+
+def run_duality(
+    config: Settings | Mapping[str, str],
+    *args: str,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 240,
+) -> subprocess.CompletedProcess[str]:
+    """The `duality` command line, run by `run_python`."""
+    return run_python(config, "-m", "duality.cli", *args, env=env, timeout=timeout)
 
 
 def duality_json(

@@ -4,10 +4,7 @@ unchanged, its executors get duality as a zip (`spark.submit.pyFiles`)."""
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +16,7 @@ from duality.config import Settings
 from duality.local.spark_cluster import LocalSparkCluster
 from duality.snapshot import delta_log
 from duality.spark import package_zip
-from tests.harness import ROOT, StreamProcess, assert_eventually, make_pipeline
+from tests.harness import ROOT, StreamProcess, assert_eventually, make_pipeline, run_python
 from tests.integration.spark.test_stream import _verify
 
 EVENTS, MORE_EVENTS, KEYS = 12_000, 4_000, 500
@@ -91,13 +88,7 @@ def test_executors_import_duality_from_the_shipped_zip(
     cluster: LocalSparkCluster, settings: Settings
 ):
     scoped = settings.replace(spark_master=cluster.master_url)
-    result = subprocess.run(
-        [sys.executable, "-c", _IMPORT_CHECK],
-        env={**os.environ, **scoped.as_env()},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_python(scoped, "-c", _IMPORT_CHECK, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     shipped = _shipped(scoped)
     work_dirs = [cluster.work_dir(i) for i in range(cluster.workers)]
@@ -179,13 +170,7 @@ def _ran_on_both_workers(cluster: LocalSparkCluster, name: str) -> str:
 
 
 def _job(settings: Settings, *args: str) -> dict:
-    done = subprocess.run(
-        [sys.executable, *args],
-        env={**os.environ, **settings.as_env()},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run_python(settings, *args, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return dict(json.loads(done.stdout))
 
