@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import jsonschema
 import pytest
 
 from duality.config import SHIPPED_PIPELINES
-from tests.harness import ROOT
+from tests.harness import ROOT, run_python
 
 DAG_FILES = sorted((ROOT / "dags").glob("*.py"))
 
@@ -124,13 +123,8 @@ print(json.dumps({"errors": errors, "modules": sorted(sys.modules)}))
 def test_parsing_touches_no_broker_and_no_spark():
     """Parse every DAG file in a fresh interpreter with networking refused: nothing at parse
     time may connect, nor import Spark, Great Expectations, Delta or a Kafka client."""
-    result = subprocess.run(
-        [sys.executable, "-c", _PARSE, *map(str, DAG_FILES)],
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    path = {"PYTHONPATH": os.pathsep.join(sys.path)}
+    result = run_python(path, "-c", _PARSE, *map(str, DAG_FILES), timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     parsed = json.loads(result.stdout.splitlines()[-1])
     assert all(not errors for errors in parsed["errors"].values()), parsed["errors"]

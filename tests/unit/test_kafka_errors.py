@@ -122,27 +122,18 @@ def test_retrying_asks_again_while_kafka_says_not_yet(sasl: Settings):
     assert answers == []
 
 
-@pytest.mark.parametrize(
-    "code",
-    [
-        KafkaError.NOT_LEADER_FOR_PARTITION,
-        KafkaError.LEADER_NOT_AVAILABLE,
-        KafkaError.FENCED_LEADER_EPOCH,
-        KafkaError.OFFSET_NOT_AVAILABLE,
-        KafkaError._TIMED_OUT,
-        KafkaError._UNKNOWN_PARTITION,
-        KafkaError._DESTROY_BROKER,
-    ],
-    ids=[
-        "not-leader",
-        "no-leader",
-        "fenced-epoch",
-        "new-leader-catching-up",
-        "dead-leader",
-        "leader-unknown",
-        "dead-broker-forgotten",
-    ],
-)
+LEADER_MOVES = {
+    "not-leader": KafkaError.NOT_LEADER_FOR_PARTITION,
+    "no-leader": KafkaError.LEADER_NOT_AVAILABLE,
+    "fenced-epoch": KafkaError.FENCED_LEADER_EPOCH,
+    "new-leader-catching-up": KafkaError.OFFSET_NOT_AVAILABLE,
+    "dead-leader": KafkaError._TIMED_OUT,
+    "leader-unknown": KafkaError._UNKNOWN_PARTITION,
+    "dead-broker-forgotten": KafkaError._DESTROY_BROKER,
+}
+
+
+@pytest.mark.parametrize("code", LEADER_MOVES.values(), ids=LEADER_MOVES)
 def test_offsets_are_asked_again_while_a_partition_leader_moves(
     sasl: Settings, monkeypatch: pytest.MonkeyPatch, code: int
 ):

@@ -20,24 +20,15 @@ from tests.harness import ROOT, assert_eventually, java_processes
 
 RECORDS, KEYS = 2_000, 100
 LATENCY_RATE, LATENCY_SECONDS = 500, 2
+COPIES = [  # the scenarios that read or copy every record once
+    *["kafka-consumer-perf", "python-copy", "spark-aggregation", "stream-throughput"],
+    *["stream-throughput-warm", "repartition-key-hash", "repartition-salted"],
+]
 SCENARIOS = {
-    "kafka-consumer-perf",
-    "python-copy",
-    "spark-aggregation",
-    "stream-throughput",
-    "stream-throughput-warm",
-    "state-scale",
-    "restore-from-changelog",
-    "recompute-from-source",
-    "repartition-key-hash",
-    "repartition-salted",
-    "snapshot-full",
-    "snapshot-incremental",
-    "snapshot-full-after",
-    "snapshot-nothing-new",
-    "validate",
+    *COPIES,
+    *["state-scale", "restore-from-changelog", "recompute-from-source", "snapshot-full", "latency"],
+    *["snapshot-incremental", "snapshot-full-after", "snapshot-nothing-new", "validate"],
     "validate-3x",
-    "latency",
 }
 
 
@@ -65,16 +56,7 @@ def test_bench_writes_its_figures_and_every_event_is_seen_once(settings: Setting
             assert goal["target"] and isinstance(goal["met"], bool), (name, goal)
             assert goal["value"] is None or isinstance(goal["value"], int | float), (name, goal)
 
-    # Every record read or copied once: each covers exactly the records produced.
-    for name in (
-        "kafka-consumer-perf",
-        "python-copy",
-        "spark-aggregation",
-        "stream-throughput",
-        "stream-throughput-warm",
-        "repartition-key-hash",
-        "repartition-salted",
-    ):
+    for name in COPIES:  # each covers exactly the records produced
         assert figures[name]["records"] == RECORDS, name
     _check_streams(figures)
     _check_snapshots(figures)
@@ -167,14 +149,5 @@ def test_bench_stops_its_broker_on_sigterm(tmp_path: Path):
 
 
 def _bench_command(*, records: int, keys: int, out: Path) -> list[str]:
-    run = ROOT / "bench" / "run.py"
-    return [
-        sys.executable,
-        str(run),
-        "--records",
-        str(records),
-        "--keys",
-        str(keys),
-        "--out",
-        str(out),
-    ]
+    options = ("--records", str(records), "--keys", str(keys), "--out", str(out))
+    return [sys.executable, str(ROOT / "bench" / "run.py"), *options]
