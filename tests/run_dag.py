@@ -1,10 +1,5 @@
-"""Run one DAG with `dag.test()` in this process and print how it ended, as JSON.
-
-    python tests/run_dag.py DAG_ID [CONF_JSON]
-
-The tests run it as a child process with AIRFLOW_HOME, DUALITY_* and AIRFLOW_CONN_* of their own,
-so Airflow's configuration never leaks between tests.
-"""
+"""Run one DAG with `dag.test()` here and print how it ended, as JSON: `python tests/run_dag.py
+DAG_ID [CONF_JSON]`, run as a child with its own AIRFLOW_HOME so Airflow's config never leaks."""
 
 from __future__ import annotations
 
