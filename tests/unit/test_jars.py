@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import socket
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pyspark
@@ -15,25 +14,14 @@ from duality.config import Settings
 from duality.errors import UsageError
 from duality.spark import scratch_folder, session_config, spark_jars
 from tests.harness import ended_pid
-
-ROOT = Path(__file__).resolve().parents[2]
-NS = {"m": "http://maven.apache.org/POM/4.0.0"}
+from tests.unit.test_compose import NS, _pom
+from tests.unit.test_compose import _lock_pins as _lock
 
 
 def _pom_property(pom: str, name: str) -> str:
-    tree = ET.parse(ROOT / "jars" / pom / "pom.xml")
-    value = tree.find(f"m:properties/m:{name}", NS)
+    value = _pom(pom).find(f"m:properties/m:{name}", NS)
     assert value is not None and value.text
     return value.text
-
-
-def _lock() -> dict[str, str]:
-    pins = {}
-    for line in (ROOT / "requirements.lock").read_text().splitlines():
-        if "==" in line and not line.startswith("#"):
-            name, version = line.split("==")
-            pins[name.lower().replace("_", "-")] = version
-    return pins
 
 
 def test_connector_matches_pyspark():
