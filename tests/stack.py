@@ -4,7 +4,6 @@ in a temporary folder, with the pipelines and repartition config the test writes
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import subprocess
 from collections.abc import Iterator
@@ -15,7 +14,7 @@ from duality.airflow_api import AirflowClient
 from duality.config import Settings
 from duality.local.airflow import AIRFLOW_USER, LocalAirflow
 from duality.local.ports import free_port
-from tests.harness import run_duality
+from tests.harness import duality_json, run_duality
 
 
 @dataclass
@@ -52,16 +51,13 @@ def running_stack(root: Path, env: dict[str, str] | None = None) -> Iterator[Sta
     env = env or stack_env(root)
     settings = Settings.from_env(env)
 
-    up = run_duality(env, "up", "--json", timeout=600)
     try:
-        assert up.returncode == 0, up.stderr[-3000:]
-        started = json.loads(up.stdout)
+        started = duality_json(env, "up", timeout=600)
         password = started["airflow"]["password"]
         client = AirflowClient(settings.airflow_url, started["airflow"]["user"], password)
         yield Stack(root, env, settings, client, password)
     finally:
-        down = run_duality(env, "down", "--json", timeout=600)
-        assert down.returncode == 0, down.stderr[-3000:]
+        duality_json(env, "down", timeout=600)
 
 
 @contextlib.contextmanager
