@@ -232,9 +232,7 @@ def _listeners(value: str) -> dict[str, tuple[str, int]]:
 
 
 def test_every_service_of_the_stack_is_there():
-    expected = {*KAFKA, *SPARK, POSTGRES, *AIRFLOW}
-    missing = expected - set(_services())
-    assert not missing, f"docker-compose.yml lacks the services {sorted(missing)}"
+    assert {*KAFKA, *SPARK, POSTGRES, *AIRFLOW} <= set(_services())
 
 
 @pytest.mark.parametrize("name", AIRFLOW)
@@ -255,9 +253,8 @@ def test_spark_services_run_master_and_workers_from_pyspark():
     spark_class = _image_env()["SPARK_HOME"] + "/bin/spark-class"
     assert _command(SPARK_MASTER)[:2] == [spark_class, "org.apache.spark.deploy.master.Master"]
     for worker in SPARK_WORKERS:
-        assert _command(worker)[:2] == [spark_class, "org.apache.spark.deploy.worker.Worker"], (
-            worker
-        )
+        worker_class = "org.apache.spark.deploy.worker.Worker"
+        assert _command(worker)[:2] == [spark_class, worker_class], worker
 
 
 def test_dependencies_exist_and_wait_for_health():
@@ -297,9 +294,7 @@ def test_every_interpolation_has_a_default():
 def test_kafka_image_is_the_broker_version_of_the_pom():
     version = _pom("broker").find("m:properties/m:kafka.version", NS)
     assert version is not None and version.text
-    for name in KAFKA:
-        image = _service(name).get("image")
-        assert image == f"apache/kafka:{version.text}", name
+    assert {_service(name).get("image") for name in KAFKA} == {f"apache/kafka:{version.text}"}
 
 
 def test_kraft_quorum_lists_exactly_the_three_brokers():
@@ -449,9 +444,8 @@ def test_spark_and_airflow_run_the_one_built_image():
         service = _service(name)
         build = service.get("build")
         assert isinstance(build, dict), f"{name} is not built from docker/Dockerfile"
-        assert build.get("context") in (".", "./") and build.get("dockerfile") == (
-            "docker/Dockerfile"
-        ), f"{name} builds {build}, expected context . and docker/Dockerfile"
+        assert build.get("context") in (".", "./"), name
+        assert build.get("dockerfile") == "docker/Dockerfile", name
         images[name] = service.get("image")
     assert len(set(images.values())) == 1 and None not in images.values()
 
@@ -561,19 +555,14 @@ def test_workers_register_with_the_master():
 def test_airflow_uses_the_postgres_service():
     postgres = _env(POSTGRES)
     assert not _published_ports(POSTGRES), "postgres need not be published on the host"
-    assert (postgres["POSTGRES_USER"], postgres["POSTGRES_DB"]) == (
-        AIRFLOW_DB_USER,
-        AIRFLOW_DB_NAME,
-    ), "the postgres service's role and database are not those of `duality up` (duality.local)"
+    assert postgres["POSTGRES_USER"] == AIRFLOW_DB_USER  # the role and database `duality up` uses
+    assert postgres["POSTGRES_DB"] == AIRFLOW_DB_NAME
     for name in AIRFLOW:
         url = urlsplit(_env(name)["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"])
         assert url.scheme == AIRFLOW_DB_DRIVER, f"{name}: {url.scheme}, locally {AIRFLOW_DB_DRIVER}"
-        assert (url.username, url.password, url.hostname, url.path.lstrip("/")) == (
-            postgres["POSTGRES_USER"],
-            postgres["POSTGRES_PASSWORD"],
-            POSTGRES,
-            postgres["POSTGRES_DB"],
-        ), f"{name}'s SQL_ALCHEMY_CONN does not match the postgres service"
+        login = (postgres["POSTGRES_USER"], postgres["POSTGRES_PASSWORD"], POSTGRES)
+        assert (url.username, url.password, url.hostname) == login, name
+        assert url.path.lstrip("/") == postgres["POSTGRES_DB"], name
         assert url.port in (None, 5432)
 
 
@@ -592,11 +581,8 @@ def test_airflow_urls_point_at_the_api_server():
     for name in AIRFLOW:
         env = _env(name)
         execution = urlsplit(env["AIRFLOW__CORE__EXECUTION_API_SERVER_URL"])
-        assert (execution.hostname, execution.port, execution.path) == (
-            "airflow-apiserver",
-            container_port,
-            "/execution/",
-        ), f"{name}: task runners cannot reach the execution API at {execution.geturl()}"
+        where = ("airflow-apiserver", container_port, "/execution/")
+        assert (execution.hostname, execution.port, execution.path) == where, name
         duality_url = urlsplit(env["DUALITY_AIRFLOW_URL"])
         assert (duality_url.hostname, duality_url.port) == ("airflow-apiserver", container_port)
         base = urlsplit(env["AIRFLOW__API__BASE_URL"])
