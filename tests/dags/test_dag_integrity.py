@@ -155,23 +155,10 @@ def test_repartition_params_select_the_moves():
     module = importlib.util.module_from_spec(loader)
     loader.loader.exec_module(module)
     select = module.select_moves
+    fields = ("source", "target", "partitions", "strategy", "hot_keys", "salts")
     configured = [
-        {
-            "source": "a",
-            "target": "a-r",
-            "partitions": 12,
-            "strategy": "salted",
-            "hot_keys": "auto",
-            "salts": None,
-        },
-        {
-            "source": "b",
-            "target": "b-r",
-            "partitions": 4,
-            "strategy": "key-hash",
-            "hot_keys": None,
-            "salts": None,
-        },
+        dict(zip(fields, ("a", "a-r", 12, "salted", "auto", None), strict=True)),
+        dict(zip(fields, ("b", "b-r", 4, "key-hash", None, None), strict=True)),
     ]
     defaults = {"topic": "", "partitions": None, "strategy": "configured", "dry_run": False}
     assert [m["source"] for m in select(configured, defaults)] == ["a", "b"]
@@ -180,15 +167,8 @@ def test_repartition_params_select_the_moves():
     )
     assert only["strategy"] == "key-hash" and only["hot_keys"] is None and only["dry_run"]
     (other,) = select(configured, {**defaults, "topic": "c", "partitions": 8})
-    assert other == {
-        "source": "c",
-        "target": "c-8p",
-        "partitions": 8,
-        "strategy": "key-hash",
-        "hot_keys": None,
-        "salts": None,
-        "dry_run": False,
-    }
+    wanted = ("c", "c-8p", 8, "key-hash", None, None, False)
+    assert other == dict(zip((*fields, "dry_run"), wanted, strict=True))
     with pytest.raises(AirflowFailException, match="partitions"):
         select(configured, {**defaults, "topic": "c"})
     with pytest.raises(AirflowSkipException):
