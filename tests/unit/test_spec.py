@@ -42,15 +42,8 @@ def test_demo_specs_load_and_differ_in_shape():
 def test_aggregate_grammar():
     assert Aggregate.parse("count()") == Aggregate(function="count")
     assert Aggregate.parse(" sum( amount ) ") == Aggregate(function="sum", field="amount")
-    for bad in (
-        "median(x)",
-        "sum()",
-        "count(x)",
-        "sum(x); drop table",
-        "__import__('os')",
-        "sum(x, y)",
-        "amount * 2",
-    ):
+    injections = ("sum(x); drop table", "__import__('os')", "sum(x, y)", "amount * 2")
+    for bad in ("median(x)", "sum()", "count(x)", *injections):
         with pytest.raises(ValueError):
             Aggregate.parse(bad)
 
