@@ -19,16 +19,8 @@ _MARK_BY_FOLDER = {"unit": "unit", "integration": "integration", "e2e": "e2e", "
 # What a process the tests start would leave in the system's temporary folder if it were not
 # given a folder of its own: the JVM's native libraries and Spark's block manager and
 # artifact folders, Chromium's socket folders, and duality's own temporary folders.
-_LEFTOVERS = (
-    "librocksdbjni*",
-    "liblz4-java*",
-    "snappy-*",
-    "blockmgr-*",
-    "artifacts-*",
-    "spark-*",
-    "org.chromium.Chromium.*",
-    "duality-*",
-)
+_LEFTOVERS = ("librocksdbjni*", "liblz4-java*", "snappy-*", "blockmgr-*", "artifacts-*", "spark-*")
+_LEFTOVERS += ("org.chromium.Chromium.*", "duality-*")
 _LEFTOVERS_AT_START = pytest.StashKey[set[str]]()
 
 

@@ -28,22 +28,14 @@ from tests.harness import (
 )
 
 EVENTS, KEYS = 30_000, 1_000
+RECORD = ("partition", "offset", "key", "value", "timestamp", "headers")
 
 
 def _records(settings: Settings, topic: str) -> list[dict]:
     rows = []
     for m in read_messages(settings, topic):
-        headers = list(m.headers() or [])
-        rows.append(
-            {
-                "partition": m.partition(),
-                "offset": m.offset(),
-                "key": m.key(),
-                "value": m.value(),
-                "timestamp": m.timestamp()[1],
-                "headers": headers,
-            }
-        )
+        values = (m.partition(), m.offset(), m.key(), m.value(), m.timestamp()[1])
+        rows.append(dict(zip(RECORD, (*values, list(m.headers() or [])), strict=True)))
     return rows
 
 
