@@ -80,12 +80,8 @@ def test_param_schemas_are_valid_json_schema_and_defaults_conform(dags):
 
 def test_supervisor_and_repartition_params_offer_the_documented_choices(dags):
     stream = next(d for d in dags.values() if "stream" in d.tags)
-    assert stream.params.get_param("action").schema["enum"] == [
-        "ensure",
-        "start",
-        "stop",
-        "restart",
-    ]
+    actions = ["ensure", "start", "stop", "restart"]
+    assert stream.params.get_param("action").schema["enum"] == actions
     repartition = dags["duality_repartition"]
     assert set(repartition.params) == {"topic", "partitions", "strategy", "dry_run"}
     strategy = repartition.params.get_param("strategy").schema

@@ -42,10 +42,8 @@ def test_built_in_checks():
     ordered = [
         c for c in validate.built_in_checks(sales) if c.type == "unexpected_rows_expectation"
     ]
-    assert [c.kwargs["description"] for c in ordered] == [
-        "min_amount <= avg_amount",
-        "avg_amount <= max_amount",
-    ]
+    descriptions = ["min_amount <= avg_amount", "avg_amount <= max_amount"]
+    assert [c.kwargs["description"] for c in ordered] == descriptions
     windowed = {c.type: c.kwargs for c in validate.built_in_checks(sensors)}
     assert windowed["expect_compound_columns_to_be_unique"] == {
         "column_list": ["sensor_id", "window_start"]

@@ -165,18 +165,8 @@ def test_leader_killed_mid_stream_repartition_and_snapshot(
             message="the stream never caught up with the first records",
         )
         before = build.build(settings, spec, "auto", spark=spark).version
-        copier = _job(
-            settings,
-            copy_log,
-            "repartition.py",
-            source,
-            "--to",
-            target,
-            "--partitions",
-            "5",
-            "--throttle",
-            "150",
-        )
+        moves = ("--to", target, "--partitions", "5", "--throttle", "150")
+        copier = _job(settings, copy_log, "repartition.py", source, *moves)
         load.start()
         assert_eventually(
             lambda: covered(spec.source.topic, group) >= 3_500,

@@ -103,17 +103,8 @@ def topology() -> Iterator[Stack]:
         if k not in ("DUALITY_BOOTSTRAP_SERVERS", "DUALITY_CONTROLLER_PORT")
     }
     try:
-        up = _ok(
-            env,
-            "up",
-            "--brokers",
-            str(BROKERS),
-            "--spark-workers",
-            str(WORKERS),
-            "--airflow-db",
-            "postgres",
-            "--sasl",
-        )
+        shape = ("--brokers", str(BROKERS), "--spark-workers", str(WORKERS))
+        up = _ok(env, "up", *shape, "--airflow-db", "postgres", "--sasl")
         assert [n["state"] for n in up["broker"]["nodes"]] == ["running"] * BROKERS
         assert up["spark"]["state"] == "running"
         assert up["airflow"]["db"] == "postgres"
