@@ -54,12 +54,8 @@ def own_airflow_home() -> str:
 
 def ended_pid() -> int:
     """The pid of a process that has ended: a short Python run, waited for."""
-    ended = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    code = "import os; print(os.getpid())"
+    ended = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return int(ended.stdout)
 
 

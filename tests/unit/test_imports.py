@@ -108,11 +108,7 @@ def local_stack_importers(root: Path) -> list[str]:
     local stack (`duality.local` or a module of it) at run time."""
     library = root / "include"
     own = library / "duality" / "local"
-    allowed = {
-        library / "duality" / "cli.py",
-        library / "duality" / "demo.py",
-        own.with_suffix(".py"),
-    }
+    allowed = {own.parent / "cli.py", own.parent / "demo.py", own.with_suffix(".py")}
     paths = [
         path
         for path in _python_files(library, "duality")

@@ -13,13 +13,8 @@ NOW = 1_000_000.0
 
 
 def beat(pid: int, state: str = "running", age: float = 5.0, **extra) -> dict:  # type: ignore[no-untyped-def]
-    return {
-        "pid": pid + 1,
-        "ppid": pid,
-        "state": state,
-        "last_progress_ms": (NOW - age) * 1000,
-        **extra,
-    }
+    progress_ms = (NOW - age) * 1000
+    return {"pid": pid + 1, "ppid": pid, "state": state, "last_progress_ms": progress_ms, **extra}
 
 
 def test_no_process_is_stopped():
