@@ -78,15 +78,8 @@ def test_an_operation_without_acl_names_the_user_and_the_operation(
     assert ALICE_PASSWORD not in err
 
     # Allowed to read the topic, not the group: the group is named now.
-    read = AclBinding(
-        ResourceType.TOPIC,
-        topic,
-        ResourcePatternType.LITERAL,
-        "User:alice",
-        "*",
-        AclOperation.READ,
-        AclPermissionType.ALLOW,
-    )
+    the_topic = (ResourceType.TOPIC, topic, ResourcePatternType.LITERAL)
+    read = AclBinding(*the_topic, "User:alice", "*", AclOperation.READ, AclPermissionType.ALLOW)
     for future in kafka.admin(secured).create_acls([read]).values():
         future.result()
     for command in (["skew", topic, "--group", group], ["lag", "--group", group]):
