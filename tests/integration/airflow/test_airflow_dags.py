@@ -152,15 +152,8 @@ def test_repartition_dag_moves_every_record_and_a_dry_run_moves_none(
     produced = duality(airflow_env, "produce", spec.name, "--events", "3000", "--zipf", "1.4")
     assert produced["exit_code"] == 0, produced
     target = f"{topic}-8"
-    Path(airflow_env["DUALITY_REPARTITION_CONFIG"]).write_text(
-        yaml.safe_dump(
-            {
-                "topics": [
-                    {"source": topic, "target": target, "partitions": 8, "strategy": "key-hash"}
-                ]
-            }
-        )
-    )
+    move = {"source": topic, "target": target, "partitions": 8, "strategy": "key-hash"}
+    Path(airflow_env["DUALITY_REPARTITION_CONFIG"]).write_text(yaml.safe_dump({"topics": [move]}))
     dry = dag_test(airflow_env, "duality_repartition", {"dry_run": True})
     assert dry["state"] == "success", dry
     assert not kafka.topic_exists(settings, target)

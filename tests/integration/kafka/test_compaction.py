@@ -33,12 +33,8 @@ def test_compacted_topic_keeps_latest_value_per_key(settings: Settings, topic: s
         counts = compacted_view()
         return counts if all(n == 1 for n in counts.values()) else None
 
-    counts = assert_eventually(
-        compacted,
-        timeout=90,
-        interval=0.5,
-        message="the log cleaner did not compact the topic",
-    )
+    message = "the log cleaner did not compact the topic"
+    counts = assert_eventually(compacted, timeout=90, interval=0.5, message=message)
     latest = {
         key.decode(): value.decode() if value is not None else None
         for _, _, key, value in read_topic(settings, topic)
