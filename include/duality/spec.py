@@ -1,12 +1,15 @@
 """Pipeline specs: the YAML files of `DUALITY_PIPELINES`, loaded and validated with pydantic.
 
-Aggregates are parsed by a strict grammar (`count()`, `sum(f)`, `min(f)`, `max(f)`, `avg(f)`)
-into data; nothing from a spec is ever evaluated or pasted into SQL.
+Computed `fields`, the `where` filter and aggregate arguments are expressions of the language of
+`duality.expressions`, parsed into data and type-checked when the spec loads; nothing from a spec
+is ever evaluated or pasted into SQL.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -14,18 +17,24 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import (
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
     PlainSerializer,
+    PlainValidator,
+    PrivateAttr,
+    SerializerFunctionWrapHandler,
     ValidationError,
+    ValidationInfo,
     WithJsonSchema,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
+from duality import expressions
 from duality.config import Settings
 from duality.errors import UsageError
+from duality.expressions import Call, Expression, ExpressionError
 
 NAME = r"^[a-z][a-z0-9_]*$"
 FIELD = r"^[A-Za-z_][A-Za-z0-9_]*$"
@@ -40,63 +49,115 @@ SQL_TYPES = {
     "boolean": "boolean",
     "timestamp": "timestamp",
 }
-FUNCTIONS = ("count", "sum", "min", "max", "avg")
-_CALL = re.compile(r"^\s*([a-z_]+)\s*\(\s*([A-Za-z_][A-Za-z0-9_]*)?\s*\)\s*$")
+KEY_TYPES = ("string", "long", "int", "boolean")
+FUNCTIONS = expressions.AGGREGATES
+_ONE_ARGUMENT = "count(), sum(x), min(x), max(x), avg(x), count_distinct(x), latest(x), " + (
+    "earliest(x), stddev(x) or count_if(condition)"
+)
 _DURATION = re.compile(
     r"^\s*(\d+)\s*(second|seconds|minute|minutes|hour|hours|day|days)\s*$", re.IGNORECASE
 )
 _UNIT_SECONDS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}
 
 
-class Aggregate(BaseModel):
-    """One output column: a function applied to a source field (none for count)."""
+@dataclasses.dataclass(frozen=True)
+class Aggregate:
+    """One output column: an aggregate function of an expression (none for `count()`).
 
-    model_config = ConfigDict(frozen=True)
+    `type` is the column's type and `argument` a typed expression once the spec has checked it.
+    """
 
-    function: Literal["count", "sum", "min", "max", "avg"]
-    field: str | None = None
+    function: str
+    argument: Expression | None = None
+    type: str = ""
 
     @classmethod
-    def parse(cls, text: str) -> Aggregate:
-        match = _CALL.match(text)
-        if not match:
-            raise ValueError(
-                f"{text!r} is not an aggregate: write count(), sum(field), min(field), "
-                "max(field) or avg(field)"
+    def parse(cls, text: str, key: str | None = None) -> Aggregate:
+        """`sum(quantity * price)` -> Aggregate; the argument is parsed, not yet typed."""
+        parsed = expressions.parse(text, key)
+        call = parsed.tree
+        if not isinstance(call, Call):
+            raise ExpressionError(
+                f"an aggregate is one call of {_ONE_ARGUMENT}; this is an expression",
+                key,
+                call.pos,
             )
-        function, field = match.groups()
-        if function not in FUNCTIONS:
-            raise ValueError(
-                f"unknown function {function!r} in {text!r}: use one of "
-                + ", ".join(f"{f}()" for f in FUNCTIONS)
+        if call.name not in FUNCTIONS:
+            what = f"unknown function {call.name!r}"
+            if call.name in expressions.FUNCTIONS:
+                what = f"{call.name}() is a function, not an aggregate"
+            raise ExpressionError(f"{what}: write {_ONE_ARGUMENT}", key, call.pos)
+        wanted = 0 if call.name == "count" else 1
+        if len(call.args) != wanted:
+            usage = (
+                "count() counts records and takes no argument"
+                if wanted == 0
+                else (f"{call.name}() takes one argument, as in {call.name}(amount)")
             )
-        if function == "count" and field is not None:
-            raise ValueError(f"{text!r}: count() takes no field")
-        if function != "count" and field is None:
-            raise ValueError(f"{text!r}: {function}() needs a field, as in {function}(amount)")
-        return cls(function=function, field=field)  # type: ignore[arg-type]
+            raise ExpressionError(f"{usage}; got {len(call.args)}", key, call.pos)
+        if wanted == 0:
+            return cls(call.name)
+        inner = text[text.index("(") + 1 : text.rindex(")")].strip()
+        return cls(call.name, Expression(inner, key or "", call.args[0]))
+
+    def check(self, scope: Mapping[str, str], key: str, unknown: Any = None) -> Aggregate:
+        """This aggregate typed against `scope`; errors name `key` and the position."""
+        if self.argument is None:
+            return dataclasses.replace(self, type="long")
+        argument = expressions.check(dataclasses.replace(self.argument, key=key), scope, unknown)
+        kind, name, pos = argument.type, self.function, argument.tree.pos
+        needs = {
+            "sum": (NUMERIC, "a number"),
+            "avg": (NUMERIC, "a number"),
+            "stddev": (NUMERIC, "a number"),
+            "min": ((*NUMERIC, "timestamp"), "a number or a timestamp"),
+            "max": ((*NUMERIC, "timestamp"), "a number or a timestamp"),
+            "count_if": (("boolean",), "a boolean condition"),
+        }
+        allowed, what = needs.get(name, (tuple(SQL_TYPES), "a value"))
+        if kind not in allowed:
+            shown = f"{argument.field} is a {kind}" if argument.field else f"got a {kind}"
+            if kind == "null":
+                shown = "the argument is always null"
+            raise ExpressionError(f"{name}() needs {what}; {shown}", key, pos)
+        if name in ("count_if", "count_distinct"):
+            result = "long"
+        elif name in ("avg", "stddev"):
+            result = "double"
+        elif name == "sum":
+            result = "long" if kind in ("int", "long") else "double"
+        else:  # min, max, latest, earliest
+            result = kind
+        return dataclasses.replace(self, argument=argument, type=result)
+
+    @property
+    def field(self) -> str | None:
+        """The field name when the argument is a plain field, else None."""
+        return self.argument.field if self.argument is not None else None
 
     def __str__(self) -> str:
-        return f"{self.function}({self.field or ''})"
+        return f"{self.function}({self.argument or ''})"
 
 
-def _to_aggregate(value: Any) -> Any:
-    if isinstance(value, str):
-        return Aggregate.parse(value)
+def _to_aggregate(value: Any) -> Aggregate:
     if isinstance(value, Aggregate):
         return value
-    raise ValueError(f"{value!r} is not an aggregate: write count(), sum(field), ...")
+    if not isinstance(value, str):
+        raise ValueError(f"{value!r} is not an aggregate: write {_ONE_ARGUMENT}")
+    return Aggregate.parse(value)
 
 
 AggregateExpr = Annotated[
     Aggregate,
-    BeforeValidator(_to_aggregate),
+    PlainValidator(_to_aggregate),
     PlainSerializer(str),
     WithJsonSchema(
         {
             "type": "string",
-            "pattern": r"^(count\(\)|(sum|min|max|avg)\([A-Za-z_][A-Za-z0-9_]*\))$",
-            "examples": ["count()", "sum(amount)", "avg(temperature)"],
+            "pattern": r"^\s*[a-z_]+\s*\(.*\)\s*$",
+            "description": f"An aggregate: {_ONE_ARGUMENT}, of an expression "
+            "(docs/streams.md#expressions)",
+            "examples": ["count()", "sum(quantity * price)", "count_if(quantity >= 10)"],
         }
     ),
 ]
@@ -146,17 +207,6 @@ class Source(BaseModel):
     def _key_and_time_in_schema(self) -> Source:
         if not self.key:
             raise ValueError("key: name at least one field")
-        for name in self.key:
-            if name not in self.fields:
-                raise ValueError(
-                    f"key field {name!r} is not in the schema: add it to source.schema or "
-                    f"key on one of {', '.join(self.fields)}"
-                )
-            if self.fields[name] not in ("string", "long", "int", "boolean"):
-                raise ValueError(
-                    f"key field {name!r} is a {self.fields[name]}: key on string, long, int or "
-                    "boolean fields"
-                )
         if len(set(self.key)) != len(self.key):
             raise ValueError("key: a field is named twice")
         if self.event_time is not None:
@@ -171,9 +221,16 @@ class Source(BaseModel):
 
 
 class Window(BaseModel):
+    """Tumbling windows of `size`, or hopping ones when `slide` (dividing `size`) is shorter."""
+
     model_config = ConfigDict(extra="forbid")
 
     size: str
+    slide: str | None = Field(
+        default=None,
+        description="How far each window starts after the previous one; divides size. "
+        "Default: size (tumbling windows).",
+    )
     watermark: str
 
     @field_validator("size", "watermark")
@@ -182,9 +239,36 @@ class Window(BaseModel):
         parse_duration(value)
         return value
 
+    @field_validator("slide")
+    @classmethod
+    def _slide_divides_size(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None or "size" not in info.data:
+            return value
+        slide, size = parse_duration(value), parse_duration(info.data["size"])
+        if size % slide:
+            raise ValueError(
+                f"{value!r} does not divide the size {info.data['size']!r}: a record is in "
+                "size / slide windows, so use a slide that divides the size (or leave slide out "
+                "for tumbling windows)"
+            )
+        return value
+
+    @model_serializer(mode="wrap")
+    def _without_default_slide(self, handler: SerializerFunctionWrapHandler) -> Any:
+        # A tumbling window dumps as before slide existed: the state layout's fingerprint of
+        # today's checkpoints stays the same.
+        data = handler(self)
+        if isinstance(data, dict) and data.get("slide") is None:
+            data.pop("slide", None)
+        return data
+
     @property
     def size_seconds(self) -> int:
         return parse_duration(self.size)
+
+    @property
+    def slide_seconds(self) -> int:
+        return parse_duration(self.slide) if self.slide is not None else self.size_seconds
 
     @property
     def watermark_seconds(self) -> int:
@@ -233,17 +317,32 @@ class Expectation(BaseModel):
 
 
 class PipelineSpec(BaseModel):
-    """A pipeline: a source topic, a group key, aggregates, and where the table goes."""
+    """A pipeline: a source topic, computed fields, a filter, a group key, aggregates, and
+    where the table goes."""
 
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(max_length=100)
     source: Source
+    fields: dict[str, str] = Field(
+        default_factory=dict,
+        description="Computed fields, in order: name -> expression of source fields and the "
+        "fields above it (docs/streams.md#expressions).",
+        examples=[{"revenue": "quantity * price"}],
+    )
+    where: str | None = Field(
+        default=None,
+        description="A boolean expression; records for which it is not true are skipped.",
+        examples=["status = 'paid' and quantity > 0"],
+    )
     aggregates: dict[str, AggregateExpr] = Field(min_length=1)
     window: Window | None = None
     changelog: Changelog = Changelog()
     snapshot: Snapshot = Snapshot()
     expectations: list[Expectation] = []
+
+    _computed: dict[str, Expression] = PrivateAttr(default_factory=dict)
+    _where: Expression | None = PrivateAttr(default=None)
 
     @field_validator("name")
     @classmethod
@@ -256,25 +355,74 @@ class PipelineSpec(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _aggregates_match_schema(self) -> PipelineSpec:
-        fields = self.source.fields
-        for column, aggregate in self.aggregates.items():
-            if not re.match(NAME, column):
-                raise ValueError(f"aggregate column {column!r} must match {NAME}")
-            if column in self.source.key or column in ("window_start", "window_end"):
-                raise ValueError(f"aggregate column {column!r} clashes with a key column")
-            if aggregate.field is None:
-                continue
-            if aggregate.field not in fields:
-                raise ValueError(
-                    f"{column}: {aggregate} uses unknown field {aggregate.field!r}; the schema "
-                    f"has {', '.join(fields)}"
+    def _expressions_typed(self) -> PipelineSpec:
+        """Computed fields in order, then the filter, the key and the aggregates, typed."""
+        source = self.source.fields
+        scope: dict[str, str] = dict(source)
+        for name, text in self.fields.items():
+            key = f"fields.{name}"
+            if name in source:
+                raise ExpressionError(
+                    f"{name!r} is a source field: a computed field may not shadow it; "
+                    "choose another name",
+                    key,
                 )
-            kind = fields[aggregate.field]
-            if aggregate.function in ("sum", "avg") and kind not in NUMERIC:
-                raise ValueError(f"{column}: {aggregate} needs a numeric field, not a {kind}")
-            if aggregate.function in ("min", "max") and kind not in (*NUMERIC, "timestamp"):
-                raise ValueError(f"{column}: {aggregate} needs a numeric or timestamp field")
+            if not re.match(FIELD, name) or name.startswith("_"):
+                raise ExpressionError(
+                    "a field name is letters, digits and _, starting with a letter", key
+                )
+            if name.lower() in expressions.KEYWORDS:
+                raise ExpressionError(f"{name!r} is a keyword of the expression language", key)
+            later = list(self.fields)[list(self.fields).index(name) :]
+
+            def unknown(field: str, later: list[str] = later, name: str = name) -> str:
+                if field == name:
+                    return f"field {field!r} is defined in terms of itself"
+                if field in later:
+                    return (
+                        f"field {field!r} is used before it is defined: fields are computed "
+                        f"in order, so define {field} above {name}"
+                    )
+                return ""
+
+            expression = expressions.typed(str(text), key, scope, unknown)
+            if expression.type == "null":
+                raise ExpressionError("the value is always null, so it has no type", key, 1)
+            self._computed[name] = expression
+            scope[name] = expression.type
+        if self.where is not None:
+            where = expressions.typed(str(self.where), "where", scope)
+            if where.type != "boolean":
+                raise ExpressionError(
+                    f"where must be a boolean condition, as in status = 'paid'; got a {where.type}",
+                    "where",
+                    1,
+                )
+            self._where = where
+        for name in self.source.key:
+            if name not in scope:
+                raise ExpressionError(
+                    f"key field {name!r} is neither in the schema nor a computed field: key on "
+                    f"one of {', '.join(scope)}",
+                    "source.key",
+                )
+            if scope[name] not in KEY_TYPES:
+                raise ExpressionError(
+                    f"key field {name!r} is a {scope[name]}: key on string, long, int or "
+                    "boolean fields",
+                    "source.key",
+                )
+        for column, aggregate in self.aggregates.items():
+            key = f"aggregates.{column}"
+            if not re.match(NAME, column):
+                raise ExpressionError(f"the column name must match {NAME}", key)
+            if column in self.source.key or column in ("window_start", "window_end"):
+                raise ExpressionError(f"aggregate column {column!r} clashes with a key column", key)
+            self.aggregates[column] = aggregate.check(scope, key)
+        return self
+
+    @model_validator(mode="after")
+    def _window_and_expectations(self) -> PipelineSpec:
         if self.window is not None and self.source.event_time is None:
             raise ValueError("window: a windowed pipeline needs source.event_time")
         for index, expectation in enumerate(self.expectations):
@@ -286,6 +434,27 @@ class PipelineSpec(BaseModel):
                         f"{', '.join(self.snapshot_columns)}"
                     )
         return self
+
+    # -- expressions and types ---------------------------------------------------------------
+
+    @property
+    def computed_fields(self) -> dict[str, Expression]:
+        """Each computed field's typed expression, in order (`.type` is its type)."""
+        return dict(self._computed)
+
+    @property
+    def where_expression(self) -> Expression | None:
+        """The typed `where` condition (a boolean), or None."""
+        return self._where
+
+    @property
+    def field_types(self) -> dict[str, str]:
+        """The type of every source field, then of every computed field."""
+        return {**self.source.fields, **{n: e.type for n, e in self._computed.items()}}
+
+    def field_type(self, name: str) -> str:
+        """The type of a source or computed field."""
+        return self.field_types[name]
 
     # -- derived names -----------------------------------------------------------------------
 
@@ -308,14 +477,17 @@ class PipelineSpec(BaseModel):
 
     @cached_property
     def required_fields(self) -> list[str]:
-        """The source fields a good record must have: key, aggregated fields, event time."""
-        fields = list(self.source.key)
-        for aggregate in self.aggregates.values():
-            if aggregate.field and aggregate.field not in fields:
-                fields.append(aggregate.field)
-        if self.source.event_time and self.source.event_time not in fields:
-            fields.append(self.source.event_time)
-        return fields
+        """The source fields the spec uses anywhere: key, computed fields, where, aggregates,
+        event time, in that order (for today's specs: key, aggregated fields, event time)."""
+        names = list(self.source.key)
+        for expression in [
+            *self._computed.values(),
+            *([self._where] if self._where else []),
+            *(a.argument for a in self.aggregates.values() if a.argument is not None),
+        ]:
+            names += expression.fields
+        names += [self.source.event_time] if self.source.event_time else []
+        return [n for n in dict.fromkeys(names) if n in self.source.fields]
 
     @property
     def snapshot_columns(self) -> list[str]:
@@ -330,11 +502,14 @@ class PipelineSpec(BaseModel):
 
 def _location(loc: tuple[Any, ...]) -> str:
     parts = [str(p) for p in loc if p not in ("function-after", "function-before")]
-    return ".".join(part.replace("fields", "schema") for part in parts) or "(top level)"
+    if parts[:2] == ["source", "fields"]:
+        parts[1] = "schema"
+    return ".".join(parts) or "(top level)"
 
 
 def parse_spec(data: Any, origin: str) -> PipelineSpec:
-    """Validate already-parsed YAML; errors name the origin, the field and the reason."""
+    """Validate already-parsed YAML; errors name the origin, the spec key (`fields.band`), the
+    position in an expression and the reason."""
     if not isinstance(data, dict):
         raise UsageError(f"{origin}: a pipeline spec is a YAML mapping, got {type(data).__name__}")
     try:
@@ -342,6 +517,10 @@ def parse_spec(data: Any, origin: str) -> PipelineSpec:
     except ValidationError as error:
         problems = []
         for item in error.errors():
+            cause = item.get("ctx", {}).get("error")
+            if isinstance(cause, ExpressionError) and cause.key:
+                problems.append(f"  {cause}")
+                continue
             message = item["msg"].removeprefix("Value error, ")
             problems.append(f"  {_location(item['loc'])}: {message}")
         raise UsageError(f"{origin}: invalid pipeline spec\n" + "\n".join(problems)) from None

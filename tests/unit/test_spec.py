@@ -41,9 +41,12 @@ def test_demo_specs_load_and_differ_in_shape():
 
 def test_aggregate_grammar():
     assert Aggregate.parse("count()") == Aggregate(function="count")
-    assert Aggregate.parse(" sum( amount ) ") == Aggregate(function="sum", field="amount")
+    total = Aggregate.parse(" sum( amount ) ")
+    assert (total.function, total.field, str(total)) == ("sum", "amount", "sum(amount)")
+    line = Aggregate.parse("avg(quantity * price)")
+    assert (line.function, line.field, str(line.argument)) == ("avg", None, "quantity * price")
     injections = ("sum(x); drop table", "__import__('os')", "sum(x, y)", "amount * 2")
-    for bad in ("median(x)", "sum()", "count(x)", *injections):
+    for bad in ("median(x)", "sum()", "count(x)", "abs(x)", *injections):
         with pytest.raises(ValueError):
             Aggregate.parse(bad)
 
@@ -59,10 +62,11 @@ def test_durations():
     ("change", "field", "reason"),
     [
         ({"aggregates": {"x": "median(amount)"}}, "aggregates.x", "unknown function 'median'"),
-        ({"aggregates": {"x": "sum(price)"}}, "(top level)", "unknown field 'price'"),
-        ({"source": {**GOOD["source"], "key": "shop"}}, "source", "key field 'shop' is not in"),
+        ({"aggregates": {"x": "sum(price)"}}, "aggregates.x", "position 5: unknown field 'price'"),
+        ({"source": {**GOOD["source"], "key": "shop"}}, "source.key", "key field 'shop' is neither"),
         ({"name": "Shop-Sales"}, "name", "not a pipeline name"),
-        ({"aggregates": {"x": "sum(product)"}}, "(top level)", "needs a numeric field"),
+        ({"aggregates": {"x": "sum(product)"}}, "aggregates.x", "sum() needs a number"),
+        ({"source": {**GOOD["source"], "schema": {"_x": "long"}}}, "source.schema", "duality's own"),
         (
             {"window": {"size": "1 hour", "watermark": "5 minutes"}},
             "(top level)",
