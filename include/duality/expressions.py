@@ -325,8 +325,9 @@ class _Build(lark.Transformer[lark.Token, Node]):
         return IsNull(pos=_pos(items[1]), operand=items[0], negated=negated)
 
     def case(self, items: list[Any]) -> Node:
-        parts = [i for i in items if not isinstance(i, lark.Token)]  # None: no else
-        default = parts.pop() if len(parts) % 2 else None
+        parts = [i for i in items if isinstance(i, Node)]
+        has_else = any(isinstance(t, lark.Token) and t.type == "ELSE" for t in items)
+        default = parts.pop() if has_else else None
         branches = tuple(zip(parts[::2], parts[1::2], strict=True))
         return Case(pos=_pos(items[0]), branches=branches, default=default)
 
