@@ -87,10 +87,17 @@ def topic(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="session")
-def spark(settings: Settings):  # type: ignore[no-untyped-def]
+def spark(settings: Settings, local_spark):  # type: ignore[no-untyped-def]
+    """The session's Spark with the session's broker running (set up first, so it stops last)."""
+    return local_spark
+
+
+@pytest.fixture(scope="session")
+def local_spark(base_settings: Settings):  # type: ignore[no-untyped-def]
+    """Spark in local mode for tests that need no broker; `spark` is the same session."""
     from duality.spark import session
 
-    spark = session(settings, "duality-tests")
+    spark = session(base_settings, "duality-tests")
     yield spark
     spark.stop()
     # stop() leaves the JVM running until this process exits, with Spark's cached Kafka

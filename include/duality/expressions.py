@@ -376,15 +376,16 @@ def parse(text: str, key: str | None = None) -> Expression:
         _balance(list(_parser().lex(text)))
         tree = _Build().transform(_parser().parse(text))
     except lark.UnexpectedCharacters as error:
-        position, char = error.pos_in_stream + 1, text[error.pos_in_stream]
+        offset = error.pos_in_stream or 0
+        position, char = offset + 1, text[offset]
         if char == "'":
             detail = "unbalanced quotes: the string that starts here is never closed"
         elif char == '"':
             detail = "unexpected character '\"': write strings in single quotes, as 'paid'"
         else:
             detail = f"unexpected character {char!r}"
-            expected = _accepts(text[: error.pos_in_stream])
-            detail += f"; expected {_expected(expected)}" if expected else ""
+            accepted = _accepts(text[:offset])
+            detail += f"; expected {_expected(accepted)}" if accepted else ""
         raise ExpressionError(detail, key, position) from None
     except lark.UnexpectedToken as error:
         token: lark.Token = error.token
@@ -437,7 +438,7 @@ class _Checker:
 
     def check(self, node: Node) -> Node:
         method = getattr(self, f"_{type(node).__name__.lower()}")
-        return method(node)  # type: ignore[no-any-return]
+        return method(node)
 
     def _literal(self, node: Literal) -> Node:
         value = node.value
@@ -632,10 +633,12 @@ class _Compiler:
         value, error = self.compile(node)
         return self.as_type(node, value, kind), error
 
-    def non_finite(self, node: Node, value: Column, what: str) -> Column:
+    def finite(self, node: Node, value: Column, what: str) -> tuple[Column, Column]:
+        """A double value, null when NaN or infinite, and the error then."""
         F = self.F
         bad = F.isnan(value) | (F.abs(value) == F.lit(float("inf")))
-        return F.when(bad, self.message(node, f"{what} gives a NaN or infinite double"))
+        error = F.when(bad, self.message(node, f"{what} gives a NaN or infinite double"))
+        return F.when(~bad, value), error
 
     def overflowed(self, node: Node, inputs: list[Column], value: Column, what: str) -> Column:
         present = functools.reduce(lambda a, b: a & b, [i.isNotNull() for i in inputs])
@@ -643,7 +646,7 @@ class _Compiler:
 
     def compile(self, node: Node) -> Compiled:
         method = getattr(self, f"_{type(node).__name__.lower()}")
-        return method(node)  # type: ignore[no-any-return]
+        return method(node)
 
     def _literal(self, node: Literal) -> Compiled:
         value = self.F.lit(node.value)
@@ -710,11 +713,13 @@ class _Compiler:
             zero = left.isNotNull() & (right == 0)
             own = F.when(zero, self.message(node, f"'{op}' by zero"))
             if kind == "double":
-                own = F.coalesce(own, self.non_finite(node, value, f"'{op}'"))
+                value, not_finite = self.finite(node, value, f"'{op}'")
+                own = F.coalesce(own, not_finite)
             return value, self.first(errors, own)
         if kind == "double":
             value = {"+": left + right, "-": left - right, "*": left * right}[op]
-            return value, self.first(errors, self.non_finite(node, value, f"'{op}'"))
+            value, not_finite = self.finite(node, value, f"'{op}'")
+            return value, self.first(errors, not_finite)
         function = {"+": F.try_add, "-": F.try_subtract, "*": F.try_multiply}[op]
         value = function(left, right)
         return value, self.first(errors, self.overflowed(node, [left, right], value, f"'{op}'"))
@@ -805,8 +810,7 @@ class _Compiler:
         elif name == "round":
             digits = node.args[1].value if len(node.args) == 2 else 0  # type: ignore[attr-defined]
             if kind == "double":
-                result = F.round(value, digits)
-                own = self.non_finite(node, result, "round()")
+                result, own = self.finite(node, F.round(value, digits), "round()")
             elif digits >= 0:
                 result = value
             else:

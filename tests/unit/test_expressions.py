@@ -99,7 +99,9 @@ def test_predicates_case_and_calls():
     )
     between = parse("a between 1 and 2 and b").tree
     assert isinstance(between, Binary) and isinstance(between.left, Between)
-    assert parse("a is not null").tree == IsNull(pos=3, operand=Field(pos=1, name="a"), negated=True)
+    assert parse("a is not null").tree == IsNull(
+        pos=3, operand=Field(pos=1, name="a"), negated=True
+    )
     case = parse("CASE WHEN a THEN 1 WHEN b THEN 2 END").tree
     assert isinstance(case, Case) and len(case.branches) == 2 and case.default is None
     assert parse("Round(a, 2)").tree == Call(

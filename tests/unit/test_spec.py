@@ -63,10 +63,10 @@ def test_durations():
     [
         ({"aggregates": {"x": "median(amount)"}}, "aggregates.x", "unknown function 'median'"),
         ({"aggregates": {"x": "sum(price)"}}, "aggregates.x", "position 5: unknown field 'price'"),
-        ({"source": {**GOOD["source"], "key": "shop"}}, "source.key", "key field 'shop' is neither"),
+        ({"source": {**GOOD["source"], "key": "shop"}}, "source.key", "'shop' is neither"),
         ({"name": "Shop-Sales"}, "name", "not a pipeline name"),
         ({"aggregates": {"x": "sum(product)"}}, "aggregates.x", "sum() needs a number"),
-        ({"source": {**GOOD["source"], "schema": {"_x": "long"}}}, "source.schema", "duality's own"),
+        ({"source": {**GOOD["source"], "schema": {"_x": "long"}}}, "source.schema", "_ are"),
         (
             {"window": {"size": "1 hour", "watermark": "5 minutes"}},
             "(top level)",
