@@ -749,26 +749,28 @@ class _Compiler:
 
     def _case(self, node: Case) -> Compiled:
         F, kind = self.F, node.type
-        branches = [(self.typed(c, "boolean"), self.typed(v, kind)) for c, v in node.branches]
+        conditions = [self.typed(c, "boolean") for c, _ in node.branches]
+        results = [self.typed(v, kind) for _, v in node.branches]
+        otherwise: Column = F.lit(None)
+        error: Column | None = None
         if node.default is not None:
             otherwise, error = self.typed(node.default, kind)
-        else:
-            otherwise, error = F.lit(None), None
-        if kind != "null":
-            otherwise = otherwise.cast(SPARK_TYPES[kind])
-        for (condition, condition_error), (_, result_error) in reversed(branches):
-            # A branch's error counts when it is taken; a condition's when it is evaluated.
+        value = F.when(conditions[0][0], results[0][0])
+        for (condition, _), (result, _) in zip(conditions[1:], results[1:], strict=True):
+            value = value.when(condition, result)
+        value = value.otherwise(otherwise if kind == "null" else otherwise.cast(SPARK_TYPES[kind]))
+        # A branch's error counts when it is taken; a condition's when it is evaluated.
+        null = F.lit(None).cast("string")
+        for (condition, condition_error), (_, result_error) in reversed(
+            list(zip(conditions, results, strict=True))
+        ):
             if result_error is not None or error is not None:
-                null = F.lit(None).cast("string")
                 taken = F.coalesce(condition, F.lit(False))
                 error = F.when(taken, null if result_error is None else result_error).otherwise(
                     null if error is None else error
                 )
             error = self.first(condition_error, error)
-        value = F.when(branches[0][0][0], branches[0][1][0])
-        for (condition, _), (result, _) in branches[1:]:
-            value = value.when(condition, result)
-        return value.otherwise(otherwise), error
+        return value, error
 
     def _call(self, node: Call) -> Compiled:
         F, name, kind = self.F, node.name, node.type
