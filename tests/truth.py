@@ -44,14 +44,6 @@ def _typed(kind: str, value: Any) -> bool:
     return True
 
 
-def required(spec: PipelineSpec) -> list[str]:
-    fields = list(spec.source.key)
-    fields += [a.field for a in spec.aggregates.values() if a.field and a.field not in fields]
-    if spec.source.event_time and spec.source.event_time not in fields:
-        fields.append(spec.source.event_time)
-    return fields
-
-
 @dataclasses.dataclass(frozen=True)
 class Batch:
     """One micro-batch as the checkpoint's offset log records it."""
@@ -76,8 +68,9 @@ def batches_from_checkpoint(checkpoint: Path, topic: str) -> list[Batch]:
     return batches
 
 
-def _reason(spec: PipelineSpec, value: bytes | None) -> tuple[str | None, Any]:
-    """(the kind of bad record or None, the parsed document)."""
+def classify_record(spec: PipelineSpec, value: bytes | None) -> tuple[str | None, Any]:
+    """(the kind of bad record or None, the parsed document): every source field the spec
+    uses must be present with its type."""
     if value is None:
         return "null value", None
     if len(value) > spec.source.max_record_bytes:
@@ -89,7 +82,7 @@ def _reason(spec: PipelineSpec, value: bytes | None) -> tuple[str | None, Any]:
         return "malformed JSON", None
     if not isinstance(document, dict):
         return "not a JSON object", None
-    for field in required(spec):
+    for field in spec.required_fields:
         if document.get(field) is None:
             return "missing field", None
         if not _typed(spec.source.fields[field], document[field]):
@@ -128,7 +121,7 @@ def expected(
             assert batches[index].watermark_ms == watermark, (index, batches[index], watermark)
         latest = None
         for partition, offset, _, value in phase:
-            reason, document = _reason(spec, value)
+            reason, document = classify_record(spec, value)
             if reason is None and spec.window is not None:
                 ts = _ts_ms(document[spec.source.event_time])
                 assert ts is not None

@@ -96,6 +96,13 @@ def built_in_checks(spec: PipelineSpec) -> list[Check]:
                 column=column,
                 min_value=1,
             )
+        elif aggregate.function in ("count_if", "count_distinct", "stddev"):
+            add(
+                "expect_column_values_to_be_between",
+                f"{column} = {aggregate} is not negative",
+                column=column,
+                min_value=0,
+            )
     by_field: dict[str, dict[str, str]] = {}
     for column, aggregate in spec.aggregates.items():
         if aggregate.field and aggregate.function in ("min", "avg", "max"):
@@ -233,7 +240,7 @@ def reconciliation(spec: PipelineSpec, table: DataFrame, truth: DataFrame) -> Da
     problems: list[Column] = []
     for column, aggregate in spec.aggregates.items():
         a, b = F.col(f"s.`{column}`"), F.col(f"t.`{column}`")
-        floating = types[column] == "double" and aggregate.function in ("sum", "avg")
+        floating = types[column] == "double" and aggregate.function in ("sum", "avg", "stddev")
         if floating:
             limit = F.lit(FLOAT_TOLERANCE) * F.greatest(F.lit(1.0), F.abs(a), F.abs(b))
             differs = a.isNull() | b.isNull() | (F.abs(a - b) > limit)

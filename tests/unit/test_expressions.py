@@ -339,3 +339,45 @@ def test_every_error_of_the_model_is_an_expression_error():
 
     with pytest.raises(UsageError, match=r"source\.key: key field 'revenue' is a double"):
         parse_spec(broken, "regional_sales.yaml")
+
+
+# -- the state the runtime keeps (docs/decisions/0025) ----------------------------------------
+
+
+def test_partials_of_the_example_and_the_state_layout(tmp_path: Path):
+    from duality.stream.query import partials_of
+    from duality.stream.seeding import state_layout
+
+    spec = load_spec(FIXTURE)
+    assert [(p.name, p.type) for p in partials_of(spec)] == [
+        ("count", "bigint"),
+        ("sum.revenue", "double"),
+        ("sum.quantity * price", "double"),
+        ("n.quantity * price", "bigint"),
+        ("count_distinct.customer", "binary"),
+        ("latest.price", "struct<ts:bigint,partition:int,offset:bigint,value:double>"),
+        ("earliest.price", "struct<ts:bigint,partition:int,offset:bigint,value:double>"),
+        ("sum.price", "double"),
+        ("sumsq.price", "double"),
+        ("count_if.quantity >= 10", "bigint"),
+    ]
+    data = yaml.safe_load(FIXTURE.read_text())
+    changes = {
+        "fields.revenue": "quantity * price * 2",
+        "where": "status = 'paid'",
+        "source.key": ["band", "region"],
+        "window.slide": "30 minutes",
+        "aggregates.price_sd": "stddev(quantity)",
+    }
+    layouts = {state_layout(spec)}
+    for dotted, value in changes.items():
+        changed = yaml.safe_load(FIXTURE.read_text())
+        *parents, last = dotted.split(".")
+        target = changed
+        for part in parents:
+            target = target[part]
+        target[last] = value
+        path = tmp_path / "regional_sales.yaml"
+        path.write_text(yaml.safe_dump(changed))
+        layouts.add(state_layout(load_spec(path)))
+    assert len(layouts) == len(changes) + 1 and data["name"] == "regional_sales"

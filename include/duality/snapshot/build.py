@@ -34,18 +34,13 @@ def quiet(_: str) -> None:
 
 def column_types(spec: PipelineSpec) -> dict[str, str]:
     """The snapshot's columns and their Spark SQL types, in table order."""
-    fields = spec.source.fields
-    types = {name: SQL_TYPES[fields[name]] for name in spec.source.key}
+    types = {name: SQL_TYPES[spec.field_type(name)] for name in spec.source.key}
     if spec.window is not None:
         types["window_start"] = "timestamp"
     for column, aggregate in spec.aggregates.items():
-        if aggregate.function == "count":
-            types[column] = "bigint"
-        elif aggregate.function == "avg":
-            types[column] = "double"
-        else:
-            kind = fields[aggregate.field or ""]
-            types[column] = "bigint" if kind in ("long", "int") else SQL_TYPES[kind]
+        # Integers widen to bigint: sums and counts are longs, and min and max keep one type.
+        kind = aggregate.type
+        types[column] = "bigint" if kind in ("long", "int") else SQL_TYPES[kind]
     types["_updated_at"] = "timestamp"
     return types
 

@@ -53,6 +53,8 @@ class BatchResult:
     records: int = 0  # source offsets the batch covers
     dead_lettered: int = 0
     late: int = 0
+    filtered: int = 0  # records the spec's `where` skipped
+    late_windows: int = 0  # (record, window) pairs dropped as late, the record counted in others
     updated_keys: int = 0
     replayed: bool = False  # its offsets were committed already: a replay, or no new records
     seconds: float = 0.0  # the whole batch in the driver
@@ -81,6 +83,8 @@ class ChangelogWriter:
         )
         committed = kafka.committed_offsets(settings, spec.consumer_group, spec.source.topic)
         self.committed = {p: offset for p, (offset, _) in committed.items()}
+        # Since this driver started, for the heartbeat.
+        self.filtered = self.late_windows = 0
         # The group the offsets are committed to; it never subscribes, so it never rebalances.
         group = kafka.consumer(settings, spec.consumer_group)
         self._group_metadata = group.consumer_group_metadata()
@@ -108,8 +112,9 @@ class ChangelogWriter:
             return BatchResult(batch_id, replayed=True)
         wanted = F.col("_kind") != "candidate"
         if self.spec.window is not None:
-            # Spark drops a windowed row whose window ended at or before the batch's watermark.
-            wanted = wanted | (F.col("_window_end") <= F.lit(planned.watermark_ms))
+            # Spark drops a windowed row whose window ended at or before the batch's watermark:
+            # a record late for its last window is late for all, and dead-lettered.
+            wanted = wanted | (F.col("_first_window_end") <= F.lit(planned.watermark_ms))
         rows = _rows(batch.where(wanted))
         spec, producer = self.spec, self.producer
         result = BatchResult(batch_id, records)
@@ -123,6 +128,12 @@ class ChangelogWriter:
                 if kind == "update":
                     kafka.send(producer, spec.changelog_topic, row["_key"], row["_value"])
                     result.updated_keys += 1
+                    continue
+                if kind == "filtered":
+                    result.filtered += 1
+                    continue
+                if kind == "candidate" and row["_window_end"] > planned.watermark_ms:
+                    result.late_windows += self._late_windows(row, planned.watermark_ms)
                     continue
                 if kind == "candidate":
                     ended = changelog.window_iso(row["_window_end"])
@@ -151,8 +162,16 @@ class ChangelogWriter:
                 log.warning("%s: aborting the transaction failed too", spec.name)
             raise
         self.committed.update(planned.end_offsets)
+        self.filtered += result.filtered
+        self.late_windows += result.late_windows
         result.seconds = round(time.perf_counter() - started, 2)
         return result
+
+    def _late_windows(self, row: Any, watermark_ms: int) -> int:
+        """How many of a record's windows (ending a slide apart) ended by the watermark."""
+        assert self.spec.window is not None
+        slide = self.spec.window.slide_seconds * 1000
+        return (watermark_ms - row["_first_window_end"]) // slide + 1
 
     def _dead_letter(self, row: Any, reason: str, source: bytes) -> None:
         key, value = (None if v is None else bytes(v) for v in (row["_key"], row["_value"]))

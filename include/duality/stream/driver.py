@@ -64,6 +64,8 @@ def _heartbeat_listener(heartbeat: Heartbeat, writer: ChangelogWriter) -> Any:
                 num_input_rows=progress.numInputRows,
                 source_offsets=json_or_none(kafka_source.endOffset) if kafka_source else None,
                 committed_offsets=writer.committed,
+                filtered=writer.filtered,
+                late_windows=writer.late_windows,
                 watermark=progress.eventTime.get("watermark") if progress.eventTime else None,
                 **self.state,
             )

@@ -4,11 +4,13 @@ the changed rows and bad records as changelog records and dead letters, encoded 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import TYPE_CHECKING
 
 from duality import kafka
 from duality.config import Settings
-from duality.spec import SQL_TYPES, PipelineSpec
+from duality.expressions import Expression, to_column
+from duality.spec import SQL_TYPES, Aggregate, PipelineSpec
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
@@ -16,40 +18,91 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class Partial:
-    """One partial aggregate kept in the state: `count`, or `sum|min|max` of a field; `name` is
-    its key in the changelog's `_state`, `column` its column inside Spark."""
+    """One partial aggregate kept in the state (docs/decisions/0025): `count` of records, or a
+    function of an aggregate argument: `sum`, `min`, `max`, `n` (non-null values), `sumsq`
+    (sum of squares), `count_if`, `count_distinct` (an HLL sketch), `latest`, `earliest`.
+    `name` is its key in the changelog's `_state`, `column` its column inside Spark."""
 
     function: str
-    field: str | None
+    argument: Expression | None = None
+    type: str = "bigint"
 
     @property
     def name(self) -> str:
-        return "count" if self.field is None else f"{self.function}.{self.field}"
+        return "count" if self.argument is None else f"{self.function}.{self.argument.text}"
 
     @property
     def column(self) -> str:
-        return "_count" if self.field is None else f"_{self.function}_{self.field}"
+        return "_count" if self.argument is None else f"_{self.function}_{_label(self.argument)}"
+
+
+def _label(argument: Expression) -> str:
+    """A column-safe name of an aggregate argument: the field, or a digest of its text."""
+    return argument.field or hashlib.sha256(argument.text.encode()).hexdigest()[:12]
+
+
+def _parts(spec: PipelineSpec, aggregate: Aggregate) -> list[Partial]:
+    """The partials an aggregate column is computed from."""
+    function, argument = aggregate.function, aggregate.argument
+    if argument is None:
+        return [Partial("count")]
+    kind = argument.type
+    value = "bigint" if kind == "timestamp" else SQL_TYPES[kind]
+    if function in ("avg", "stddev"):
+        # A required source field is never null: its values are counted by `count`.
+        counted = (
+            Partial("count") if argument.field in spec.source.fields else Partial("n", argument)
+        )
+        total = Partial("sum", argument, "bigint" if kind in ("int", "long") else "double")
+        squares = [Partial("sumsq", argument, "double")] if function == "stddev" else []
+        return [total, counted, *squares]
+    if function == "sum":
+        return [Partial("sum", argument, "bigint" if kind in ("int", "long") else "double")]
+    if function == "count_if":
+        return [Partial("count_if", argument)]
+    if function == "count_distinct":
+        return [Partial("count_distinct", argument, "binary")]
+    if function in ("latest", "earliest"):
+        ordered = f"struct<ts:bigint,partition:int,offset:bigint,value:{value}>"
+        return [Partial(function, argument, ordered)]
+    return [Partial(function, argument, value)]  # min, max
 
 
 def partials_of(spec: PipelineSpec) -> list[Partial]:
     """The partial aggregates from which every aggregate column is computed exactly."""
-    needed = [Partial("count", None)]
+    needed = {"count": Partial("count")}
     for aggregate in spec.aggregates.values():
-        if aggregate.field is None:
-            continue
-        function = "sum" if aggregate.function == "avg" else aggregate.function
-        part = Partial(function, aggregate.field)
-        if part not in needed:
-            needed.append(part)
-    return needed
+        for part in _parts(spec, aggregate):
+            needed.setdefault(part.name, part)
+    return list(needed.values())
 
 
-def partial_type(spec: PipelineSpec, part: Partial) -> str:
-    kind = None if part.field is None else spec.source.fields[part.field]
-    # Counts, timestamps (as epoch milliseconds) and sums of integers are longs.
-    if kind in (None, "timestamp") or (part.function == "sum" and kind in ("int", "long")):
-        return "bigint"
-    return SQL_TYPES[kind]
+def _sketch_input(part: Partial) -> str:
+    """The column of a `count_distinct` partial's raw values (its `column` holds sketches)."""
+    return f"{part.column}_value"
+
+
+def _sketched_type(argument: Expression) -> str:
+    return "bigint" if argument.type in ("int", "long") else "string"
+
+
+def row_types(spec: PipelineSpec) -> dict[str, str]:
+    """What the aggregation consumes, and its Spark SQL types: group fields, event time, the
+    partials (a raw value beside each sketch), `_fresh`."""
+    types = {f: SQL_TYPES[spec.field_type(f)] for f in spec.source.key}
+    if spec.window is not None:
+        types["_ts"] = "timestamp"
+    for part in partials_of(spec):
+        types[part.column] = part.type
+        if part.function == "count_distinct":
+            assert part.argument is not None
+            types[_sketch_input(part)] = _sketched_type(part.argument)
+    types["_fresh"] = "int"
+    return types
+
+
+def rows_schema(spec: PipelineSpec) -> str:
+    return ", ".join(f"`{c}` {t}" for c, t in row_types(spec).items())
 
 
 def classify(spec: PipelineSpec, raw: DataFrame) -> DataFrame:
@@ -108,7 +161,58 @@ def classify(spec: PipelineSpec, raw: DataFrame) -> DataFrame:
             checks.append((infinite, F.concat(got, value.cast("string"))))
     # The first check that holds names the reason; later ones are not evaluated.
     error = F.coalesce(*[F.when(condition, reason) for condition, reason in checks])
-    return frame.drop("_parsed").withColumn("_error", _once(error))
+    return _evaluate(spec, frame.drop("_parsed"), error)
+
+
+def _evaluate(spec: PipelineSpec, frame: DataFrame, error: Column) -> DataFrame:
+    """A parsed record's computed fields (added to `_p`), key, filter and aggregate arguments
+    (`_a`, by `_label`), in that order (docs/decisions/0025): the first run-time error or null
+    computed key is the record's `_error`; `_filtered` when good but `where` is not true."""
+    from pyspark.sql import functions as F
+
+    scope = {f: F.col(f"_p.{f}") for f in spec.source.fields}
+    stages = [error]
+    for name, expression in spec.computed_fields.items():
+        scope[name], failed = to_column(expression, scope)
+        stages.append(failed)
+    for name in spec.source.key:
+        if name in spec.computed_fields:
+            stages.append(F.when(scope[name].isNull(), F.lit(f"null key field {name}")))
+    kept = F.lit(True)
+    if spec.where_expression is not None:
+        kept, failed = to_column(spec.where_expression, scope)
+        stages.append(failed)
+    arguments, failures = {}, []
+    for argument in _arguments(spec):
+        arguments[_label(argument)], failed = to_column(argument, scope)
+        failures.append(failed)
+    if failures:
+        stages.append(F.when(kept, F.coalesce(*failures)))
+    stage = F.struct(
+        F.coalesce(*stages).alias("error"),
+        F.coalesce(kept, F.lit(False)).alias("kept"),
+        # Empty structs are not allowed: a placeholder when there is nothing to hold.
+        F.struct(*[scope[n].alias(n) for n in spec.computed_fields] or [F.lit(0)]).alias("fields"),
+        F.struct(*[v.alias(label) for label, v in arguments.items()] or [F.lit(0)]).alias("args"),
+    )
+    frame = frame.withColumn("_x", _once(stage))
+    computed = [F.col(f"_x.fields.{n}").alias(n) for n in spec.computed_fields]
+    return frame.select(
+        *[c for c in frame.columns if c not in ("_p", "_x")],
+        F.struct("_p.*", *computed).alias("_p"),
+        F.col("_x.args").alias("_a"),
+        F.col("_x.error").alias("_error"),
+        (F.col("_x.error").isNull() & ~F.col("_x.kept")).alias("_filtered"),
+    )
+
+
+def _arguments(spec: PipelineSpec) -> list[Expression]:
+    """The aggregate arguments, each once."""
+    found: dict[str, Expression] = {}
+    for aggregate in spec.aggregates.values():
+        if aggregate.argument is not None:
+            found.setdefault(_label(aggregate.argument), aggregate.argument)
+    return list(found.values())
 
 
 def _once(expression: Column) -> Column:
@@ -132,67 +236,107 @@ def late_records(settings: Settings, spec: PipelineSpec) -> list[tuple[int, int]
     return late
 
 
-def _window_end_ms(spec: PipelineSpec) -> Column:
-    """The end of the tumbling window holding a record's event time (Spark's `window()`)."""
+def _window_ends_ms(spec: PipelineSpec) -> tuple[Column, Column]:
+    """The ends of the first and of the last window holding a record's event time (Spark's
+    `window()`: starts at multiples of the slide); the same for tumbling windows."""
     from pyspark.sql import functions as F
 
     assert spec.window is not None and spec.source.event_time is not None
     ts_ms = F.unix_millis(F.col(f"_p.{spec.source.event_time}"))
-    size = spec.window.size_seconds * 1000
-    return ts_ms - F.pmod(ts_ms, F.lit(size)) + F.lit(size)
-
-
-def rows_schema(spec: PipelineSpec) -> str:
-    """What the aggregation consumes: group fields, event time, one partial per column."""
-    columns = [f"`{f}` {SQL_TYPES[spec.source.fields[f]]}" for f in spec.source.key]
-    if spec.window is not None:
-        columns.append("`_ts` timestamp")
-    columns += [f"`{p.column}` {partial_type(spec, p)}" for p in partials_of(spec)]
-    columns.append("`_fresh` int")
-    return ", ".join(columns)
+    slide = spec.window.slide_seconds * 1000
+    start = ts_ms - F.pmod(ts_ms, F.lit(slide))
+    return start + F.lit(slide), start + F.lit(spec.window.size_seconds * 1000)
 
 
 def partial_columns(spec: PipelineSpec) -> list[Column]:
-    """A good record's row of partials: group fields, event time, count 1, its own values."""
+    """A good record's row of partials (`row_types`): group fields, event time, count 1, and
+    each partial of its aggregate arguments."""
     from pyspark.sql import functions as F
 
     columns = [F.col(f"_p.{f}").alias(f) for f in spec.source.key]
     if spec.window is not None:
         columns.append(F.col(f"_p.{spec.source.event_time}").alias("_ts"))
+    event_time = F.col(f"_p.{spec.source.event_time}" if spec.source.event_time else "timestamp")
     for part in partials_of(spec):
-        if part.field is None:
-            value = F.lit(1).cast("bigint")
-        else:
-            value = F.col(f"_p.{part.field}")
-            if spec.source.fields[part.field] == "timestamp":
-                value = F.unix_millis(value)
-        columns.append(value.cast(partial_type(spec, part)).alias(part.column))
+        if part.argument is None:
+            columns.append(F.lit(1).cast("bigint").alias(part.column))
+            continue
+        value = F.col(f"_a.{_label(part.argument)}")
+        present = value.isNotNull()
+        if part.argument.type == "timestamp":
+            value = F.unix_millis(value)
+        if part.function in ("n", "count_if"):
+            value = F.when(present if part.function == "n" else value, 1).otherwise(0)
+        elif part.function == "sumsq":
+            value = value.cast("double") * value.cast("double")
+        elif part.function in ("latest", "earliest"):
+            ordered = {"ts": F.unix_millis(event_time), "partition": F.col("partition")}
+            ordered |= {"offset": F.col("offset"), "value": value}
+            value = F.when(present, F.struct(*[c.alias(n) for n, c in ordered.items()]))
+        elif part.function == "count_distinct":
+            raw = value.cast(_sketched_type(part.argument))
+            columns.append(raw.alias(_sketch_input(part)))
+            value = F.lit(None)
+        columns.append(value.cast(part.type).alias(part.column))
     columns.append(F.lit(1).alias("_fresh"))
     return columns
 
 
 def source_rows(spec: PipelineSpec, classified: DataFrame) -> DataFrame:
-    """Each good record as one row of partials (`partial_columns`)."""
+    """Each good record that the filter keeps as one row of partials (`partial_columns`)."""
     from pyspark.sql import functions as F
 
-    return classified.where(F.col("_error").isNull()).select(*partial_columns(spec))
+    good = F.col("_error").isNull() & ~F.col("_filtered")
+    return classified.where(good).select(*partial_columns(spec))
+
+
+# HyperLogLog sketches of `count_distinct`: 2^12 registers, a relative standard error of
+# 1.04 / sqrt(4096), about 1.6%.
+HLL_LG_CONFIG_K = 12
+
+_MERGE = {"count": "sum", "n": "sum", "sum": "sum", "sumsq": "sum", "count_if": "sum"}
+_MERGE |= {"min": "min", "earliest": "min", "max": "max", "latest": "max"}
 
 
 def aggregate(spec: PipelineSpec, rows: DataFrame) -> DataFrame:
     """The streaming aggregation (its state is the table); `_fresh` is 1 for a key that source
-    records touched, 0 for one only seeded from the changelog."""
+    records touched, 0 for one only seeded from the changelog. Rows seeded from the changelog
+    fall into their own window only; a source row into each of its windows."""
     from pyspark.sql import functions as F
 
     groups: list[Column | str] = list(spec.source.key)
-    if spec.window is not None:
-        rows = rows.withWatermark("_ts", f"{spec.window.watermark_seconds} seconds")
-        groups.append(F.window("_ts", f"{spec.window.size_seconds} seconds").alias("_window"))
-    merge = {"count": F.sum, "sum": F.sum, "min": F.min, "max": F.max}
-    columns = [
-        merge[p.function](p.column).cast(partial_type(spec, p)).alias(p.column)
-        for p in partials_of(spec)
-    ]
-    return rows.groupBy(*groups).agg(*columns, F.max("_fresh").alias("_fresh"))
+    window = spec.window
+    if window is not None:
+        rows = rows.withWatermark("_ts", f"{window.watermark_seconds} seconds")
+        if window.slide_seconds == window.size_seconds:
+            groups.append(F.window("_ts", f"{window.size_seconds} seconds").alias("_window"))
+        else:
+            hopping = F.window(
+                "_ts", f"{window.size_seconds} seconds", f"{window.slide_seconds} seconds"
+            )
+            rows = rows.select("*", hopping.alias("_window"))
+            rows = rows.where((F.col("_fresh") == 1) | (F.col("_window.start") == F.col("_ts")))
+            groups.append("_window")
+    columns = []
+    sketches = [p for p in partials_of(spec) if p.function == "count_distinct"]
+    for part in partials_of(spec):
+        if part in sketches:
+            # Source values are sketched, seeded sketches unioned; the two are one below.
+            raw = F.hll_sketch_agg(_sketch_input(part), HLL_LG_CONFIG_K)
+            columns += [
+                raw.alias(_sketch_input(part)),
+                F.hll_union_agg(part.column).alias(part.column),
+            ]
+        else:
+            merged = getattr(F, _MERGE[part.function])(part.column)
+            columns.append(merged.cast(part.type).alias(part.column))
+    table = rows.groupBy(*groups).agg(*columns, F.max("_fresh").alias("_fresh"))
+    for part in sketches:
+        raw, seeded = F.col(_sketch_input(part)), F.col(part.column)
+        table = table.withColumn(
+            part.column, F.when(seeded.isNull(), raw).otherwise(F.hll_union(raw, seeded))
+        ).drop(_sketch_input(part))
+    return table
 
 
 def aggregate_columns(spec: PipelineSpec) -> dict[str, Column]:
@@ -201,11 +345,28 @@ def aggregate_columns(spec: PipelineSpec) -> dict[str, Column]:
 
     columns = {}
     for column, agg in spec.aggregates.items():
+        parts = [F.col(p.column) for p in _parts(spec, agg)]
         if agg.function == "avg":
-            columns[column] = F.col(f"_sum_{agg.field}") / F.col("_count")
+            columns[column] = F.try_divide(parts[0].cast("double"), parts[1])
+        elif agg.function == "stddev":
+            total, n, squares = (p.cast("double") for p in parts)
+            # Sample variance from the sums; rounding can leave it a little below zero.
+            variance = (squares - total * total / n) / (n - 1)
+            columns[column] = F.when(n >= 2, F.sqrt(F.greatest(variance, F.lit(0.0))))
+        elif agg.function == "count_distinct":
+            columns[column] = distinct_estimate(parts[0])
+        elif agg.function in ("latest", "earliest"):
+            columns[column] = parts[0]["value"]
         else:
-            columns[column] = F.col(Partial(agg.function, agg.field).column)
+            columns[column] = parts[0]
     return columns
+
+
+def distinct_estimate(sketch: Column) -> Column:
+    """The estimate of a `count_distinct` sketch."""
+    from pyspark.sql import functions as F
+
+    return F.hll_sketch_estimate(sketch)
 
 
 def changelog_records(spec: PipelineSpec, table: DataFrame) -> DataFrame:
@@ -236,35 +397,47 @@ def changelog_records(spec: PipelineSpec, table: DataFrame) -> DataFrame:
         F.lit(None).cast("int").alias("_partition"),
         F.lit(None).cast("bigint").alias("_offset"),
         F.lit(None).cast("string").alias("_error"),
+        F.lit(None).cast("bigint").alias("_first_window_end"),
         F.lit(None).cast("bigint").alias("_window_end"),
     )
 
 
 def build_query_frame(spec: PipelineSpec, source: DataFrame, seeds: DataFrame) -> DataFrame:
     """The frame whose micro-batches the driver writes (`_kind, _key, _value` and lineage): the
-    source classified once, one shuffle feeding both the aggregation and the dead letters."""
+    source classified once, one shuffle feeding both the aggregation and the dead letters.
+    Records the filter skips are `filtered` rows of no content, for the writer to count; a
+    windowed pipeline's good records are `candidate`s, which the writer keeps when late for at
+    least one of their windows (`_first_window_end`, `_window_end`: the last)."""
     from pyspark.sql import functions as F
 
     classified = classify(spec, source)
-    good = F.col("_error").isNull()
+    good = F.col("_error").isNull() & ~F.col("_filtered")
     lineage = F.struct(*[F.col(c).alias(f"_{c}") for c in ("key", "value", "partition", "offset")])
-    window_end = F.lit(None).cast("bigint")
+    first_end = last_end = F.lit(None).cast("bigint")
     if spec.window is not None:
-        window_end = F.when(good, _window_end_ms(spec)).cast("bigint")
+        first_end, last_end = (F.when(good, end).cast("bigint") for end in _window_ends_ms(spec))
+        lineage = F.when(~F.col("_filtered"), lineage)
     else:
-        lineage = F.when(~good, lineage)
+        lineage = F.when(F.col("_error").isNotNull(), lineage)
     narrow = classified.select(
         F.col("_error"),
+        F.col("_filtered"),
         F.when(good, F.struct(*partial_columns(spec))).alias("_row"),
         lineage.alias("_lineage"),
-        window_end.alias("_window_end"),
+        first_end.alias("_first_window_end"),
+        last_end.alias("_window_end"),
     )
     shared = _shared(narrow, source.sparkSession.sparkContext.defaultParallelism)
     rows = shared.where(good).select("_row.*").unionByName(seeds)
     table = aggregate(spec, rows)
     records = shared if spec.window is not None else shared.where(~good)
-    kind = F.when(good, F.lit("candidate")).otherwise(F.lit("dead")).alias("_kind")
-    dead = records.select(kind, "_lineage.*", "_error", "_window_end")
+    kind = (
+        F.when(F.col("_filtered"), F.lit("filtered"))
+        .when(good, F.lit("candidate"))
+        .otherwise(F.lit("dead"))
+    )
+    ends = ["_first_window_end", "_window_end"]
+    dead = records.select(kind.alias("_kind"), "_lineage.*", "_error", *ends)
     return changelog_records(spec, table).unionByName(dead)
 
 

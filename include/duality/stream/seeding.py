@@ -8,12 +8,12 @@ import json
 import logging
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from duality.config import Settings
 from duality.errors import UsageError
 from duality.spec import SQL_TYPES, PipelineSpec
-from duality.stream.query import partial_type, partials_of, rows_schema
+from duality.stream.query import partials_of, row_types, rows_schema
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
@@ -54,20 +54,7 @@ def write_seed(
         .load()
     )
     latest = raw.groupBy("key").agg(F.max_by("value", "offset").alias("value"))
-    state_ddl = ", ".join(f"`{p.name}` {partial_type(spec, p)}" for p in partials_of(spec))
-    fields = ", ".join(f"`{f}` {SQL_TYPES[spec.source.fields[f]]}" for f in spec.source.key) + (
-        ", `window_start` string" if spec.window is not None else ""
-    )
-    schema = f"{fields}, `_state` struct<{state_ddl}>"
-    parsed = latest.where(F.col("value").isNotNull()).select(
-        F.from_json(F.col("value").cast("string"), schema).alias("v")
-    )
-    columns: list[Column] = [F.col(f"v.{f}").alias(f) for f in spec.source.key]
-    if spec.window is not None:
-        columns.append(F.to_timestamp("v.window_start").alias("_ts"))
-    columns += [F.col(f"v._state.`{p.name}`").alias(p.column) for p in partials_of(spec)]
-    columns.append(F.lit(0).alias("_fresh"))
-    seeds = parsed.select(*columns)
+    seeds = seed_rows(spec, latest.where(F.col("value").isNotNull()))
     staging = folder.with_name("seed.staging")
     shutil.rmtree(staging, ignore_errors=True)
     seeds.write.parquet(str(staging))
@@ -76,14 +63,46 @@ def write_seed(
     return count
 
 
+def seed_rows(spec: PipelineSpec, values: DataFrame) -> DataFrame:
+    """Rows of the aggregation's input (`row_types`) from changelog values (`value`, JSON):
+    each key's `_state`, for its own window."""
+    from pyspark.sql import functions as F
+
+    state_ddl = ", ".join(f"`{p.name}` {p.type}" for p in partials_of(spec))
+    fields = ", ".join(f"`{f}` {SQL_TYPES[spec.field_type(f)]}" for f in spec.source.key) + (
+        ", `window_start` string" if spec.window is not None else ""
+    )
+    # A sketch is base64 in the JSON, which reads back as binary.
+    schema = f"{fields}, `_state` struct<{state_ddl}>"
+    parsed = values.select(F.from_json(F.col("value").cast("string"), schema).alias("v"))
+    state = {p.column: F.col(f"v._state.`{p.name}`") for p in partials_of(spec)}
+    columns: list[Column] = []
+    for column, kind in row_types(spec).items():
+        if column in spec.source.key:
+            value = F.col(f"v.`{column}`")
+        elif column == "_ts":
+            value = F.to_timestamp("v.window_start")
+        elif column == "_fresh":
+            value = F.lit(0)
+        else:
+            value = state.get(column, F.lit(None))  # none for a sketch's raw values
+        columns.append(value.cast(kind).alias(column))
+    return parsed.select(*columns)
+
+
 def state_layout(spec: PipelineSpec) -> str:
     """What the state's schema depends on; a checkpoint of another layout cannot be resumed."""
-    layout = {
+    layout: dict[str, Any] = {
         "key": spec.source.key,
-        "types": [spec.source.fields[f] for f in spec.source.key],
+        "types": [spec.field_type(f) for f in spec.source.key],
         "window": spec.window.model_dump() if spec.window else None,
         "partials": rows_schema(spec),
     }
+    # Only when used, so that the layout of a spec without them is as before they existed.
+    if spec.fields:
+        layout["fields"] = spec.fields
+    if spec.where is not None:
+        layout["where"] = spec.where
     return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -105,9 +124,9 @@ def checkpoint_usable(spec: PipelineSpec, checkpoint: Path) -> bool:
     recorded = json.loads(marker.read_text())
     if recorded.get("layout") != state_layout(spec):
         raise UsageError(
-            f"pipeline {spec.name}: its key, window or aggregates changed since the checkpoint "
-            f"{checkpoint} was written, so neither it nor the changelog can be resumed: run "
-            f"`duality reset {spec.name}` to recompute the table from the source"
+            f"pipeline {spec.name}: its key, window, fields, filter or aggregates changed since "
+            f"the checkpoint {checkpoint} was written, so neither it nor the changelog can be "
+            f"resumed: run `duality reset {spec.name}` to recompute the table from the source"
         )
     return True
 
