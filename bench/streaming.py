@@ -16,6 +16,10 @@ and the memory of its process tree.
   timed from that transaction's commit until the committed offsets cover it. It is the stream's
   rate once its JVM has compiled the query's code, compared only with the same stream cold (the
   baselines are all cold; the issue's target is on the run above).
+- `stream-rich`: the same topic, as the runs above left it, through the same pipeline plus a
+  filter, a computed field in the key, `count_distinct`, `latest` and `stddev`, cold, from the
+  query's start until the committed offsets cover the topic; compared with `stream-throughput`
+  (target: at least 0.8x).
 - `state-scale`: the same backlog run (100k keys) and a backlog of one event per key over 20
   times as many keys (2M); for each, the peak RSS of the stream's whole process tree (the
   supervisor, the driver, its JVM and Python workers, sampled every 0.25 s) and the RSS once the
@@ -84,18 +88,31 @@ SAMPLE_INTERVAL_S = 0.25
 POLL_S = 0.2
 
 THROUGHPUT_TARGET = 0.8  # stream-throughput records/s over python-copy's
+RICH_TARGET = 0.8  # stream-rich records/s over stream-throughput's
 RSS_GROWTH_TARGET_MB = 500.0
 RESTART_RATIO_TARGET = 1.5
 LATENCY_P99_TARGET_S = 2.0
 
 
-def bench_spec(name: str, topic: str, folder: Path | None = None) -> PipelineSpec:
+def bench_spec(
+    name: str, topic: str, folder: Path | None = None, rich: bool = False
+) -> PipelineSpec:
     """A copy of the product_sales spec reading `topic`; written to `folder` when given, so that
-    a stream process finds it there through DUALITY_PIPELINES."""
+    a stream process finds it there through DUALITY_PIPELINES. `rich` adds a filter, a computed
+    field in the key, `count_distinct`, `latest` and `stddev` (the `stream-rich` scenario)."""
     data = yaml.safe_load(SPEC.read_text())
     data["name"] = name
     data["source"]["topic"] = topic
     data["changelog"] = {"partitions": PARTITIONS}
+    if rich:
+        data["fields"] = {"band": "case when amount >= 250 then 'high' else 'low' end"}
+        data["where"] = "quantity > 1"
+        data["source"]["key"] = [*data["source"]["key"], "band"]
+        data["aggregates"] |= {
+            "customers": "count_distinct(customer)",
+            "last_amount": "latest(amount)",
+            "amount_sd": "stddev(amount)",
+        }
     if folder is not None:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"{name}.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
@@ -229,6 +246,19 @@ def set_warm_ratio(warm: StreamFigure, cold: Figure) -> None:
     warm.note = (
         f"{ratio:.2f}x stream-throughput: the same stream once warm, a second backlog made "
         "visible at once (no target, no cold baseline)"
+    )
+
+
+def set_rich_ratio(rich: StreamFigure, cold: Figure) -> None:
+    """The rich pipeline, cold too, against `stream-throughput` (the target)."""
+    ratio = rich.records_per_s / cold.records_per_s if cold.records_per_s else 0.0
+    rich.details["vs_stream_throughput"] = round(ratio, 3)
+    rich.targets = [
+        target(f"records/s >= {RICH_TARGET}x stream-throughput", ratio, ratio >= RICH_TARGET)
+    ]
+    rich.note = (
+        f"{ratio:.2f}x stream-throughput (target {RICH_TARGET}x): a filter, a computed key, "
+        "count_distinct, latest and stddev over the same topic, grown by the runs before"
     )
 
 
@@ -1097,6 +1127,20 @@ def stream_scenarios(
         details={"keys": keys, "max_offsets_per_trigger": MAX_OFFSETS_PER_TRIGGER},
     )
 
+    progress.console.print(
+        "the same topic through a filter, a computed key, count_distinct, latest and stddev"
+    )
+    rich_spec = bench_spec(f"bench_rich_{bench.stamp}", source, bench.pipelines, rich=True)
+    rich_point = consume_backlog(bench, rich_spec, keys, megabytes, "rich stream", 0)
+    rich = StreamFigure(
+        "stream-rich",
+        rich_point.events,
+        rich_point.seconds,
+        megabytes * rich_point.events / small.events,
+        details={"keys": keys, "max_offsets_per_trigger": MAX_OFFSETS_PER_TRIGGER},
+    )
+    set_rich_ratio(rich, throughput)
+
     large_keys = keys * STATE_SCALE_FACTOR
     large_topic = f"bench-state-{bench.stamp}"
     kafka.create_topic(settings, large_topic, PARTITIONS)
@@ -1116,6 +1160,7 @@ def stream_scenarios(
         baseline,
         throughput,
         warm,
+        rich,
         state_scale_figure(small, large),
     ]
 
