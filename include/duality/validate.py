@@ -17,7 +17,7 @@ from duality import kafka
 from duality.config import Settings
 from duality.errors import CheckFailed, UsageError
 from duality.snapshot import delta_log
-from duality.snapshot.build import Progress, column_types, quiet
+from duality.snapshot.build import Progress, column_types, quiet, read_changelog
 from duality.snapshot.coverage import Coverage
 from duality.snapshot.publish import Verdict, published, record_validation
 from duality.spark import session
@@ -165,21 +165,24 @@ def check_spec_expectations(spec: PipelineSpec, origin: str) -> None:
 
 
 def recompute(
-    settings: Settings, spec: PipelineSpec, spark: SparkSession, source_offsets: dict[int, int]
+    settings: Settings, spec: PipelineSpec, spark: SparkSession, coverage: Coverage
 ) -> DataFrame:
-    """The aggregates recomputed from the source records below `source_offsets`.
+    """The aggregates recomputed from the source records below the source offsets `coverage`
+    names.
 
     Uses the stream's classification over the whole covered prefix in one batch. Whether a
     windowed record was late depends on the stream's watermark at its micro-batch, so late
-    records are the ones the dead-letter topic holds as late.
+    records are the ones the dead-letter topic holds as late; a hopping window counts the
+    records before the end offsets of the micro-batch that last updated it (`_through` in the
+    changelog values `coverage` covers).
     """
     from pyspark.sql import functions as F
 
-    from duality.stream import query
+    from duality.stream import query, seeding
 
     topic = spec.source.topic
     types = column_types(spec)
-    wanted = {p: end for p, end in source_offsets.items() if end > 0}
+    wanted = {p: end for p, end in coverage.source.items() if end > 0}
     if wanted:
         beginning = kafka.beginning_offsets(settings, topic)
         lost = {p: beginning[p] for p in wanted if beginning.get(p, 0) > 0}
@@ -205,7 +208,13 @@ def recompute(
             query.late_records(settings, spec), "partition int, offset bigint"
         )
         raw = raw.join(late, ["partition", "offset"], "left_anti")
-    table = query.aggregate(spec, query.source_rows(spec, query.classify(spec, raw)))
+    through = None
+    if spec.window is not None and spec.window.slide_seconds < spec.window.size_seconds:
+        changes = read_changelog(spark, settings, spec.changelog_topic, None, coverage.changelog)
+        latest = changes.groupBy("key").agg(F.max_by("value", "offset").alias("value"))
+        through = seeding.through_rows(spec, latest.where(F.col("value").isNotNull()))
+    rows = query.source_rows(spec, query.classify(spec, raw), "partition", "offset")
+    table = query.aggregate(spec, rows, through)
     columns: list[Column] = [F.col(f).alias(f) for f in spec.source.key]
     if spec.window is not None:
         columns.append(F.col("_window.start").alias("window_start"))
@@ -341,7 +350,7 @@ def run(
         if reconcile:
             assert coverage is not None
             progress(f"recomputing the aggregates from {spec.source.topic}")
-            truth = recompute(settings, spec, spark, coverage.source)
+            truth = recompute(settings, spec, spark, coverage)
             diff = reconciliation(spec, table, truth).persist()
         progress(f"running {len(expectations)} expectations on {rows:,} rows")
         results = _run_ge(settings, spec, version, table, diff, expectations)

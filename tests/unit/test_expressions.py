@@ -349,14 +349,15 @@ def test_partials_of_the_example_and_the_state_layout(tmp_path: Path):
     from duality.stream.seeding import state_layout
 
     spec = load_spec(FIXTURE)
+    ORDERED = "struct<`ts`:bigint,`partition`:int,`offset`:bigint,`value`:double>"
     assert [(p.name, p.type) for p in partials_of(spec)] == [
         ("count", "bigint"),
         ("sum.revenue", "double"),
         ("sum.quantity * price", "double"),
         ("n.quantity * price", "bigint"),
         ("count_distinct.customer", "binary"),
-        ("latest.price", "struct<ts:bigint,partition:int,offset:bigint,value:double>"),
-        ("earliest.price", "struct<ts:bigint,partition:int,offset:bigint,value:double>"),
+        ("latest.price", ORDERED),
+        ("earliest.price", ORDERED),
         ("sum.price", "double"),
         ("sumsq.price", "double"),
         ("count_if.quantity >= 10", "bigint"),

@@ -88,7 +88,7 @@ def _changelog_rows(spec: PipelineSpec, latest: DataFrame) -> DataFrame:
     return parsed.select(*columns, "_deleted")
 
 
-def _read_changelog(
+def read_changelog(
     spark: SparkSession,
     settings: Settings,
     topic: str,
@@ -271,7 +271,7 @@ def build(
         typed = _changelog_rows(spec, spark.createDataFrame(changes)).toArrow()
         _merge(spark, spec, path, spark.createDataFrame(typed), metadata, local=True)
     else:
-        raw = _read_changelog(spark, settings, spec.changelog_topic, start, coverage.changelog)
+        raw = read_changelog(spark, settings, spec.changelog_topic, start, coverage.changelog)
         latest = _latest_per_key(raw).persist()
         try:
             counts = latest.selectExpr("count(*) AS keys", "coalesce(sum(_records), 0) AS records")

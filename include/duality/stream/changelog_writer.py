@@ -121,12 +121,19 @@ class ChangelogWriter:
         source = spec.source.topic.encode()
         watermark = changelog.window_iso(planned.watermark_ms)
         delay = spec.window.watermark if spec.window is not None else ""
+        # A hopping window's value ends with the source end offsets of the batch that updated
+        # it last: what `validate --reconcile` needs to tell the pairs counted from the dropped.
+        through = b""
+        if spec.window is not None and spec.window.slide_seconds < spec.window.size_seconds:
+            ends = {str(p): end for p, end in sorted(planned.end_offsets.items())}
+            through = b',"_through":' + json.dumps(ends, separators=(",", ":")).encode() + b"}"
         producer.begin_transaction()
         try:
             for row in rows:
                 kind = row["_kind"]
                 if kind == "update":
-                    kafka.send(producer, spec.changelog_topic, row["_key"], row["_value"])
+                    value = bytes(row["_value"])[:-1] + through if through else row["_value"]
+                    kafka.send(producer, spec.changelog_topic, row["_key"], value)
                     result.updated_keys += 1
                     continue
                 if kind == "filtered":

@@ -63,7 +63,7 @@ def _parts(spec: PipelineSpec, aggregate: Aggregate) -> list[Partial]:
     if function == "count_distinct":
         return [Partial("count_distinct", argument, "binary")]
     if function in ("latest", "earliest"):
-        ordered = f"struct<ts:bigint,partition:int,offset:bigint,value:{value}>"
+        ordered = f"struct<`ts`:bigint,`partition`:int,`offset`:bigint,`value`:{value}>"
         return [Partial(function, argument, ordered)]
     return [Partial(function, argument, value)]  # min, max
 
@@ -282,12 +282,13 @@ def partial_columns(spec: PipelineSpec) -> list[Column]:
     return columns
 
 
-def source_rows(spec: PipelineSpec, classified: DataFrame) -> DataFrame:
-    """Each good record that the filter keeps as one row of partials (`partial_columns`)."""
+def source_rows(spec: PipelineSpec, classified: DataFrame, *more: str) -> DataFrame:
+    """Each good record that the filter keeps as one row of partials (`partial_columns`), and
+    the columns `more` of `classified`."""
     from pyspark.sql import functions as F
 
     good = F.col("_error").isNull() & ~F.col("_filtered")
-    return classified.where(good).select(*partial_columns(spec))
+    return classified.where(good).select(*partial_columns(spec), *more)
 
 
 # HyperLogLog sketches of `count_distinct`: 2^12 registers, a relative standard error of
@@ -298,10 +299,13 @@ _MERGE = {"count": "sum", "n": "sum", "sum": "sum", "sumsq": "sum", "count_if": 
 _MERGE |= {"min": "min", "earliest": "min", "max": "max", "latest": "max"}
 
 
-def aggregate(spec: PipelineSpec, rows: DataFrame) -> DataFrame:
+def aggregate(spec: PipelineSpec, rows: DataFrame, through: DataFrame | None = None) -> DataFrame:
     """The streaming aggregation (its state is the table); `_fresh` is 1 for a key that source
     records touched, 0 for one only seeded from the changelog. Rows seeded from the changelog
-    fall into their own window only; a source row into each of its windows."""
+    fall into their own window only; a source row into each of its windows. Reconciling
+    hopping windows in batch, `through` (`seeding.through_rows`) keeps the (record, window)
+    pairs the stream counted: records of `rows` (with `partition` and `offset`) before the end
+    offsets of the micro-batch that last updated the window."""
     from pyspark.sql import functions as F
 
     groups: list[Column | str] = list(spec.source.key)
@@ -316,6 +320,16 @@ def aggregate(spec: PipelineSpec, rows: DataFrame) -> DataFrame:
             )
             rows = rows.select("*", hopping.alias("_window"))
             rows = rows.where((F.col("_fresh") == 1) | (F.col("_window.start") == F.col("_ts")))
+            if through is not None:
+                ends = through.select(
+                    *[F.col(f).alias(f"_through_{f}") for f in spec.source.key],
+                    F.col("_ts").alias("_through_ts"),
+                    "_through",
+                )
+                same = [F.col(f) == F.col(f"_through_{f}") for f in spec.source.key]
+                same.append(F.col("_window.start") == F.col("_through_ts"))
+                before = F.col("offset") < F.col("_through")[F.col("partition").cast("string")]
+                rows = rows.join(ends, same).where(before).select(*rows.columns)
             groups.append("_window")
     columns = []
     sketches = [p for p in partials_of(spec) if p.function == "count_distinct"]

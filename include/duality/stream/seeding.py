@@ -69,12 +69,8 @@ def seed_rows(spec: PipelineSpec, values: DataFrame) -> DataFrame:
     from pyspark.sql import functions as F
 
     state_ddl = ", ".join(f"`{p.name}` {p.type}" for p in partials_of(spec))
-    fields = ", ".join(f"`{f}` {SQL_TYPES[spec.field_type(f)]}" for f in spec.source.key) + (
-        ", `window_start` string" if spec.window is not None else ""
-    )
     # A sketch is base64 in the JSON, which reads back as binary.
-    schema = f"{fields}, `_state` struct<{state_ddl}>"
-    parsed = values.select(F.from_json(F.col("value").cast("string"), schema).alias("v"))
+    parsed = _parsed(spec, values, f"`_state` struct<{state_ddl}>")
     state = {p.column: F.col(f"v._state.`{p.name}`") for p in partials_of(spec)}
     columns: list[Column] = []
     for column, kind in row_types(spec).items():
@@ -88,6 +84,27 @@ def seed_rows(spec: PipelineSpec, values: DataFrame) -> DataFrame:
             value = state.get(column, F.lit(None))  # none for a sketch's raw values
         columns.append(value.cast(kind).alias(column))
     return parsed.select(*columns)
+
+
+def through_rows(spec: PipelineSpec, values: DataFrame) -> DataFrame:
+    """Each hopping window's key columns (`_ts`: its start) and `_through`, the source end
+    offsets of the micro-batch that last updated it (`ChangelogWriter`), from changelog values."""
+    from pyspark.sql import functions as F
+
+    parsed = _parsed(spec, values, "`_through` map<string, bigint>")
+    keys = [F.col(f"v.`{f}`").alias(f) for f in spec.source.key]
+    return parsed.select(*keys, F.to_timestamp("v.window_start").alias("_ts"), "v._through")
+
+
+def _parsed(spec: PipelineSpec, values: DataFrame, more: str) -> DataFrame:
+    """Changelog values (`value`, JSON) parsed into `v`: the key fields, the window start as
+    text, and `more` (DDL)."""
+    from pyspark.sql import functions as F
+
+    fields = [f"`{f}` {SQL_TYPES[spec.field_type(f)]}" for f in spec.source.key]
+    fields += ["`window_start` string"] if spec.window is not None else []
+    schema = ", ".join([*fields, more])
+    return values.select(F.from_json(F.col("value").cast("string"), schema).alias("v"))
 
 
 def state_layout(spec: PipelineSpec) -> str:

@@ -18,8 +18,9 @@ from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Any
 
-from duality import kafka
+from duality import kafka, validate
 from duality.config import Settings
+from duality.snapshot import build
 from duality.spec import PipelineSpec, load_spec
 from tests import truth
 from tests.harness import (
@@ -308,7 +309,7 @@ def _logged(log: Path, what: str) -> int:
     return sum(int(n) for n in re.findall(rf"\b{what}=(\d+)", log.read_text()))
 
 
-def test_every_construct_through_kill_and_restore(settings: Settings, tmp_path: Path):
+def test_every_construct_through_kill_and_restore(settings: Settings, spark, tmp_path: Path):  # type: ignore[no-untyped-def]
     pipelines = tmp_path / "pipelines"
     spec = _spec(pipelines, "t" + unique_name("rich").split("-")[-1])
     topic = spec.source.topic
@@ -361,3 +362,19 @@ def test_every_construct_through_kill_and_restore(settings: Settings, tmp_path: 
     assert len(kinds) >= 9 and want.filtered > 100 and want.late_windows > 10, (kinds, want)
     assert _logged(log, "filtered") == want.filtered
     assert _logged(log, "late_windows") == want.late_windows
+
+    # The snapshot reconciles with the source, and not once a changelog value is tampered with.
+    build.build(settings, spec, spark=spark)
+    report = validate.run(settings, spec, reconcile=True, spark=spark)
+    assert report.success and report.reconciled, report.failed
+    key, value = sorted(latest.items())[0]
+    producer = kafka.producer(settings)
+    kafka.send(producer, spec.changelog_topic, key, json.dumps({**value, "bulk": -1}).encode())
+    assert producer.flush(30) == 0
+    build.build(settings, spec, spark=spark)
+    report = validate.run(settings, spec, reconcile=True, spark=spark)
+    failed = [f for f in report.failed if f.origin.startswith("reconcile")]
+    assert len(failed) == 1 and failed[0].unexpected_count == 1, report.failed
+    named = failed[0].keys[0]
+    assert [named["region"], named["band"]] == json.loads(key)[:2], (named, key)
+    assert "bulk: snapshot -1" in named["_mismatch"]
