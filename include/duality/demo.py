@@ -1,5 +1,7 @@
 """`duality demo`: through Airflow on the stack `duality up` started, a skewed workload with bad
-records is streamed, snapshotted, validated, published and repartitioned, then summed up."""
+records is streamed, snapshotted, validated, published and repartitioned, then summed up; a
+second pipeline (`regional_sales`: a filter, computed fields, hopping windows) is streamed and
+snapshotted beside it."""
 
 from __future__ import annotations
 
@@ -17,6 +19,10 @@ from duality.local.airflow import AIRFLOW_USER, LocalAirflow
 from duality.stream import control
 
 PIPELINE = "product_sales"
+# The pipeline of issue #29 (a filter, computed fields, hopping windows), run after the first;
+# its workload's statuses are mostly the ones its filter keeps.
+RICH_PIPELINE = "regional_sales"
+RICH_VALUES = {"status": ["paid", "paid", "paid", "refunded"]}
 _CATCH_UP_TIMEOUT_S = 600.0
 
 
@@ -73,6 +79,26 @@ def run(
         say = step("the snapshot DAG builds, validates and publishes a Delta snapshot")
         snapshot_run = _run_dag(client, f"duality_{PIPELINE}_snapshot", {}, say)
         result["snapshot"] = _published(client, f"duality_{PIPELINE}_snapshot", snapshot_run)
+
+        rich = spec.find_spec(settings, RICH_PIPELINE)
+        say = step(f"producing {events:,} orders for {RICH_PIPELINE}, streaming and snapshotting")
+        workload.produce(
+            settings,
+            rich,
+            events=events,
+            keys=8,
+            bad_fraction=0.02,
+            seed=seed,
+            values=RICH_VALUES,
+            progress=lambda done: say(f"{done:,} of {events:,}"),
+        )
+        _run_dag(client, f"duality_{RICH_PIPELINE}_stream", {"action": "start"}, say)
+        counted = _wait_caught_up(settings, rich, say)
+        run_id = _run_dag(client, f"duality_{RICH_PIPELINE}_snapshot", {}, say)
+        result[RICH_PIPELINE] = {
+            "stream": counted,
+            "snapshot": _published(client, f"duality_{RICH_PIPELINE}_snapshot", run_id),
+        }
 
         say = step(f"the repartition DAG checks {move.source} and copies it into {move.target}")
         repartition_run = _run_dag(client, "duality_repartition", {"topic": move.source}, say)

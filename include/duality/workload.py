@@ -8,7 +8,7 @@ import dataclasses
 import json
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -78,6 +78,7 @@ class Workload:
         zipf: float,
         bad_fraction: float,
         seed: int | None = None,
+        values: Mapping[str, Sequence[Any]] | None = None,
     ):
         if keys < 1:
             raise UsageError(f"--keys must be at least 1, got {keys}")
@@ -87,6 +88,7 @@ class Workload:
             raise UsageError(f"--bad-fraction must be between 0 and 1, got {bad_fraction}")
         self.spec = spec
         self.keys = keys
+        self.values = dict(values or {})  # a field's values to draw from, for a spec's filter
         self.bad_fraction = bad_fraction
         self.rng = np.random.default_rng(seed)
         weights = 1.0 / np.arange(1, keys + 1) ** zipf
@@ -109,6 +111,9 @@ class Workload:
         for field, kind in self.spec.source.fields.items():
             if field in self.spec.source.key:
                 record[field] = _key_value(kind, key_index, field)
+            elif field in self.values:
+                choices = self.values[field]
+                record[field] = choices[int(self.rng.integers(0, len(choices)))]
             elif kind in ("long", "int"):
                 record[field] = int(self.rng.integers(1, 10))
             elif kind == "double":
@@ -181,13 +186,16 @@ def produce(
     seed: int | None = None,
     partitions: int = 6,
     progress: Callable[[int], None] | None = None,
+    values: Mapping[str, Sequence[Any]] | None = None,
 ) -> WorkloadReport:
     """Produce `events` records to the spec's source topic (created if missing)."""
     if events < 0:
         raise UsageError(f"--events must be 0 or more, got {events}")
     if rate is not None and rate <= 0:
         raise UsageError(f"--rate must be positive, got {rate}")
-    workload = Workload(spec, keys=keys, zipf=zipf, bad_fraction=bad_fraction, seed=seed)
+    workload = Workload(
+        spec, keys=keys, zipf=zipf, bad_fraction=bad_fraction, seed=seed, values=values
+    )
     topic = spec.source.topic
     kafka.create_topic(settings, topic, partitions, exist_ok=True)
     producer = kafka.producer(settings, queue_buffering_max_messages=500_000)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from duality.config import SHIPPED_PIPELINES
 from duality.errors import UsageError
 from duality.expressions import (
     Between,
@@ -26,7 +27,7 @@ from duality.expressions import (
 )
 from duality.spec import load_spec
 
-FIXTURE = Path(__file__).parents[1] / "fixtures" / "regional_sales.yaml"
+FIXTURE = SHIPPED_PIPELINES / "regional_sales.yaml"
 SCOPE = {
     "price": "double",
     "quantity": "long",
