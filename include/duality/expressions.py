@@ -285,6 +285,10 @@ class _Build(lark.Transformer[lark.Token, Node]):
         args = tuple(i for i in items[2:-1] if isinstance(i, Node))
         return Call(pos=_pos(items[0]), name=items[0].lower(), args=args)
 
+    def atom(self, items: list[Any]) -> Node:
+        """`( expr )`: the expression (the parentheses are kept as tokens)."""
+        return next(item for item in items if isinstance(item, Node))
+
     def negate(self, items: list[Any]) -> Node:
         operator, operand = items
         number = isinstance(operand, Literal) and type(operand.value) in (int, float)

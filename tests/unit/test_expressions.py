@@ -383,3 +383,13 @@ def test_partials_of_the_example_and_the_state_layout(tmp_path: Path):
         path.write_text(yaml.safe_dump(changed))
         layouts.add(state_layout(load_spec(path)))
     assert len(layouts) == len(changes) + 1 and data["name"] == "regional_sales"
+
+
+def test_parentheses_leave_no_trace_in_the_tree():
+    inner = Binary(pos=4, op="+", left=Field(pos=2, name="a"), right=Field(pos=6, name="b"))
+    assert parse("(a + b) * c").tree == Binary(
+        pos=9, op="*", left=inner, right=Field(pos=11, name="c")
+    )
+    assert parse("not ((x is null))").tree == Unary(
+        pos=1, op="not", operand=IsNull(pos=9, operand=Field(pos=7, name="x"))
+    )
