@@ -30,7 +30,8 @@ DEMO_EVENTS = 3000
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("stack")
     env = stack_env(root)
-    shutil.copy(SHIPPED_PIPELINES / "product_sales.yaml", root / "pipelines")
+    for pipeline in ("product_sales", "regional_sales"):
+        shutil.copy(SHIPPED_PIPELINES / f"{pipeline}.yaml", root / "pipelines")
     shutil.copy(ROOT / "include" / "repartition.yaml", root / "repartition.yaml")
     with running_stack(root, env) as running:
         yield running
@@ -73,6 +74,10 @@ def test_reduced_demo_tells_the_whole_story(stack: Stack, demo: dict[str, Any]):
     assert published["version"] == snap["version"]
     latest = read_latest(stack.settings, spec)
     assert published["rows"] == snap["rows"] == sum(v is not None for v in latest.values())
+
+    rich = demo["regional_sales"]  # a filter, computed fields, hopping windows
+    assert rich["stream"]["source_records"] == DEMO_EVENTS
+    assert rich["snapshot"]["validation"] == "passed" and rich["snapshot"]["rows"] > 0
 
     moved = demo["repartition"]
     copied = read_topic(stack.settings, moved["target"])
