@@ -252,7 +252,7 @@ def reconciliation(spec: PipelineSpec, table: DataFrame, truth: DataFrame) -> Da
         floating = types[column] == "double" and aggregate.function in ("sum", "avg", "stddev")
         if floating:
             limit = F.lit(FLOAT_TOLERANCE) * F.greatest(F.lit(1.0), F.abs(a), F.abs(b))
-            differs = a.isNull() | b.isNull() | (F.abs(a - b) > limit)
+            differs = ~a.eqNullSafe(b) & (a.isNull() | b.isNull() | (F.abs(a - b) > limit))
         else:
             differs = ~a.eqNullSafe(b)
         problems.append(
