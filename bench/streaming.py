@@ -107,7 +107,7 @@ def bench_spec(
     if rich:
         data["fields"] = {"band": "case when amount >= 250 then 'high' else 'low' end"}
         data["where"] = "quantity > 1"
-        data["source"]["key"] = [*data["source"]["key"], "band"]
+        data["source"]["key"] = [data["source"]["key"], "band"]  # product_sales: one field
         data["aggregates"] |= {
             "customers": "count_distinct(customer)",
             "last_amount": "latest(amount)",
