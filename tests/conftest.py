@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -13,7 +14,7 @@ import pytest
 from duality import kafka
 from duality.config import Settings
 from duality.local.broker import ephemeral_broker
-from tests.harness import AIRFLOW_HOMES, unique_name
+from tests.harness import AIRFLOW_HOMES, assert_eventually, unique_name
 
 _MARK_BY_FOLDER = {"unit": "unit", "integration": "integration", "e2e": "e2e", "dags": "unit"}
 # What a process the tests start would leave in the system's temporary folder if it were not
@@ -29,18 +30,31 @@ def _temp_leftovers() -> set[str]:
     return {path.name for pattern in _LEFTOVERS for path in root.glob(pattern)}
 
 
+def _xdist_worker(config: pytest.Config) -> bool:
+    """Whether this process is one of pytest-xdist's workers (`make test` runs two)."""
+    return hasattr(config, "workerinput")
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
-    session.config.stash[_LEFTOVERS_AT_START] = _temp_leftovers()
+    if not _xdist_worker(session.config):
+        session.config.stash[_LEFTOVERS_AT_START] = _temp_leftovers()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """The run fails when it left files in the system's temporary folder: every process a test
-    starts, and every folder it makes, is its own to clean up."""
-    left = sorted(
-        _temp_leftovers()
-        - session.config.stash[_LEFTOVERS_AT_START]
-        - {Path(home.name).name for home in AIRFLOW_HOMES}  # removed when the process exits
-    )
+    starts, and every folder it makes, is its own to clean up. Judged once, by the process that
+    ran the tests or started the workers, after they all ended (a worker's own Airflow home goes
+    when the worker exits, so its departure is waited for)."""
+    if _xdist_worker(session.config):
+        return
+    ours = {Path(home.name).name for home in AIRFLOW_HOMES}  # removed when the process exits
+
+    def left_over() -> list[str]:
+        return sorted(_temp_leftovers() - session.config.stash[_LEFTOVERS_AT_START] - ours)
+
+    with contextlib.suppress(AssertionError):
+        assert_eventually(lambda: not left_over(), timeout=30)
+    left = left_over()
     if left:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         message = f"the tests left {len(left)} entries in {tempfile.gettempdir()}: {left[:20]}"
@@ -51,11 +65,15 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test is marked by its folder under tests/ (tests/integration/kafka/ is
-    `integration`), so `-m unit` and `-m integration` select by kind."""
+    `integration`), so `-m unit` and `-m integration` select by kind; and put in the xdist group
+    of the stack it uses, which one worker runs whole (`--dist loadgroup`): its module's, unless
+    the module names a group whose tests share a package-scoped stack (tests/e2e/)."""
     for item in items:
-        folder = Path(str(item.fspath)).relative_to(Path(__file__).parent).parts[0]
-        if folder in _MARK_BY_FOLDER:
-            item.add_marker(_MARK_BY_FOLDER[folder])
+        parts = Path(str(item.fspath)).relative_to(Path(__file__).parent).parts
+        if parts[0] in _MARK_BY_FOLDER:
+            item.add_marker(_MARK_BY_FOLDER[parts[0]])
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group("/".join(parts)))
 
 
 @pytest.fixture(scope="session")
