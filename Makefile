@@ -80,7 +80,7 @@ demo: setup
 # (docs/testing.md): on two cores, one worker's waits for brokers, Airflow and faults leave room
 # for the other's work.
 TEST_WORKERS ?= 2
-PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
+PARALLEL := -n $(TEST_WORKERS) --dist loadscope
 
 test: setup browser postgres
 	$(PY) -m pytest $(PARALLEL) $(PYTEST_ARGS)

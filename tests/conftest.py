@@ -8,6 +8,7 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +24,8 @@ _MARK_BY_FOLDER = {"unit": "unit", "integration": "integration", "e2e": "e2e", "
 _LEFTOVERS = ("librocksdbjni*", "liblz4-java*", "snappy-*", "blockmgr-*", "artifacts-*", "spark-*")
 _LEFTOVERS += ("org.chromium.Chromium.*", "duality-*")
 _LEFTOVERS_AT_START = pytest.StashKey[set[str]]()
+# Folders whose conftest.py starts a stack that their modules share, run by one worker.
+_SHARED_STACKS = {"tests/e2e", "tests/integration/system/three_nodes"}
 
 
 def _temp_leftovers() -> set[str]:
@@ -65,15 +68,26 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test is marked by its folder under tests/ (tests/integration/kafka/ is
-    `integration`), so `-m unit` and `-m integration` select by kind; and put in the xdist group
-    of the stack it uses, which one worker runs whole (`--dist loadgroup`): its module's, unless
-    the module names a group whose tests share a package-scoped stack (tests/e2e/)."""
+    `integration`), so `-m unit` and `-m integration` select by kind."""
     for item in items:
-        parts = Path(str(item.fspath)).relative_to(Path(__file__).parent).parts
-        if parts[0] in _MARK_BY_FOLDER:
-            item.add_marker(_MARK_BY_FOLDER[parts[0]])
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group("/".join(parts)))
+        folder = Path(str(item.fspath)).relative_to(Path(__file__).parent).parts[0]
+        if folder in _MARK_BY_FOLDER:
+            item.add_marker(_MARK_BY_FOLDER[folder])
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`make test`'s workers each run whole units: a module (its module-scoped stack), or a
+    folder whose conftest.py starts a package-scoped stack its modules share."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class StackScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            folder = module.rpartition("/")[0]
+            return folder if folder in _SHARED_STACKS else module
+
+    return StackScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

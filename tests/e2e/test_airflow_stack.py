@@ -19,8 +19,6 @@ from tests import truth
 from tests.harness import assert_eventually, read_latest, read_topic
 from tests.stack import Stack
 
-pytestmark = pytest.mark.xdist_group("e2e-stack")  # the stack of its conftest.py
-
 SUPERVISE_INTERVAL_S = 60.0  # the stream DAG's schedule
 DEMO_EVENTS = 3000
 

@@ -19,8 +19,6 @@ from tests.e2e.browser import Browser, chromium
 from tests.harness import make_pipeline, read_topic
 from tests.stack import Stack
 
-pytestmark = pytest.mark.xdist_group("e2e-stack")  # the stack of its conftest.py
-
 DAG_ID = "duality_repartition"
 PARTITIONS = 4
 STRATEGY = "key-hash"

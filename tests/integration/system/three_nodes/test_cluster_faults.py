@@ -25,8 +25,6 @@ from tests.integration.snapshot.test_snapshot import _table, _truth
 from tests.integration.spark.test_repartition import _assert_exact_copy
 from tests.integration.spark.test_stream import _verify
 
-pytestmark = pytest.mark.xdist_group("three-node-cluster")  # the stack of its conftest.py
-
 DOWN_S = 60  # the fault: the broker comes back a minute after it was killed
 KEYS = 500
 RATE = 150  # events per second of the load, produced until the broker is back

@@ -9,16 +9,12 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from duality import kafka
 from duality.config import Settings
 from duality.local.kraft import LocalKafkaCluster
 from duality.spec import PipelineSpec
 from duality.stream import heartbeat, topics
 from tests.harness import assert_eventually, make_pipeline, run_duality
-
-pytestmark = pytest.mark.xdist_group("three-node-cluster")  # the stack of its conftest.py
 
 
 def _duality(
