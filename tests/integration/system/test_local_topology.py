@@ -194,11 +194,14 @@ def test_scheduler_killed_mid_snapshot_publishes_once_and_nothing_shows_the_pass
     stream_dag, snapshot_dag = f"duality_{spec.name}_stream", f"duality_{spec.name}_snapshot"
     airflow = LocalAirflow(settings)
     with StreamCount(spec.name) as streams:
+        # Stopped by a person in the test above, so started by one: from here the stream DAG's
+        # supervisor (its schedule runs it at once) keeps it running.
+        assert _ok(topology.env, "stream", "start", spec.name)["state"] == "running"
         client.wait_for_dag(stream_dag)
-        client.set_paused(stream_dag, False)  # its schedule runs the supervisor at once
+        client.set_paused(stream_dag, False)
         _ok(topology.env, "produce", spec.name, "--events", "500", "--seed", "10")
-        assert_eventually(lambda: streams.now()["duality.stream.driver"], timeout=120)
         assert_eventually(lambda: _caught_up(settings, spec), timeout=240, interval=1.0)
+        assert streams.now()["duality.stream.driver"], "the stream is not running"
 
         client.wait_for_dag(snapshot_dag)
         client.set_paused(snapshot_dag, False)
