@@ -27,6 +27,7 @@ from duality.local.ports import free_port
 from duality.local.ports import port_in_use as _port_in_use
 from duality.local.spark_cluster import local_spark
 from duality.snapshot import delta_log
+from duality.snapshot.publish import PUBLISHED_VERSION
 from duality.spec import PipelineSpec, find_spec
 from tests.harness import assert_eventually, read_latest, run_duality
 from tests.integration.spark.test_sasl import PASSWORD, USER, _leaks
@@ -162,13 +163,9 @@ def test_a_pipeline_runs_on_the_brokers_and_the_workers(topology: Stack):
     try:
         started = _ok(topology.env, "stream", "start", spec.name)
         assert started["heartbeat"]["state"] == "running"
-
-        def caught_up() -> bool:
-            ends = kafka.end_offsets(settings, spec.source.topic)
-            done = kafka.committed_offsets(settings, spec.consumer_group, spec.source.topic)
-            return all(done.get(p, (0, None))[0] >= end for p, end in ends.items())
-
-        assert_eventually(caught_up, timeout=240, interval=1.0, message="the stream lags")
+        assert_eventually(
+            lambda: _caught_up(settings, spec), timeout=240, interval=1.0, message="the stream lags"
+        )
         cluster = local_spark(settings, WORKERS)
         apps = (cluster.master_state() or {}).get("activeapps", [])
         assert len(apps) == 1, apps
@@ -239,6 +236,8 @@ def test_scheduler_killed_mid_snapshot_publishes_once_and_nothing_shows_the_pass
     publications = [v.metadata["published"] for v in history if "published" in (v.metadata or {})]
     version = client.xcom(snapshot_dag, run_id, "snapshot")["version"]
     assert [p["version"] for p in publications] == [version], publications
+    newest = delta_log.table_state(path, history[0].version)
+    assert newest is not None and newest.properties[PUBLISHED_VERSION] == str(version)
     built = delta_log.table_state(path, version)
     latest = read_latest(settings, spec)
     assert built is not None and built.rows == sum(v is not None for v in latest.values()) > 0
