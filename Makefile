@@ -76,14 +76,20 @@ demo: setup
 	$(VENV)/bin/duality up
 	$(VENV)/bin/duality demo
 
+# Two workers (pytest-xdist), each running whole groups of tests that share a stack
+# (docs/testing.md): on two cores, one worker's waits for brokers, Airflow and faults leave room
+# for the other's work.
+TEST_WORKERS ?= 2
+PARALLEL := -n $(TEST_WORKERS) --dist loadscope
+
 test: setup browser postgres
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PARALLEL) $(PYTEST_ARGS)
 
 test-unit: setup
 	$(PY) -m pytest -m unit $(PYTEST_ARGS)
 
 test-integration: setup browser postgres
-	$(PY) -m pytest -m "integration or e2e" $(PYTEST_ARGS)
+	$(PY) -m pytest $(PARALLEL) -m "integration or e2e" $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) bench/run.py

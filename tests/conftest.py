@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from duality import kafka
 from duality.config import Settings
 from duality.local.broker import ephemeral_broker
-from tests.harness import AIRFLOW_HOMES, unique_name
+from tests.harness import AIRFLOW_HOMES, assert_eventually, unique_name
 
 _MARK_BY_FOLDER = {"unit": "unit", "integration": "integration", "e2e": "e2e", "dags": "unit"}
 # What a process the tests start would leave in the system's temporary folder if it were not
@@ -22,6 +24,8 @@ _MARK_BY_FOLDER = {"unit": "unit", "integration": "integration", "e2e": "e2e", "
 _LEFTOVERS = ("librocksdbjni*", "liblz4-java*", "snappy-*", "blockmgr-*", "artifacts-*", "spark-*")
 _LEFTOVERS += ("org.chromium.Chromium.*", "duality-*")
 _LEFTOVERS_AT_START = pytest.StashKey[set[str]]()
+# Folders whose conftest.py starts a stack that their modules share, run by one worker.
+_SHARED_STACKS = {"tests/e2e", "tests/integration/system/three_nodes"}
 
 
 def _temp_leftovers() -> set[str]:
@@ -29,18 +33,31 @@ def _temp_leftovers() -> set[str]:
     return {path.name for pattern in _LEFTOVERS for path in root.glob(pattern)}
 
 
+def _xdist_worker(config: pytest.Config) -> bool:
+    """Whether this process is one of pytest-xdist's workers (`make test` runs two)."""
+    return hasattr(config, "workerinput")
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
-    session.config.stash[_LEFTOVERS_AT_START] = _temp_leftovers()
+    if not _xdist_worker(session.config):
+        session.config.stash[_LEFTOVERS_AT_START] = _temp_leftovers()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """The run fails when it left files in the system's temporary folder: every process a test
-    starts, and every folder it makes, is its own to clean up."""
-    left = sorted(
-        _temp_leftovers()
-        - session.config.stash[_LEFTOVERS_AT_START]
-        - {Path(home.name).name for home in AIRFLOW_HOMES}  # removed when the process exits
-    )
+    starts, and every folder it makes, is its own to clean up. Judged once, by the process that
+    ran the tests or started the workers, after they all ended (a worker's own Airflow home goes
+    when the worker exits, so its departure is waited for)."""
+    if _xdist_worker(session.config):
+        return
+    ours = {Path(home.name).name for home in AIRFLOW_HOMES}  # removed when the process exits
+
+    def left_over() -> list[str]:
+        return sorted(_temp_leftovers() - session.config.stash[_LEFTOVERS_AT_START] - ours)
+
+    with contextlib.suppress(AssertionError):
+        assert_eventually(lambda: not left_over(), timeout=30)
+    left = left_over()
     if left:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         message = f"the tests left {len(left)} entries in {tempfile.gettempdir()}: {left[:20]}"
@@ -56,6 +73,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         folder = Path(str(item.fspath)).relative_to(Path(__file__).parent).parts[0]
         if folder in _MARK_BY_FOLDER:
             item.add_marker(_MARK_BY_FOLDER[folder])
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`make test`'s workers each run whole units: a module (its module-scoped stack), or a
+    folder whose conftest.py starts a package-scoped stack its modules share."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class StackScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            folder = module.rpartition("/")[0]
+            return folder if folder in _SHARED_STACKS else module
+
+    return StackScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

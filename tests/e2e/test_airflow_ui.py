@@ -17,7 +17,7 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from duality import kafka
 from tests.e2e.browser import Browser, chromium
 from tests.harness import make_pipeline, read_topic
-from tests.stack import Stack, running_stack
+from tests.stack import Stack
 
 DAG_ID = "duality_repartition"
 PARTITIONS = 4
@@ -25,16 +25,9 @@ STRATEGY = "key-hash"
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """Broker and Airflow as `duality up` starts them; no repartition config (no topics)."""
-    with running_stack(tmp_path_factory.mktemp("ui-stack")) as stack:
-        stack.client.wait_for_dag(DAG_ID)
-        yield stack
-
-
-@pytest.fixture(scope="module")
 def source(stack: Stack) -> str:
     """A produced source topic (3000 events) that is not in the repartition config."""
+    stack.client.wait_for_dag(DAG_ID)
     spec = make_pipeline(stack.settings, stack.root / "pipelines", "product_sales")
     produced = stack.duality("produce", spec.name, "--events", "3000", "--seed", "1")
     assert produced.returncode == 0, produced.stderr[-3000:]

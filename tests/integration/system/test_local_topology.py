@@ -4,10 +4,15 @@ the commands, on free ports in a temporary folder."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import psutil
@@ -17,12 +22,14 @@ import yaml
 from duality import kafka
 from duality.airflow_api import AirflowClient
 from duality.config import SHIPPED_PIPELINES, Settings
-from duality.local.airflow import AIRFLOW_COMPONENTS
+from duality.local.airflow import AIRFLOW_COMPONENTS, LocalAirflow
 from duality.local.ports import free_port
 from duality.local.ports import port_in_use as _port_in_use
 from duality.local.spark_cluster import local_spark
-from duality.spec import find_spec
-from tests.harness import assert_eventually, run_duality
+from duality.snapshot import delta_log
+from duality.snapshot.publish import PUBLISHED_VERSION
+from duality.spec import PipelineSpec, find_spec
+from tests.harness import assert_eventually, read_latest, run_duality
 from tests.integration.spark.test_sasl import PASSWORD, USER, _leaks
 from tests.integration.spark.test_stream import _verify
 from tests.stack import Stack, stack_env
@@ -117,6 +124,8 @@ def topology() -> Iterator[Stack]:
         assert_eventually(lambda: _ours(root) == [], timeout=60, message="processes left")
     stopped = json.loads(down.stdout)
     assert len(stopped["brokers"]) == BROKERS and stopped["spark"]["was_running"] is True
+    assert set(stopped["airflow"]["pids"]) == set(AIRFLOW_COMPONENTS), stopped["airflow"]
+    assert stopped["airflow"]["postgres"], stopped["airflow"]  # the database server it stopped
     assert not (root / "local" / "stack.json").exists()
     shutil.rmtree(root, ignore_errors=True)
 
@@ -154,13 +163,9 @@ def test_a_pipeline_runs_on_the_brokers_and_the_workers(topology: Stack):
     try:
         started = _ok(topology.env, "stream", "start", spec.name)
         assert started["heartbeat"]["state"] == "running"
-
-        def caught_up() -> bool:
-            ends = kafka.end_offsets(settings, spec.source.topic)
-            done = kafka.committed_offsets(settings, spec.consumer_group, spec.source.topic)
-            return all(done.get(p, (0, None))[0] >= end for p, end in ends.items())
-
-        assert_eventually(caught_up, timeout=240, interval=1.0, message="the stream lags")
+        assert_eventually(
+            lambda: _caught_up(settings, spec), timeout=240, interval=1.0, message="the stream lags"
+        )
         cluster = local_spark(settings, WORKERS)
         apps = (cluster.master_state() or {}).get("activeapps", [])
         assert len(apps) == 1, apps
@@ -174,24 +179,129 @@ def test_a_pipeline_runs_on_the_brokers_and_the_workers(topology: Stack):
     assert info.replication_factor == 3 and info.config["min.insync.replicas"] == "2"
 
 
-def test_the_snapshot_dag_publishes_and_nothing_shows_the_password(topology: Stack):
-    """Airflow's tasks log in through `kafka_default` (SCRAM-SHA-512) and run Spark on the
-    workers; no file of the stack, task log, XCom or command output holds the password."""
+def test_scheduler_killed_mid_snapshot_publishes_once_and_nothing_shows_the_password(
+    topology: Stack,
+):
+    """The stream DAG supervises the pipeline while the snapshot DAG runs; the scheduler is
+    SIGKILLed mid-snapshot and `duality up` starts it again (decision 15): the run publishes
+    once, one stream ran throughout, and no file of the stack, task log, XCom or command output
+    holds the password (Airflow's tasks log in through `kafka_default`, SCRAM-SHA-512)."""
     settings, client = topology.settings, topology.client
     spec = find_spec(settings, "product_sales")
-    dag = f"duality_{spec.name}_snapshot"
-    client.wait_for_dag(dag)
-    run_id = client.trigger(dag)
-    client.set_paused(dag, False)
-    run = client.wait_run(dag, run_id, timeout=600)
-    assert run["state"] == "success", client.task_instances(dag, run_id)
-    published = _ok(topology.env, "read", spec.name)
-    assert published["version"] == client.xcom(dag, run_id, "snapshot")["version"]
+    stream_dag, snapshot_dag = f"duality_{spec.name}_stream", f"duality_{spec.name}_snapshot"
+    airflow = LocalAirflow(settings)
+    with StreamCount(spec.name) as streams:
+        # Stopped by a person in the test above, so started by one: from here the stream DAG's
+        # supervisor (its schedule runs it at once) keeps it running.
+        assert _ok(topology.env, "stream", "start", spec.name)["state"] == "running"
+        client.wait_for_dag(stream_dag)
+        client.set_paused(stream_dag, False)
+        _ok(topology.env, "produce", spec.name, "--events", "500", "--seed", "10")
+        assert_eventually(lambda: _caught_up(settings, spec), timeout=240, interval=1.0)
+        assert streams.now()["duality.stream.driver"], "the stream is not running"
+
+        client.wait_for_dag(snapshot_dag)
+        client.set_paused(snapshot_dag, False)
+        run_id = client.trigger(snapshot_dag)
+        assert_eventually(
+            lambda: _task_state(client, snapshot_dag, run_id, "snapshot") == "running",
+            timeout=120,
+            message="the snapshot task did not start",
+        )
+        before = {name: airflow.component_pid(name) for name in AIRFLOW_COMPONENTS}
+        scheduler = before.pop("scheduler")
+        assert scheduler is not None
+        os.kill(scheduler, signal.SIGKILL)
+        killed_at = time.time()
+        assert_eventually(lambda: airflow.component_pid("scheduler") is None, timeout=10)
+        assert _ok(topology.env, "status")["airflow"]["state"] == "degraded"
+        again = _ok(topology.env, "up")["airflow"]  # starts what does not run: the scheduler
+        assert again["components"]["scheduler"]["pid"] not in (None, scheduler), again
+        assert {n: again["components"][n]["pid"] for n in before} == before, "others restarted"
+
+        run = client.wait_run(snapshot_dag, run_id, timeout=600)
+        assert run["state"] == "success", client.task_instances(snapshot_dag, run_id)
+        assert _epoch(run["start_date"]) < killed_at < _epoch(run["end_date"])
+        assert [r["dag_run_id"] for r in client.runs(snapshot_dag)] == [run_id]
+        assert streams.now()["duality.stream"], "the stream is not running any more"
+        client.set_paused(stream_dag, True)
+    assert streams.most == {"duality.stream": 1, "duality.stream.driver": 1}, (
+        f"a pipeline ran two streams at once: {streams.seen}"
+    )
+
+    # One publication, of the version this run's snapshot task built, holding every key of the
+    # changelog (read from the table's log, without Spark).
+    path = spec.snapshot_path(settings)
+    history = delta_log.history(path)
+    publications = [v.metadata["published"] for v in history if "published" in (v.metadata or {})]
+    version = client.xcom(snapshot_dag, run_id, "snapshot")["version"]
+    assert [p["version"] for p in publications] == [version], publications
+    newest = delta_log.table_state(path, history[0].version)
+    assert newest is not None and newest.properties[PUBLISHED_VERSION] == str(version)
+    built = delta_log.table_state(path, version)
+    latest = read_latest(settings, spec)
+    assert built is not None and built.rows == sum(v is not None for v in latest.values()) > 0
+    assert _ok(topology.env, "read", spec.name, "--limit", "0")["version"] == version
 
     texts = [*OUTPUTS]
-    for task in client.task_instances(dag, run_id):
-        texts.append(client.task_log(dag, run_id, task["task_id"], task["try_number"]))
-        texts.append(json.dumps(client.xcom(dag, run_id, task["task_id"])))
+    for task in client.task_instances(snapshot_dag, run_id):
+        texts.append(client.task_log(snapshot_dag, run_id, task["task_id"], task["try_number"]))
+        texts.append(json.dumps(client.xcom(snapshot_dag, run_id, task["task_id"])))
     texts.append(json.dumps(_ok(topology.env, "status")))
     assert any("duality." in text for text in texts[-4:]), "task logs were read"
     assert not _leaks([topology.root], texts)
+
+
+def _caught_up(settings: Settings, spec: PipelineSpec) -> bool:
+    ends = kafka.end_offsets(settings, spec.source.topic)
+    done = kafka.committed_offsets(settings, spec.consumer_group, spec.source.topic)
+    return all(done.get(p, (0, None))[0] >= end for p, end in ends.items())
+
+
+def _task_state(client: AirflowClient, dag_id: str, run_id: str, task_id: str) -> str | None:
+    for task in client.task_instances(dag_id, run_id):
+        if task["task_id"] == task_id:
+            return task.get("state")
+    return None
+
+
+def _epoch(timestamp: str) -> float:
+    return datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
+
+
+class StreamCount:
+    """Counts, every 0.2 s on a thread, the running stream processes of one pipeline: its
+    supervisor (`python -m duality.stream`) and its driver (`python -m duality.stream.driver`)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.most = {"duality.stream": 0, "duality.stream.driver": 0}
+        self.seen: dict[str, set[int]] = {kind: set() for kind in self.most}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def now(self) -> dict[str, list[int]]:
+        found: dict[str, list[int]] = {kind: [] for kind in self.most}
+        for process in psutil.process_iter(["cmdline", "status"]):
+            cmdline = process.info["cmdline"] or []
+            if process.info["status"] == psutil.STATUS_ZOMBIE or self.name not in cmdline:
+                continue
+            for kind in found:
+                if any(part.endswith(kind) for part in cmdline):
+                    found[kind].append(process.pid)
+        return found
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            for kind, pids in self.now().items():
+                self.most[kind] = max(self.most[kind], len(pids))
+                self.seen[kind].update(pids)
+            self._stop.wait(0.2)
+
+    def __enter__(self) -> StreamCount:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(5)

@@ -6,24 +6,15 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from duality import kafka
 from duality.config import Settings
-from duality.local.kraft import LocalKafkaCluster, ephemeral_cluster
+from duality.local.kraft import LocalKafkaCluster
 from duality.spec import PipelineSpec
 from duality.stream import heartbeat, topics
 from tests.harness import assert_eventually, make_pipeline, run_duality
-
-
-@pytest.fixture(scope="module")
-def cluster(base_settings: Settings) -> Iterator[LocalKafkaCluster]:
-    with ephemeral_cluster(base_settings, brokers=3) as started:
-        yield started
 
 
 def _duality(

@@ -10,14 +10,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from duality import kafka, repartition, workload
 from duality.config import Settings
-from duality.local.kraft import LocalKafkaCluster, ephemeral_cluster
+from duality.local.kraft import LocalKafkaCluster
 from duality.snapshot import build, delta_log
 from duality.spec import PipelineSpec
 from duality.stream import control, health, heartbeat, topics
@@ -83,12 +82,6 @@ class _Snapshot(threading.Thread):
             self.error = error
         finally:
             self.done.set()
-
-
-@pytest.fixture(scope="module")
-def cluster(base_settings: Settings) -> Iterator[LocalKafkaCluster]:
-    with ephemeral_cluster(base_settings, brokers=3) as running:
-        yield running
 
 
 def _leaders(settings: Settings, topic: str) -> dict[int, int]:

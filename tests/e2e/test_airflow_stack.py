@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,26 +13,14 @@ import psutil
 import pytest
 
 from duality import kafka, process
-from duality.config import SHIPPED_PIPELINES
 from duality.spec import find_spec
 from duality.stream import control
 from tests import truth
-from tests.harness import ROOT, assert_eventually, read_latest, read_topic
-from tests.stack import Stack, running_stack, stack_env
+from tests.harness import assert_eventually, read_latest, read_topic
+from tests.stack import Stack
 
 SUPERVISE_INTERVAL_S = 60.0  # the stream DAG's schedule
 DEMO_EVENTS = 3000
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    root = tmp_path_factory.mktemp("stack")
-    env = stack_env(root)
-    for pipeline in ("product_sales", "regional_sales"):
-        shutil.copy(SHIPPED_PIPELINES / f"{pipeline}.yaml", root / "pipelines")
-    shutil.copy(ROOT / "include" / "repartition.yaml", root / "repartition.yaml")
-    with running_stack(root, env) as running:
-        yield running
 
 
 @pytest.fixture(scope="module")
