@@ -25,6 +25,15 @@ EXPRESSIONS: dict[str, Callable[[dict[str, Any]], Any]] = {
 }
 
 
+def filtered(spec: PipelineSpec, records: list[Record]) -> int:
+    """How many good records the spec's filter skips: neither counted nor dead-lettered."""
+    skipped = 0
+    for *_, value in records:
+        reason, document = classify_record(spec, value)
+        skipped += reason is None and not _kept(spec, document)
+    return skipped
+
+
 def _kept(spec: PipelineSpec, document: dict[str, Any]) -> bool:
     """Whether the spec's filter keeps a good record; adds its computed fields to `document`."""
     for name, expression in spec.computed_fields.items():
