@@ -368,19 +368,12 @@ def aggregate_columns(spec: PipelineSpec) -> dict[str, Column]:
             variance = (squares - total * total / n) / (n - 1)
             columns[column] = F.when(n >= 2, F.sqrt(F.greatest(variance, F.lit(0.0))))
         elif agg.function == "count_distinct":
-            columns[column] = distinct_estimate(parts[0])
+            columns[column] = F.hll_sketch_estimate(parts[0])
         elif agg.function in ("latest", "earliest"):
             columns[column] = parts[0]["value"]
         else:
             columns[column] = parts[0]
     return columns
-
-
-def distinct_estimate(sketch: Column) -> Column:
-    """The estimate of a `count_distinct` sketch."""
-    from pyspark.sql import functions as F
-
-    return F.hll_sketch_estimate(sketch)
 
 
 def changelog_records(spec: PipelineSpec, table: DataFrame) -> DataFrame:
