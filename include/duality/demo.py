@@ -1,7 +1,7 @@
 """`duality demo`: through Airflow on the stack `duality up` started, a skewed workload with bad
 records is streamed, snapshotted, validated, published and repartitioned, then summed up; a
 second pipeline (`regional_sales`: a filter, computed fields, hopping windows) is streamed and
-snapshotted beside it."""
+snapshotted side by side with it."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from duality.local.airflow import AIRFLOW_USER, LocalAirflow
 from duality.stream import control
 
 PIPELINE = "product_sales"
-# The pipeline of issue #29 (a filter, computed fields, hopping windows), run after the first;
+# The pipeline of issue #29 (a filter, computed fields, hopping windows), run beside the first;
 # its workload's statuses are mostly the ones its filter keeps.
 RICH_PIPELINE = "regional_sales"
 RICH_VALUES = {"status": ["paid", "paid", "paid", "refunded"]}
@@ -53,6 +53,8 @@ def run(
         console.print(f"[bold]>[/] {text}")
         return lambda detail: status_line.update(f"{text}: {detail}")
 
+    rich = spec.find_spec(settings, RICH_PIPELINE)
+    both = (pipeline, rich)
     dead_before = _records(settings, pipeline.dlq_topic)
     with console.status("") as status_line:
         say = step(f"producing {events:,} orders with skewed products and bad records")
@@ -67,21 +69,7 @@ def run(
             progress=lambda done: say(f"{done:,} of {events:,}"),
         )
         result["produced"] = report.as_dict()
-
-        say = step(f"the supervisor DAG starts the stream of {PIPELINE}")
-        _run_dag(client, f"duality_{PIPELINE}_stream", {"action": "start"}, say)
-        if control.desired(settings, pipeline) == "stopped":  # stopped by hand earlier
-            _run_dag(client, f"duality_{PIPELINE}_stream", {"action": "start"}, say)
-        say = step("waiting for the stream to count every event")
-        counted = _wait_caught_up(settings, pipeline, say)
-        result["stream"] = counted
-
-        say = step("the snapshot DAG builds, validates and publishes a Delta snapshot")
-        snapshot_run = _run_dag(client, f"duality_{PIPELINE}_snapshot", {}, say)
-        result["snapshot"] = _published(client, f"duality_{PIPELINE}_snapshot", snapshot_run)
-
-        rich = spec.find_spec(settings, RICH_PIPELINE)
-        say = step(f"producing {events:,} orders for {RICH_PIPELINE}, streaming and snapshotting")
+        say = step(f"producing {events:,} orders by region for {RICH_PIPELINE}")
         workload.produce(
             settings,
             rich,
@@ -92,17 +80,30 @@ def run(
             values=RICH_VALUES,
             progress=lambda done: say(f"{done:,} of {events:,}"),
         )
-        _run_dag(client, f"duality_{RICH_PIPELINE}_stream", {"action": "start"}, say)
-        counted = _wait_caught_up(settings, rich, say)
-        run_id = _run_dag(client, f"duality_{RICH_PIPELINE}_snapshot", {}, say)
+
+        say = step(f"the supervisor DAGs start the streams of {PIPELINE} and {RICH_PIPELINE}")
+        _run_dags(client, {f"duality_{p.name}_stream": {"action": "start"} for p in both}, say)
+        stopped = [p for p in both if control.desired(settings, p) == "stopped"]  # by hand
+        _run_dags(client, {f"duality_{p.name}_stream": {"action": "start"} for p in stopped}, say)
+        say = step("waiting for the streams to count every event")
+        counted = {p.name: _wait_caught_up(settings, p, say) for p in both}
+
+        say = step("the snapshot DAGs build, validate and publish Delta snapshots")
+        dags = {p.name: f"duality_{p.name}_snapshot" for p in both}
+        runs = _run_dags(client, {dag_id: {} for dag_id in dags.values()}, say)
+        published = {
+            name: _published(client, dag_id, runs[dag_id]) for name, dag_id in dags.items()
+        }
+        result["stream"] = counted[PIPELINE]
+        result["snapshot"] = published[PIPELINE]
         result[RICH_PIPELINE] = {
-            "stream": counted,
-            "snapshot": _published(client, f"duality_{RICH_PIPELINE}_snapshot", run_id),
+            "stream": counted[RICH_PIPELINE],
+            "snapshot": published[RICH_PIPELINE],
         }
 
         say = step(f"the repartition DAG checks {move.source} and copies it into {move.target}")
-        repartition_run = _run_dag(client, "duality_repartition", {"topic": move.source}, say)
-        moved = _moved(client, repartition_run, move.source)
+        runs = _run_dags(client, {"duality_repartition": {"topic": move.source}}, say)
+        moved = _moved(client, runs["duality_repartition"], move.source)
         after = skew.analyse(settings, move.target)
         result["repartition"] = {
             "source": move.source,
@@ -119,42 +120,47 @@ def run(
     return result
 
 
-def _run_dag(
+def _run_dags(
+    client: AirflowClient, confs: dict[str, dict[str, Any]], say: Callable[[str], None]
+) -> dict[str, str]:
+    """Run DAGs side by side and wait for them all; returns each DAG's run id. A paused DAG is
+    unpaused, and the run its schedule then makes at once is the one waited for (a manual run
+    beside it would do the work twice); an unpaused one gets a manual run with its conf."""
+    runs = {dag_id: _start_run(client, dag_id, conf, say) for dag_id, conf in confs.items()}
+    for dag_id, run_id in runs.items():
+        finished = client.wait_run(dag_id, run_id, progress=say)
+        if finished["state"] != "success":
+            failed = [
+                t["task_id"]
+                for t in client.task_instances(dag_id, run_id)
+                if t.get("state") not in ("success", "skipped")
+            ]
+            raise CheckFailed(
+                f"the run {run_id} of {dag_id} ended {finished['state']} (tasks {failed}); see "
+                f"{client.url}/dags/{dag_id}"
+            )
+    return runs
+
+
+def _start_run(
     client: AirflowClient, dag_id: str, conf: dict[str, Any], say: Callable[[str], None]
 ) -> str:
-    """Run a DAG and wait for the run. A paused DAG is unpaused, and the run its schedule then
-    makes at once is the one waited for (a manual run beside it would do the work twice); an
-    unpaused one gets a manual run with `conf`."""
     dag = client.wait_for_dag(dag_id)
-    if dag.get("is_paused"):
-        known = {r["dag_run_id"] for r in client.runs(dag_id)}
-        client.set_paused(dag_id, False)
-        deadline = time.monotonic() + 120
-        while True:
-            fresh = [r["dag_run_id"] for r in client.runs(dag_id) if r["dag_run_id"] not in known]
-            if fresh:
-                run_id = str(fresh[0])
-                break
-            if time.monotonic() > deadline:
-                raise LocalStackError(
-                    f"unpausing {dag_id} started no run within 120s; see {client.url}/dags/{dag_id}"
-                )
-            say("waiting for the scheduler")
-            time.sleep(1)
-    else:
-        run_id = client.trigger(dag_id, conf)
-    finished = client.wait_run(dag_id, run_id, progress=say)
-    if finished["state"] != "success":
-        failed = [
-            t["task_id"]
-            for t in client.task_instances(dag_id, run_id)
-            if t.get("state") not in ("success", "skipped")
-        ]
-        raise CheckFailed(
-            f"the run {run_id} of {dag_id} ended {finished['state']} (tasks {failed}); see "
-            f"{client.url}/dags/{dag_id}"
-        )
-    return run_id
+    if not dag.get("is_paused"):
+        return client.trigger(dag_id, conf)
+    known = {r["dag_run_id"] for r in client.runs(dag_id)}
+    client.set_paused(dag_id, False)
+    deadline = time.monotonic() + 120
+    while True:
+        fresh = [r["dag_run_id"] for r in client.runs(dag_id) if r["dag_run_id"] not in known]
+        if fresh:
+            return str(fresh[0])
+        if time.monotonic() > deadline:
+            raise LocalStackError(
+                f"unpausing {dag_id} started no run within 120s; see {client.url}/dags/{dag_id}"
+            )
+        say(f"waiting for the scheduler to start {dag_id}")
+        time.sleep(1)
 
 
 def _wait_caught_up(
