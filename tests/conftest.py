@@ -26,23 +26,6 @@ _LEFTOVERS += ("org.chromium.Chromium.*", "duality-*")
 _LEFTOVERS_AT_START = pytest.StashKey[set[str]]()
 # Folders whose conftest.py starts a stack that their modules share, run by one worker.
 _SHARED_STACKS = {"tests/e2e", "tests/integration/system/three_nodes"}
-# The units that take minutes, longest first (2-core VM, 2026-11-26): the workers start on
-# these, so the run does not end with one worker on a long unit while the other is idle. The
-# rest follow in collection order; a unit missing here only costs time, never a result.
-_LONGEST_FIRST = (
-    "tests/integration/snapshot/test_snapshot.py",
-    "tests/integration/spark/test_stream.py",
-    "tests/e2e",
-    "tests/integration/system/test_local_topology.py",
-    "tests/integration/system/test_bench.py",
-    "tests/integration/airflow/test_airflow_dags.py",
-    "tests/integration/system/three_nodes",
-    "tests/integration/spark/test_rich_pipeline.py",
-    "tests/integration/system/test_spark_cluster.py",
-    "tests/integration/spark/test_repartition.py",
-    "tests/integration/airflow/test_airflow_task_processes.py",
-    "tests/integration/spark/test_sasl.py",
-)
 
 
 def _temp_leftovers() -> set[str]:
@@ -83,41 +66,27 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-def _unit(nodeid: str) -> str:
-    """The unit one worker runs whole: a module, or a folder of modules sharing a stack."""
-    module = nodeid.split("::", 1)[0]
-    folder = module.rpartition("/")[0]
-    return folder if folder in _SHARED_STACKS else module
-
-
-def _rank(item: pytest.Item) -> int:
-    unit = _unit(item.nodeid)
-    return _LONGEST_FIRST.index(unit) if unit in _LONGEST_FIRST else len(_LONGEST_FIRST)
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test is marked by its folder under tests/ (tests/integration/kafka/ is
-    `integration`), so `-m unit` and `-m integration` select by kind; the long units go first."""
+    `integration`), so `-m unit` and `-m integration` select by kind."""
     for item in items:
         folder = Path(str(item.fspath)).relative_to(Path(__file__).parent).parts[0]
         if folder in _MARK_BY_FOLDER:
             item.add_marker(_MARK_BY_FOLDER[folder])
-    items.sort(key=_rank)  # stable: a unit's tests keep their order
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """`make test`'s workers each run whole units: a module (its module-scoped stack), or a
-    folder whose conftest.py starts a package-scoped stack its modules share. Units are handed
-    out in collection order, the longest first (xdist would otherwise order them by their
-    number of tests, which puts the long few-test units last)."""
+    folder whose conftest.py starts a package-scoped stack its modules share."""
     from xdist.scheduler import LoadScopeScheduling
 
     class StackScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return _unit(nodeid)
+            module = nodeid.split("::", 1)[0]
+            folder = module.rpartition("/")[0]
+            return folder if folder in _SHARED_STACKS else module
 
-    config.option.loadscopereorder = False
     return StackScheduling(config, log)
 
 
