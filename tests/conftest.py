@@ -17,6 +17,11 @@ from duality.config import Settings
 from duality.local.broker import ephemeral_broker
 from tests.harness import AIRFLOW_HOMES, assert_eventually, unique_name
 
+# Every JVM the tests start (brokers, Spark drivers and workers, spark-submit's launcher) compiles
+# with C1 only: most live for seconds, and C2 compiling Spark costs them more CPU than it saves
+# (docs/testing.md). Semantics do not change; `make bench` and users' processes never set it.
+os.environ.setdefault("JDK_JAVA_OPTIONS", "-XX:TieredStopAtLevel=1")
+
 _MARK_BY_FOLDER = {"unit": "unit", "integration": "integration", "e2e": "e2e", "dags": "unit"}
 # What a process the tests start would leave in the system's temporary folder if it were not
 # given a folder of its own: the JVM's native libraries and Spark's block manager and

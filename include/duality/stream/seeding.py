@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from duality import kafka
 from duality.config import Settings
 from duality.errors import UsageError
 from duality.spec import SQL_TYPES, PipelineSpec
@@ -44,6 +45,9 @@ def write_seed(
 
     folder = checkpoint / "seed"
     shutil.rmtree(folder, ignore_errors=True)
+    if _empty(settings, spec.changelog_topic):  # a first start: nothing to read, no Spark job
+        folder.mkdir(parents=True)
+        return 0
     raw = (
         spark.read.format("kafka")
         .options(**settings.spark_kafka_source_options())
@@ -61,6 +65,13 @@ def write_seed(
     count = spark.read.parquet(str(staging)).count()
     staging.rename(folder)
     return count
+
+
+def _empty(settings: Settings, topic: str) -> bool:
+    """No record (committed or not) is stored in any partition of `topic`."""
+    first = kafka.beginning_offsets(settings, topic)
+    ends = kafka.end_offsets(settings, topic, "read_uncommitted")
+    return all(ends[p] <= first.get(p, 0) for p in ends)
 
 
 def seed_rows(spec: PipelineSpec, values: DataFrame) -> DataFrame:
