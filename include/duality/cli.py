@@ -73,6 +73,12 @@ def _cmd_up(settings: Settings, args: Namespace, console: Console) -> stack.Stac
             f"Spark master at [bold]{spark.master_url}[/] with {len(spark.workers)} workers "
             f"(UI {spark.master_ui}); logs in {spark.root}"
         )
+    connect = started.connect
+    verb = "already running" if connect.already_running else "started"
+    console.print(
+        f"Spark Connect server {verb} at [bold]{connect.remote}[/] (pid {connect.pid}, Spark "
+        f"{connect.master}): the batch steps run on it; log {connect.log}"
+    )
     web = started.airflow
     verb = "already running" if web.already_running else "started"
     console.print(
@@ -92,6 +98,8 @@ def _cmd_down(settings: Settings, args: Namespace, console: Console) -> stack.St
     console.print(
         f"Airflow stopped (pid {airflow.pid})" if airflow.was_running else "Airflow was not running"
     )
+    if stopped.connect.was_running:
+        console.print(f"Spark Connect server stopped (pid {stopped.connect.pid})")
     if stopped.spark.was_running:
         console.print(f"Spark master and workers stopped (pids {stopped.spark.pids})")
     for node in stopped.brokers:
@@ -138,6 +146,9 @@ def _print_status(report: stack.StackStatus, console: Console) -> None:
         alive = f"{sum(w.registered for w in spark.workers)}/{len(spark.workers)} workers"
         pid = str(spark.master_pid or "-")
         rows.append(("spark", spark.state, spark.master_url or "-", pid, alive, str(spark.log)))
+    connect = report.connect
+    pid = str(connect.pid or "-")
+    rows.append(("spark-connect", connect.state, connect.remote or "-", pid, "", str(connect.log)))
     for name, component in airflow.components.items():
         rows.append(
             (

@@ -8,13 +8,16 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from duality import kafka, skew
 from duality.config import Settings
 from duality.errors import UsageError
 from duality.partitioning import Partitioner
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 log = logging.getLogger("duality.repartition")
 
@@ -241,6 +244,12 @@ class SliceResult:
     transactions: int
     per_target: dict[int, int]
     seconds: float
+
+    @classmethod
+    def from_dict(cls, document: dict[str, Any]) -> SliceResult:
+        """From `dataclasses.asdict` through JSON (whose keys are strings)."""
+        per_target = {int(p): int(n) for p, n in document["per_target"].items()}
+        return cls(**{**document, "per_target": per_target})
 
 
 def copy_slice(
@@ -485,22 +494,30 @@ def run_once(
     spark = session(settings, f"duality-repartition-{plan.target}")
     ends_of_work = {p: ends[p] for p in work}
 
-    def task(partitions: Iterable[int]) -> Iterator[SliceResult]:
-        for p in partitions:
-            yield copy_slice(
-                settings,
-                plan,
-                p,
-                ends_of_work[p],
-                transaction_records=transaction_records,
-                throttle=throttle,
-            )
+    def task(batches: Iterable[pa.RecordBatch]) -> Iterable[pa.RecordBatch]:
+        import pyarrow
+
+        for batch in batches:
+            for index in batch.column("id").to_pylist():
+                p = work[index]
+                result = copy_slice(
+                    settings,
+                    plan,
+                    p,
+                    ends_of_work[p],
+                    transaction_records=transaction_records,
+                    throttle=throttle,
+                )
+                document = json.dumps(dataclasses.asdict(result))
+                yield pyarrow.RecordBatch.from_pydict({"result": [document]})
 
     copy_started = time.monotonic()
     try:
-        results: list[SliceResult] = (
-            spark.sparkContext.parallelize(work, len(work)).mapPartitions(task).collect()
-        )
+        # One Spark task per source partition, through Arrow: what runs the same on a Spark of
+        # this process's own and on a Spark Connect server, which has no RDDs.
+        tasks = spark.range(len(work), numPartitions=len(work))
+        rows = tasks.mapInArrow(task, "result string").collect()
+        results = [SliceResult.from_dict(json.loads(row["result"])) for row in rows]
     finally:
         stop_watch.set()
         if watcher is not None:

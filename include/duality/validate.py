@@ -429,7 +429,9 @@ def _run_ge(
             "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
         },
     )
-    source = context.data_sources.add_spark(f"{spec.name}_snapshot")
+    # The frames come persisted (and are unpersisted after): GE's own persist would be a second
+    # copy that nothing unpersists, kept for good on a Spark Connect server.
+    source = context.data_sources.add_spark(f"{spec.name}_snapshot", persist=False)
     reconciling = [e for e in expectations if e.meta[ORIGIN] == RECONCILE_ORIGIN]
     schema = [e for e in expectations if e not in reconciling and e.expectation_type in SCHEMA]
     rows = [e for e in expectations if e not in reconciling and e not in schema]

@@ -88,3 +88,13 @@ def test_hot_keys_salt_the_dominant_key_and_even_the_prediction():
     assert skew.ratio(skew.predicted_loads(counts, 6, keys, 6)) <= skew.SALTED_GOAL
     uniform: Counter[bytes | None] = Counter({f"k{i}".encode(): 10 for i in range(1000)})
     assert skew.hot_keys(uniform, 6) == []
+
+
+def test_a_slice_result_comes_back_whole_from_its_task():
+    """A copy task's result crosses Arrow as JSON, whose keys are strings."""
+    import dataclasses
+    import json
+
+    sent = repartition.SliceResult(3, 10, 25, 15, 2, {0: 7, 11: 8}, 0.5)
+    document = json.loads(json.dumps(dataclasses.asdict(sent)))
+    assert repartition.SliceResult.from_dict(document) == sent

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -372,24 +373,28 @@ def _merge(
     Delta materializes a source that could change between the MERGE's passes over it; a local
     relation (`local=True`) cannot, and its MERGE runs without adaptive execution, which would
     plan each of the MERGE's stages as a Spark job of its own for nothing to adapt to."""
-    from delta.tables import DeltaTable
-
-    columns = list(column_types(spec))
+    columns = [f"`{c}`" for c in column_types(spec)]
     on = " AND ".join(f"t.`{c}` = s.`{c}`" for c in spec.key_columns)
-    values: dict[str, str | Column] = {f"`{c}`": f"s.`{c}`" for c in columns}
-    changed = {k: v for k, v in values.items() if k.strip("`") not in spec.key_columns}
+    keys = {f"`{c}`" for c in spec.key_columns}
+    changed = ", ".join(f"{c} = s.{c}" for c in columns if c not in keys)
     small = {
         "spark.databricks.delta.merge.materializeSource": "none",
         "spark.sql.adaptive.enabled": "false",
     }
     conf = small if local else {}
-    with delta_log.session_conf(spark, conf), delta_log.commit_metadata(spark, metadata):
-        (
-            DeltaTable.forPath(spark, str(path))
-            .alias("t")
-            .merge(rows.alias("s"), on)
-            .whenMatchedDelete(condition="s._deleted")
-            .whenMatchedUpdate(set=changed)
-            .whenNotMatchedInsert(condition="NOT s._deleted", values=values)
-            .execute()
-        )
+    # SQL, not `DeltaTable.merge`: the same statement runs on a Spark of this process's own and
+    # on a Spark Connect server, which has no Delta Connect plugin (docs/decisions/0026).
+    source = f"duality_merge_source_{uuid.uuid4().hex}"  # a view of this session only
+    rows.createOrReplaceTempView(source)
+    statement = (
+        f"MERGE INTO {delta_log.sql_name(path)} AS t USING {source} AS s ON {on} "
+        "WHEN MATCHED AND s._deleted THEN DELETE "
+        f"WHEN MATCHED THEN UPDATE SET {changed} "
+        f"WHEN NOT MATCHED AND NOT s._deleted THEN INSERT ({', '.join(columns)}) "
+        f"VALUES ({', '.join(f's.{c}' for c in columns)})"
+    )
+    try:
+        with delta_log.session_conf(spark, conf), delta_log.commit_metadata(spark, metadata):
+            spark.sql(statement)
+    finally:
+        spark.catalog.dropTempView(source)

@@ -150,6 +150,11 @@ def commit_metadata(spark: SparkSession, metadata: dict[str, Any]) -> AbstractCo
     return session_conf(spark, {"spark.databricks.delta.commitInfo.userMetadata": text})
 
 
+def sql_name(path: Path) -> str:
+    """The table at `path` as SQL names it (`delta.`/a/path``)."""
+    return "delta.`" + str(path).replace("`", "``") + "`"
+
+
 def load(spark: SparkSession, path: Path, version: int | None = None) -> DataFrame:
     """The table at `version` (time travel; default: the newest)."""
     reader = spark.read.format("delta")

@@ -43,8 +43,6 @@ def maintain(
 ) -> Maintenance:
     """OPTIMIZE and VACUUM; the retention is rounded up to whole hours (Delta rounds it) and never
     less than the published version's age, so every file it reads stays (docs/snapshots.md)."""
-    from delta.tables import DeltaTable
-
     if retain_hours < 0:
         raise UsageError(f"--retain-hours {retain_hours:g}: must be zero or more")
     path = delta_log.require_table(spec, spec.snapshot_path(settings))
@@ -57,7 +55,7 @@ def maintain(
         # Files the published version reads are removed, if at all, by later commits.
         needed = (time.time() * 1000 - published_at) / 3_600_000
         retention = max(retention, math.ceil(needed), 1)
-    table = DeltaTable.forPath(spark, str(path))
+    table = delta_log.sql_name(path)
     coverage, _ = delta_log.version_coverage(versions, versions[0].version)
     metadata: dict[str, Any] = {"kind": "maintain"}
     if coverage is not None:
@@ -65,14 +63,15 @@ def maintain(
     progress(f"compacting the files of {path}")
     started = time.monotonic()
     with delta_log.commit_metadata(spark, metadata):
-        optimized = table.optimize().executeCompaction().first()
+        # SQL, as every Delta statement duality runs (docs/decisions/0026).
+        optimized = spark.sql(f"OPTIMIZE {table}").first()
         progress(f"removing files older than {retention} hours")
         before = _data_files(path)
         # Delta refuses a retention below its default (a week) unless this check is off.
         with delta_log.session_conf(
             spark, {"spark.databricks.delta.retentionDurationCheck.enabled": "false"}
         ):
-            table.vacuum(retention)
+            spark.sql(f"VACUUM {table} RETAIN {retention} HOURS")
         after = _data_files(path)
     opt_metrics = (optimized["metrics"].asDict() if optimized is not None else {}) or {}
     return Maintenance(

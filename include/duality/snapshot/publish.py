@@ -61,9 +61,8 @@ def published(spark: SparkSession, path: Path) -> Published | None:
     state = delta_log.table_state(path, delta_log.history(path)[0].version)
     if state is not None:
         return _published_in(state.properties)
-    from delta.tables import DeltaTable
-
-    row = DeltaTable.forPath(spark, str(path)).detail().select("properties").first()
+    detail = spark.sql(f"DESCRIBE DETAIL {delta_log.sql_name(path)}")
+    row = detail.select("properties").first()
     return _published_in((row["properties"] if row else None) or {})
 
 
@@ -183,5 +182,5 @@ def _metadata_commit(
 
     assignments = ", ".join(f"{literal(k)} = {literal(v)}" for k, v in properties.items())
     with delta_log.commit_metadata(spark, metadata):
-        spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ({assignments})")
+        spark.sql(f"ALTER TABLE {delta_log.sql_name(path)} SET TBLPROPERTIES ({assignments})")
     return delta_log.history(path)[0].version
