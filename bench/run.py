@@ -29,6 +29,8 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from commands import command_scenarios
+
 from baselines import Figure, consumer_perf, order_events, preload, python_copy
 from duality import kafka
 from duality.config import Settings
@@ -242,6 +244,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         checked = bench_spec(f"bench_validate_{stamp}", source)
         figures.extend(validation_scenarios(scoped, checked, args.records))
+        progress.console.print(
+            f"the snapshot DAG's steps as whole commands, {args.snapshot_keys:,} keys: each "
+            "with a Spark of its own, then on a Spark Connect server"
+        )
+        say = progress.console.print
+        figures.extend(command_scenarios(scoped, source, args.snapshot_keys, pipelines, stamp, say))
     document = {
         "started": started.isoformat(),
         "machine": {

@@ -1,0 +1,199 @@
+"""The snapshot DAG's steps as Airflow runs them: each a whole `duality` command, from the
+process's start to its exit, without and with the warm Spark (a Spark Connect server).
+
+On a changelog of `keys` keys (1,000,000 by default): `snapshot --full`, then 1% of the keys
+changed (nine in ten updated, one in ten tombstoned), `snapshot` (incremental), `validate
+--no-publish` of that version, `publish` of it, and `snapshot` once more with nothing new. The
+`cmd-*` scenarios start a Spark of their own in each process, as every step did before the
+server; the `cmd-*-warm` ones are clients of a server the run starts, which first serves one
+such sequence on a table of a tenth as many keys (a server in use has served earlier runs).
+Each table is compared with an independent read of the changelog. Targets, on the warm ones:
+the incremental snapshot at most 0.25x the full rebuild; validation at most 5 s per million
+rows; incremental snapshot, validation and publication at most 15 s together; nothing new at
+most 3 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from baselines import Figure
+from duality import kafka
+from duality.config import Settings
+from duality.local.spark_connect import LocalSparkConnect
+from duality.snapshot import delta_log
+from duality.snapshot.publish import PUBLISHED_VERSION
+from duality.spec import PipelineSpec
+from snapshots import CHANGED, _assert_equal, _changelog_truth, _row, _target, write_changelog
+from streaming import bench_spec
+
+INCREMENTAL_RATIO = 0.25
+VALIDATE_SECONDS_PER_MILLION = 5.0
+PUBLISHED_SECONDS = 15.0
+NOTHING_NEW_SECONDS = 3.0
+
+
+@dataclass
+class CommandFigure(Figure):
+    command: str = ""
+    warm: bool = False
+    # The command's own `seconds` (its work, without the process's start and imports).
+    reported_seconds: float | None = None
+    targets: list[dict[str, Any]] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        document: dict[str, Any] = {
+            **super().as_dict(),
+            "command": self.command,
+            "warm": self.warm,
+            "reported_seconds": self.reported_seconds,
+        }
+        if self.targets:
+            document["targets"] = self.targets
+            document["met"] = all(t["met"] for t in self.targets)
+        return document
+
+
+def command_scenarios(
+    settings: Settings,
+    source: str,
+    keys: int,
+    pipelines: Path,
+    stamp: int,
+    say: Callable[[str], None],
+) -> list[Figure]:
+    """Both sequences; the server is started, used and stopped here."""
+    cold = _sequence(settings, source, keys, pipelines, f"bench_cmd_{stamp}", "", say)
+    server = LocalSparkConnect(settings)
+    say("starting a Spark Connect server")
+    started = time.perf_counter()
+    server.start()
+    say(f"the server took {time.perf_counter() - started:.1f} s to start")
+    try:
+        warm_settings = settings.replace(spark_remote=server.remote)
+        say("a first sequence through the server, on a tenth of the keys")
+        _sequence(
+            warm_settings, source, max(1_000, keys // 10), pipelines, f"bench_cmdw_{stamp}", "", say
+        )
+        warm = _sequence(
+            warm_settings, source, keys, pipelines, f"bench_cmd_warm_{stamp}", "-warm", say
+        )
+    finally:
+        server.stop()
+    _set_targets(warm)
+    return [*cold, *warm]
+
+
+def _sequence(
+    settings: Settings,
+    source: str,
+    keys: int,
+    pipelines: Path,
+    name: str,
+    suffix: str,
+    say: Callable[[str], None],
+) -> list[CommandFigure]:
+    spec = bench_spec(name, source, pipelines)
+    kafka.create_topic(
+        settings, spec.changelog_topic, 6, config={"cleanup.policy": "compact"}, exist_ok=True
+    )
+    rng = random.Random(21)
+    products = [f"p{i:07d}" for i in range(keys)]
+    write_changelog(settings, spec, {p: _row(rng) for p in products})
+    figures: list[CommandFigure] = []
+
+    def run(scenario: str, *arguments: str) -> dict[str, Any]:
+        say(f"{scenario}{suffix}: duality {' '.join(arguments)}")
+        result, seconds = _command(settings, pipelines, *arguments)
+        rows = int(result.get("rows") or 0)
+        figure = CommandFigure(f"{scenario}{suffix}", rows, seconds, 0.0)
+        figure.command = f"duality {' '.join(arguments)}"
+        figure.warm = settings.spark_remote is not None
+        figure.reported_seconds = result.get("seconds")
+        figures.append(figure)
+        return result
+
+    full = run("cmd-snapshot-full", "snapshot", spec.name, "--full")
+    assert full["mode"] == "full", full
+    changed = rng.sample(products, max(1, int(keys * CHANGED)))
+    write_changelog(
+        settings, spec, {p: None if i % 10 == 9 else _row(rng) for i, p in enumerate(changed)}
+    )
+    built = run("cmd-snapshot-incremental", "snapshot", spec.name)
+    assert built["mode"] == "incremental", built
+    version = str(built["version"])
+    report = run("cmd-validate", "validate", spec.name, "--version", version, "--no-publish")
+    assert report["success"], report
+    run("cmd-publish", "publish", spec.name, "--version", version)
+    none = run("cmd-snapshot-nothing-new", "snapshot", spec.name)
+    assert none["mode"] == "none", none
+    _assert_published(settings, spec, int(version))
+    return figures
+
+
+def _command(settings: Settings, pipelines: Path, *arguments: str) -> tuple[dict[str, Any], float]:
+    """`duality ARGUMENTS --json` as a process: its result and its whole wall time."""
+    env = {**os.environ, **settings.as_env(), "DUALITY_PIPELINES": str(pipelines)}
+    command = [str(Path(sys.executable).with_name("duality")), *arguments, "--json"]
+    started = time.perf_counter()
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    seconds = time.perf_counter() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed: {done.stderr[-3000:]}")
+    return dict(json.loads(done.stdout)), seconds
+
+
+def _assert_published(settings: Settings, spec: PipelineSpec, version: int) -> None:
+    """The table publishes `version`, and holds exactly the changelog's live keys and values
+    (read by a plain consumer), read by a Spark of this process's own."""
+    from duality.spark import session
+
+    path = spec.snapshot_path(settings)
+    state = delta_log.table_state(path, delta_log.history(path)[0].version)
+    assert state is not None, f"{path} has no checksum file"
+    assert state.properties.get(PUBLISHED_VERSION) == str(version), state.properties
+    spark = session(settings, "duality-bench-snapshots", warm=False)
+    _assert_equal(spark, settings, spec, _changelog_truth(settings, spec), "published")
+
+
+def _set_targets(warm: list[CommandFigure]) -> None:
+    by = {f.scenario.removesuffix("-warm"): f for f in warm}
+    full, incremental = by["cmd-snapshot-full"], by["cmd-snapshot-incremental"]
+    validated, published = by["cmd-validate"], by["cmd-publish"]
+    ratio = incremental.seconds / full.seconds
+    incremental.targets = [
+        _target(f"at most {INCREMENTAL_RATIO}x the full rebuild", ratio, ratio <= INCREMENTAL_RATIO)
+    ]
+    per_million = validated.seconds / validated.records * 1_000_000 if validated.records else 0
+    validated.targets = [
+        _target(
+            f"at most {VALIDATE_SECONDS_PER_MILLION:g} s per million rows",
+            per_million,
+            per_million <= VALIDATE_SECONDS_PER_MILLION,
+        )
+    ]
+    total = incremental.seconds + validated.seconds + published.seconds
+    published.targets = [
+        _target(
+            f"incremental snapshot, validation and publication at most {PUBLISHED_SECONDS:g} s",
+            total,
+            total <= PUBLISHED_SECONDS,
+        )
+    ]
+    none = by["cmd-snapshot-nothing-new"]
+    none.targets = [
+        _target(
+            f"nothing new at most {NOTHING_NEW_SECONDS:g} s",
+            none.seconds,
+            none.seconds <= NOTHING_NEW_SECONDS,
+        )
+    ]
