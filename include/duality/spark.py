@@ -151,6 +151,8 @@ def session_config(settings: Settings, app_name: str) -> dict[str, str]:
             "spark.sql.adaptive.enabled": "true",
             # Delta rebuilds a table's state from its log in this many tasks (default 50).
             "spark.databricks.delta.snapshotPartitions": "2",
+            # VACUUM lists a table's files in this many tasks (default 10,000).
+            "spark.sql.sources.parallelPartitionDiscovery.parallelism": cores,
             "spark.driver.host": "127.0.0.1",
             "spark.driver.bindAddress": "127.0.0.1",
         }

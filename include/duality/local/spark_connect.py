@@ -31,6 +31,18 @@ _REAPING = {
 }
 
 
+# The server's log: warnings and errors only (Spark logs every task and every client call).
+_LOGGING = """\
+rootLogger.level = warn
+rootLogger.appenderRef.console.ref = console
+appender.console.type = Console
+appender.console.name = console
+appender.console.target = SYSTEM_ERR
+appender.console.layout.type = PatternLayout
+appender.console.layout.pattern = %d{yy/MM/dd HH:mm:ss} %p %c{1}: %m%n%ex
+"""
+
+
 @dataclasses.dataclass(frozen=True)
 class ConnectStatus:
     state: str  # running, stopped
@@ -115,6 +127,7 @@ class LocalSparkConnect:
             "spark.scheduler.mode": "FAIR",
         }
         self.properties_file.write_text("".join(f"{k} {v}\n" for k, v in config.items()))
+        (self.root / "log4j2.properties").write_text(_LOGGING)
         command = [str(submit), "--class", _SERVER_CLASS]
         command += ["--properties-file", str(self.properties_file)]
         environment = {
