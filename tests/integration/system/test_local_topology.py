@@ -167,10 +167,12 @@ def test_a_pipeline_runs_on_the_brokers_and_the_workers(topology: Stack):
             lambda: _caught_up(settings, spec), timeout=240, interval=1.0, message="the stream lags"
         )
         cluster = local_spark(settings, WORKERS)
-        apps = (cluster.master_state() or {}).get("activeapps", [])
-        assert len(apps) == 1, apps
-        for worker in range(WORKERS):
-            assert list((cluster.work_dir(worker) / apps[0]["id"]).glob("*")), worker
+        apps = {a["name"]: a for a in (cluster.master_state() or {}).get("activeapps", [])}
+        # The stream, and the Spark Connect server of the batch steps: each an executor per worker.
+        assert set(apps) == {f"duality-stream-{spec.name}", "duality-spark-connect"}, apps
+        for app in apps.values():
+            for worker in range(WORKERS):
+                assert list((cluster.work_dir(worker) / app["id"]).glob("*")), (app, worker)
     finally:
         stopped = _ok(topology.env, "stream", "stop", spec.name)
     assert stopped["was_running"] is True
