@@ -30,6 +30,13 @@ SCENARIOS = {
     *["snapshot-full", "latency"],
     *["snapshot-incremental", "snapshot-full-after", "snapshot-nothing-new", "validate"],
     "validate-3x",
+    # The snapshot DAG's steps as whole commands, each with a Spark of its own and on a server.
+    *[
+        f"cmd-{step}{warm}"
+        for step in ("snapshot-full", "snapshot-incremental", "validate", "publish")
+        for warm in ("", "-warm")
+    ],
+    *["cmd-snapshot-nothing-new", "cmd-snapshot-nothing-new-warm"],
 }
 
 
