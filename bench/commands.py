@@ -1,5 +1,5 @@
 """The snapshot DAG's steps as Airflow runs them: each a whole `duality` command, from the
-process's start to its exit, without and with the warm Spark (a Spark Connect server).
+process's start to its exit, without and with the warm Spark (the batch server).
 
 On a changelog of `keys` keys (1,000,000 by default): `snapshot --full`, then 1% of the keys
 changed (nine in ten updated, one in ten tombstoned), `snapshot` (incremental), `validate
@@ -29,7 +29,7 @@ from typing import Any
 from baselines import Figure
 from duality import kafka
 from duality.config import Settings
-from duality.local.spark_connect import LocalSparkConnect
+from duality.local.batch_server import LocalBatchServer
 from duality.snapshot import delta_log
 from duality.snapshot.publish import PUBLISHED_VERSION
 from duality.spec import PipelineSpec
@@ -73,13 +73,13 @@ def command_scenarios(
 ) -> list[Figure]:
     """Both sequences; the server is started, used and stopped here."""
     cold = _sequence(settings, source, keys, pipelines, f"bench_cmd_{stamp}", "", say)
-    server = LocalSparkConnect(settings)
-    say("starting a Spark Connect server")
+    server = LocalBatchServer(settings)
+    say("starting a batch server")
     started = time.perf_counter()
     server.start()
     say(f"the server took {time.perf_counter() - started:.1f} s to start")
     try:
-        warm_settings = settings.replace(spark_remote=server.remote)
+        warm_settings = settings.replace(batch_server=server.address)
         say("a first sequence through the server, on a tenth of the keys")
         _sequence(
             warm_settings, source, max(1_000, keys // 10), pipelines, f"bench_cmdw_{stamp}", "", say
@@ -117,7 +117,7 @@ def _sequence(
         rows = int(result.get("rows") or 0)
         figure = CommandFigure(f"{scenario}{suffix}", rows, seconds, 0.0)
         figure.command = f"duality {' '.join(arguments)}"
-        figure.warm = settings.spark_remote is not None
+        figure.warm = settings.batch_server is not None
         figure.reported_seconds = result.get("seconds")
         figures.append(figure)
         return result
@@ -161,7 +161,7 @@ def _assert_published(settings: Settings, spec: PipelineSpec, version: int) -> N
     state = delta_log.table_state(path, delta_log.history(path)[0].version)
     assert state is not None, f"{path} has no checksum file"
     assert state.properties.get(PUBLISHED_VERSION) == str(version), state.properties
-    spark = session(settings, "duality-bench-snapshots", warm=False)
+    spark = session(settings, "duality-bench-snapshots")
     _assert_equal(spark, settings, spec, _changelog_truth(settings, spec), "published")
 
 

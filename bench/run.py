@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         figures.extend(validation_scenarios(scoped, checked, args.records))
         progress.console.print(
             f"the snapshot DAG's steps as whole commands, {args.snapshot_keys:,} keys: each "
-            "with a Spark of its own, then on a Spark Connect server"
+            "with a Spark of its own, then on a batch server"
         )
         say = progress.console.print
         figures.extend(command_scenarios(scoped, source, args.snapshot_keys, pipelines, stamp, say))

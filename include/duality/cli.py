@@ -8,7 +8,7 @@ import json
 import os
 import sys
 from argparse import Namespace
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from duality.arguments import (
     snapshot_arguments,
     stream_arguments,
 )
+from duality.batch_server import BATCH_COMMANDS, run_remote
 from duality.config import AIRFLOW_DBS, Settings
 from duality.errors import DualityError, UsageError
 from duality.local import stack
@@ -73,11 +74,11 @@ def _cmd_up(settings: Settings, args: Namespace, console: Console) -> stack.Stac
             f"Spark master at [bold]{spark.master_url}[/] with {len(spark.workers)} workers "
             f"(UI {spark.master_ui}); logs in {spark.root}"
         )
-    connect = started.connect
-    verb = "already running" if connect.already_running else "started"
+    batch = started.batch
+    verb = "already running" if batch.already_running else "started"
     console.print(
-        f"Spark Connect server {verb} at [bold]{connect.remote}[/] (pid {connect.pid}, Spark "
-        f"{connect.master}): the batch steps run on it; log {connect.log}"
+        f"batch server {verb} at [bold]{batch.address}[/] (pid {batch.pid}, Spark "
+        f"{batch.master}): the batch steps run in its warm Spark; log {batch.log}"
     )
     web = started.airflow
     verb = "already running" if web.already_running else "started"
@@ -98,8 +99,8 @@ def _cmd_down(settings: Settings, args: Namespace, console: Console) -> stack.St
     console.print(
         f"Airflow stopped (pid {airflow.pid})" if airflow.was_running else "Airflow was not running"
     )
-    if stopped.connect.was_running:
-        console.print(f"Spark Connect server stopped (pid {stopped.connect.pid})")
+    if stopped.batch.was_running:
+        console.print(f"batch server stopped (pid {stopped.batch.pid})")
     if stopped.spark.was_running:
         console.print(f"Spark master and workers stopped (pids {stopped.spark.pids})")
     for node in stopped.brokers:
@@ -146,9 +147,9 @@ def _print_status(report: stack.StackStatus, console: Console) -> None:
         alive = f"{sum(w.registered for w in spark.workers)}/{len(spark.workers)} workers"
         pid = str(spark.master_pid or "-")
         rows.append(("spark", spark.state, spark.master_url or "-", pid, alive, str(spark.log)))
-    connect = report.connect
-    pid = str(connect.pid or "-")
-    rows.append(("spark-connect", connect.state, connect.remote or "-", pid, "", str(connect.log)))
+    batch = report.batch
+    pid = str(batch.pid or "-")
+    rows.append(("batch-server", batch.state, batch.address or "-", pid, "", str(batch.log)))
     for name, component in airflow.components.items():
         rows.append(
             (
@@ -197,6 +198,12 @@ def _cmd_lag(settings: Settings, args: Namespace, console: Console) -> dict[str,
         table = _table(f"consumer lag on {settings.bootstrap_servers}", columns, cells, columns[1:])
         console.print(table if rows else "no consumer group has committed offsets")
     return {"lag": result}
+
+
+def _cmd_batch_server(settings: Settings, args: Namespace, console: Console) -> None:
+    from duality import batch_server
+
+    batch_server.serve(settings, args.host, args.port, main)
 
 
 def _cmd_demo(settings: Settings, args: Namespace, console: Console) -> dict[str, Any]:
@@ -721,6 +728,14 @@ def build_parser() -> argparse.ArgumentParser:
         )
     )
 
+    server = add(
+        "batch-server",
+        _cmd_batch_server,
+        "run the batch steps of `duality` commands in one warm Spark (`duality up` starts one)",
+    )
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    server.add_argument("--port", type=not_negative, default=7078, help="port to listen on")
+
     demo = add("demo", _cmd_demo, "the whole story through Airflow on the local stack")
     demo.add_argument("--events", type=int, default=50_000, help="orders to produce")
     demo.add_argument("--seed", type=int, help="random seed, for a repeatable workload")
@@ -738,7 +753,15 @@ def _json_value(value: Any) -> Any:
     return str(value)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    forward: bool = True,
+) -> int:
+    """`duality ARGV` with the settings of `environ` (default: this process's); a batch step
+    goes to the batch server when one is configured, unless `forward` is false (on the server)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     action = getattr(args, "spec_command", None) or getattr(args, "stream_command", None)
     command = f"{args.command} {action}" if action else args.command
@@ -746,7 +769,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings: Settings | None = None
     try:
         try:
-            settings = Settings.from_env()
+            settings = Settings.from_env(environ)
+            if forward and settings.batch_server and args.command in BATCH_COMMANDS:
+                return run_remote(settings, argv, command)
             result = args.handler(settings, args, console)
         except DualityError:
             raise

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -59,9 +60,9 @@ class Settings:
     # Cores one application takes on a Spark cluster (`spark.cores.max`); unset, all free ones,
     # which leaves none for a batch job beside a stream.
     spark_cores_max: int | None = None
-    # A long-running Spark Connect server (`sc://host:port`) that the batch steps (snapshot,
-    # validate, publish, maintain, repartition) run on; unset, each starts a Spark of its own.
-    spark_remote: str | None = None
+    # The batch server (`host:port`, `duality batch-server`) that the batch steps (snapshot,
+    # validate, publish, read, repartition) run on; unset, each starts a Spark of its own.
+    batch_server: str | None = None
     warehouse: Path = Path(".local/warehouse")
     checkpoint_root: Path = Path(".local/checkpoints")
     jar_cache: Path = Path(".cache/jars")
@@ -108,11 +109,10 @@ class Settings:
                     f"{PREFIX}BOOTSTRAP_SERVERS={self.bootstrap_servers!r}: {server.strip()!r} "
                     "is not host:port; write it like localhost:9092"
                 )
-        if self.spark_remote is not None and not self.spark_remote.startswith("sc://"):
+        if self.batch_server is not None and not re.fullmatch(r"[^\s:/]+:\d+", self.batch_server):
             raise UsageError(
-                f"{PREFIX}SPARK_REMOTE={self.spark_remote!r} is not a Spark Connect address: "
-                "write it like sc://localhost:15002, or unset it to run each step in a Spark of "
-                "its own"
+                f"{PREFIX}BATCH_SERVER={self.batch_server!r} is not host:port: write it like "
+                "127.0.0.1:7078, or unset it to run each step in a Spark of its own"
             )
         for name in ("replication_factor", "min_insync_replicas", "spark_cores_max"):
             value = getattr(self, name)
@@ -357,7 +357,7 @@ def describe() -> list[tuple[str, str, str]]:
         "this heap)",
         "spark_cores_max": "cores each application may take on a Spark cluster (unset: all free "
         "ones; `duality up --spark-workers N` sets N, so streams and batch jobs fit side by side)",
-        "spark_remote": "Spark Connect server (`sc://host:port`) that batch steps run on "
+        "batch_server": "batch server (`host:port`) that batch steps run on, in its warm Spark "
         "(`duality up` starts one); unset: each step starts a Spark of its own",
         "warehouse": "folder of Delta tables",
         "checkpoint_root": "folder of streaming checkpoints",

@@ -513,8 +513,8 @@ def run_once(
 
     copy_started = time.monotonic()
     try:
-        # One Spark task per source partition, through Arrow: what runs the same on a Spark of
-        # this process's own and on a Spark Connect server, which has no RDDs.
+        # One Spark task per source partition, through Arrow (no RDD, which a Spark Connect
+        # client lacks: docs/decisions/0026-warm-spark-for-batch-steps.md).
         tasks = spark.range(len(work), numPartitions=len(work))
         rows = tasks.mapInArrow(task, "result string").collect()
         results = [SliceResult.from_dict(json.loads(row["result"])) for row in rows]

@@ -4,21 +4,18 @@ offline), Delta, RocksDB state with changelog checkpointing, the JVM's temporary
 from __future__ import annotations
 
 import atexit
-import contextlib
 import hashlib
 import os
 import re
 import shutil
-import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
-import uuid
 import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, TypeVar
 
 import psutil
@@ -181,20 +178,29 @@ def session_config(settings: Settings, app_name: str) -> dict[str, str]:
     return config
 
 
+_STEP = threading.local()  # on a step's thread of the batch server: `session`, its own
+
+
+def step_session() -> SparkSession | None:
+    """The Spark session of the batch server's step this thread runs, or None."""
+    return getattr(_STEP, "session", None)
+
+
+def set_step_session(spark: SparkSession | None) -> None:
+    """What `session` returns on this thread from now on (None: the process's own again)."""
+    _STEP.session = spark
+
+
 def session(
-    settings: Settings,
-    app_name: str = "duality",
-    extra: Mapping[str, str] | None = None,
-    *,
-    warm: bool = True,
+    settings: Settings, app_name: str = "duality", extra: Mapping[str, str] | None = None
 ) -> SparkSession:
-    """The SparkSession for this process (created on first call, then reused): a session of
-    the Spark Connect server `settings.spark_remote` names, else (or with `warm=False`: a
-    stream, which runs as long as any server) a Spark of this process's own."""
+    """The SparkSession for this process (created on first call, then reused); on the batch
+    server, the session of the step this thread runs (`duality.batch_server`)."""
     from pyspark.sql import SparkSession
 
-    if warm and settings.spark_remote is not None:
-        return remote_session(settings, app_name, extra)
+    step = step_session()
+    if step is not None:
+        return step
     # Driver and executors must run the interpreter that has duality installed.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
@@ -207,65 +213,6 @@ def session(
     spark = _with_stdout_to_stderr(builder.getOrCreate)
     spark.sparkContext.setLogLevel("WARN")
     return spark
-
-
-# Settings of a session on a Spark Connect server: the server's own (`duality.local.connect`)
-# hold everything static (jars, Delta, the master); a session sets only these.
-REMOTE_SESSION_CONFIG = {"spark.sql.session.timeZone": "UTC"}
-
-
-def remote_session(
-    settings: Settings, app_name: str, extra: Mapping[str, str] | None = None
-) -> SparkSession:
-    """A session of its own on the Spark Connect server (its temporary views and settings
-    unseen by other steps'), released at exit. SIGTERM (a task stopped or timed out) first
-    interrupts what the session runs on the server, so no work outlives the step."""
-    from pyspark.sql import SparkSession
-
-    assert settings.spark_remote is not None
-    active = SparkSession.getActiveSession()
-    if active is not None:
-        return active
-    url = settings.spark_remote.rstrip("/")
-    # A session id of our own: the server's session is this process's, never another's.
-    url += f"/;session_id={uuid.uuid4()};user_agent={app_name}"
-    builder = SparkSession.builder.remote(url)
-    for key, value in {**REMOTE_SESSION_CONFIG, **(extra or {})}.items():
-        builder = builder.config(key, value)
-    try:
-        spark = builder.getOrCreate()
-    except Exception as error:
-        raise ConnectUnavailable(settings.spark_remote, error) from error
-    _interrupt_on_exit(spark)
-    return spark
-
-
-class ConnectUnavailable(UsageError):
-    """The Spark Connect server does not answer."""
-
-    def __init__(self, remote: str, error: BaseException):
-        super().__init__(
-            f"the Spark Connect server {remote} does not answer ({type(error).__name__}): start "
-            "it with `duality up`, or unset DUALITY_SPARK_REMOTE to run in a Spark of this "
-            "process's own"
-        )
-
-
-def _interrupt_on_exit(spark: SparkSession) -> None:
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def interrupted(signum: int, frame: FrameType | None) -> None:
-        with contextlib.suppress(Exception):
-            spark.interruptAll()
-        signal.signal(signal.SIGTERM, previous)
-        raise SystemExit(128 + signum)
-
-    def release() -> None:
-        with contextlib.suppress(Exception):
-            spark.stop()
-
-    signal.signal(signal.SIGTERM, interrupted)
-    atexit.register(release)
 
 
 def scratch_config(folder: Path) -> dict[str, str]:

@@ -430,7 +430,7 @@ def _run_ge(
         },
     )
     # The frames come persisted (and are unpersisted after): GE's own persist would be a second
-    # copy that nothing unpersists, kept for good on a Spark Connect server.
+    # copy that nothing unpersists, kept for good in the batch server's long-running Spark.
     source = context.data_sources.add_spark(f"{spec.name}_snapshot", persist=False)
     reconciling = [e for e in expectations if e.meta[ORIGIN] == RECONCILE_ORIGIN]
     schema = [e for e in expectations if e not in reconciling and e.expectation_type in SCHEMA]

@@ -31,6 +31,7 @@ KAFKA = ("kafka-1", "kafka-2", "kafka-3")
 SPARK_MASTER = "spark-master"
 SPARK_WORKERS = ("spark-worker-1", "spark-worker-2")
 SPARK = (SPARK_MASTER, *SPARK_WORKERS)
+BATCH_SERVER = "batch-server"
 AIRFLOW_COMMANDS = {
     "airflow-init": ["db", "migrate"],
     "airflow-apiserver": ["api-server"],
@@ -232,7 +233,7 @@ def _listeners(value: str) -> dict[str, tuple[str, int]]:
 
 
 def test_every_service_of_the_stack_is_there():
-    assert {*KAFKA, *SPARK, POSTGRES, *AIRFLOW} <= set(_services())
+    assert {*KAFKA, *SPARK, BATCH_SERVER, POSTGRES, *AIRFLOW} <= set(_services())
 
 
 @pytest.mark.parametrize("name", AIRFLOW)
@@ -281,6 +282,27 @@ def test_dependencies_exist_and_wait_for_health():
     for worker in SPARK_WORKERS:
         condition = (_service(worker).get("depends_on") or {}).get(SPARK_MASTER, {})
         assert condition.get("condition") == "service_healthy", f"{worker} must wait for master"
+
+
+def test_the_batch_server_runs_the_steps_of_airflows_tasks():
+    """The service Airflow's tasks send their batch steps to (`DUALITY_BATCH_SERVER`) is the
+    batch server, on the port and name that setting gives, with the cluster as its Spark."""
+    settings = Settings.from_env(_env("airflow-scheduler"))
+    assert settings.batch_server is not None
+    host, _, port = settings.batch_server.rpartition(":")
+    service = _service(BATCH_SERVER)
+    assert host == BATCH_SERVER == service["hostname"]
+    command = _command(BATCH_SERVER)
+    assert command[:4] == ["python", "-m", "duality.cli", "batch-server"], command
+    options = dict(zip(command[4::2], command[5::2], strict=True))
+    assert options == {"--host": "0.0.0.0", "--port": port}, options
+    assert port in " ".join(service["healthcheck"]["test"]), "the health check probes another port"
+    assert Settings.from_env(_env(BATCH_SERVER)).spark_master == _master_url()
+    waits = service["depends_on"]
+    for name in (*KAFKA, SPARK_MASTER):
+        assert waits.get(name, {}).get("condition") == "service_healthy", name
+    scheduler = _service("airflow-scheduler")["depends_on"]
+    assert scheduler[BATCH_SERVER]["condition"] == "service_healthy"
 
 
 def test_every_interpolation_has_a_default():
@@ -463,7 +485,7 @@ def test_every_duality_variable_is_a_setting():
 def test_spark_and_airflow_see_the_same_settings():
     image_env = _image_env()
     expected = None
-    for name in (*SPARK, *AIRFLOW):
+    for name in (*SPARK, BATCH_SERVER, *AIRFLOW):
         env = {k: v for k, v in _env(name).items() if k.startswith(PREFIX)}
         assert env.get("DUALITY_HOME") == image_env["DUALITY_HOME"], name
         assert env.get("DUALITY_JAR_CACHE") == image_env["DUALITY_JAR_CACHE"], name

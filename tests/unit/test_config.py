@@ -59,7 +59,7 @@ def test_environment_overrides(tmp_path: Path):
         ("DUALITY_CONTROLLER_PORT", "ninety", "number"),
         ("DUALITY_AIRFLOW_DB", "postgresql", "use sqlite"),
         ("DUALITY_AIRFLOW_DB", "mysql", "or postgres"),
-        ("DUALITY_SPARK_REMOTE", "localhost:15002", "sc://localhost:15002"),
+        ("DUALITY_BATCH_SERVER", "sc://localhost:15002", "like 127.0.0.1:7078"),
     ],
 )
 def test_bad_settings_name_the_variable_and_the_fix(variable: str, value: str, named: str):

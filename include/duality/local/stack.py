@@ -11,6 +11,7 @@ from duality import kafka, spec
 from duality.config import STACK_FILE, Settings
 from duality.errors import CheckFailed, DualityError, UsageError
 from duality.local.airflow import AirflowStatus, AirflowStopped, LocalAirflow
+from duality.local.batch_server import BatchServerStatus, BatchServerStopped, LocalBatchServer
 from duality.local.broker import BrokerStatus, LocalBroker
 from duality.local.kraft import (
     ClusterStatus,
@@ -21,7 +22,6 @@ from duality.local.kraft import (
 )
 from duality.local.scram import Scram
 from duality.local.spark_cluster import SparkStatus, SparkStopped, local_spark
-from duality.local.spark_connect import ConnectStatus, ConnectStopped, LocalSparkConnect
 from duality.spark import sweep_scratch
 from duality.stream import control
 from duality.stream.control import StoppedStream
@@ -73,7 +73,7 @@ class StackUp:
     topology: Topology
     broker: BrokerStatus | ClusterStatus
     airflow: AirflowStatus
-    connect: ConnectStatus
+    batch: BatchServerStatus
     spark: SparkStatus | None = None
 
 
@@ -86,8 +86,8 @@ def up(
     sasl: bool = False,
     progress: Callable[[str], None] = lambda _: None,
 ) -> StackUp:
-    """Start what does not run: Kafka, Spark (the cluster, if any, and the Spark Connect server
-    the batch steps run on), then Airflow (whose tasks need both); what is not given is what
+    """Start what does not run: Kafka, Spark (the cluster, if any, and the batch server the
+    batch steps run on), then Airflow (whose tasks need both); what is not given is what
     runs, else the default, and another topology than what runs is refused."""
     recorded = recorded_stack(settings)
     base = recorded or Topology(airflow_db=settings.airflow_db)
@@ -122,10 +122,10 @@ def up(
         chosen["DUALITY_SPARK_MASTER"] = cluster.master_url
         # An executor per worker for each application: a stream leaves room for batch jobs.
         chosen["DUALITY_SPARK_CORES_MAX"] = str(topology.spark_workers)
-    server = LocalSparkConnect(Settings.from_env({**settings.as_env(), **chosen}))
-    progress("starting the Spark Connect server of the batch steps")
-    connect = server.start()
-    chosen["DUALITY_SPARK_REMOTE"] = server.remote
+    server = LocalBatchServer(Settings.from_env({**settings.as_env(), **chosen}))
+    progress("starting the batch server (a warm Spark for the batch steps)")
+    batch = server.start()
+    chosen["DUALITY_BATCH_SERVER"] = server.address
     chosen["DUALITY_AIRFLOW_DB"] = topology.airflow_db
     # Later commands (and Airflow's tasks) find the stack through the record: `Settings.from_env`.
     settings.local_dir.mkdir(parents=True, exist_ok=True)
@@ -134,7 +134,7 @@ def up(
     stacked = Settings.from_env({**settings.as_env(), **chosen})
     progress(f"starting Airflow on {settings.airflow_url}")
     airflow = LocalAirflow(stacked).start(progress=progress)
-    return StackUp(topology, broker, airflow, connect, spark)
+    return StackUp(topology, broker, airflow, batch, spark)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,15 +143,15 @@ class StackDown:
     spark: SparkStopped
     airflow: AirflowStopped
     streams: list[StoppedStream]
-    connect: ConnectStopped
+    batch: BatchServerStopped
 
 
 def down(settings: Settings) -> StackDown:
-    """Airflow first (a supervisor run could start a stream again), the streams, the Spark
-    Connect server, Spark, Kafka."""
+    """Airflow first (a supervisor run could start a stream again), the streams, the batch
+    server, Spark, Kafka."""
     airflow = LocalAirflow(settings).stop()
     streams = control.stop_all(settings)
-    connect = LocalSparkConnect(settings).stop()
+    batch = LocalBatchServer(settings).stop()
     # What the stopped (or once killed) drivers' JVMs left in their temporary folders.
     sweep_scratch(settings)
     topology = recorded_stack(settings) or Topology()
@@ -161,7 +161,7 @@ def down(settings: Settings) -> StackDown:
     spark = local_spark(settings, max(1, workers)).stop()
     brokers = stop_brokers(settings)
     (settings.local_dir / STACK_FILE).unlink(missing_ok=True)
-    return StackDown(brokers, spark, airflow, streams, connect)
+    return StackDown(brokers, spark, airflow, streams, batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +191,7 @@ class StackStatus:
     topology: Topology
     broker: KafkaStatus
     airflow: AirflowStatus
-    connect: ConnectStatus
+    batch: BatchServerStatus
     spark: SparkStatus | None = None
 
 
@@ -234,7 +234,7 @@ def status(settings: Settings) -> StackStatus:
         local_spark(settings, topology.spark_workers).status() if topology.spark_workers else None
     )
     airflow = LocalAirflow(settings).status()
-    return StackStatus(topology, broker, airflow, LocalSparkConnect(settings).status(), spark)
+    return StackStatus(topology, broker, airflow, LocalBatchServer(settings).status(), spark)
 
 
 def require_sound(stack: StackStatus) -> None:

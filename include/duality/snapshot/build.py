@@ -382,8 +382,8 @@ def _merge(
         "spark.sql.adaptive.enabled": "false",
     }
     conf = small if local else {}
-    # SQL, not `DeltaTable.merge`: the same statement runs on a Spark of this process's own and
-    # on a Spark Connect server, which has no Delta Connect plugin (docs/decisions/0026).
+    # SQL, not `DeltaTable.merge`: the statement needs no Delta Python API, which a Spark
+    # Connect client lacks (docs/decisions/0026-warm-spark-for-batch-steps.md).
     source = f"duality_merge_source_{uuid.uuid4().hex}"  # a view of this session only
     rows.createOrReplaceTempView(source)
     statement = (

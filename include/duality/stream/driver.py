@@ -111,7 +111,6 @@ class StreamDriver:
             settings,
             f"duality-stream-{spec.name}",
             {"spark.driver.memory": settings.stream_driver_memory},
-            warm=False,
         )
         heartbeat = Heartbeat(settings, spec.name)
         backoff = 1.0

@@ -168,8 +168,8 @@ def test_a_pipeline_runs_on_the_brokers_and_the_workers(topology: Stack):
         )
         cluster = local_spark(settings, WORKERS)
         apps = {a["name"]: a for a in (cluster.master_state() or {}).get("activeapps", [])}
-        # The stream, and the Spark Connect server of the batch steps: each an executor per worker.
-        assert set(apps) == {f"duality-stream-{spec.name}", "duality-spark-connect"}, apps
+        # The stream, and the batch server of the batch steps: each an executor per worker.
+        assert set(apps) == {f"duality-stream-{spec.name}", "duality-batch-server"}, apps
         for app in apps.values():
             for worker in range(WORKERS):
                 assert list((cluster.work_dir(worker) / app["id"]).glob("*")), (app, worker)
