@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from duality.config import Settings
 from duality.errors import CheckFailed, UsageError
-from duality.spark import session, set_step_session
+from duality.spark import scratch_folder, session, set_step_session
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -41,6 +41,12 @@ log = logging.getLogger("duality.batch_server")
 # The commands that run on the server when one is configured.
 BATCH_COMMANDS = frozenset({"snapshot", "validate", "publish", "repartition", "read"})
 _STEP = threading.local()  # on a step's thread: `sink`, where its output goes
+# The pool every job goes to, fair between jobs (Spark's default pool is first in, first out).
+_FAIR_POOL = """<?xml version="1.0"?>
+<allocations>
+  <pool name="default"><schedulingMode>FAIR</schedulingMode><weight>1</weight></pool>
+</allocations>
+"""
 
 
 class StepCancelled(BaseException):
@@ -131,9 +137,7 @@ class _Step:
         self.send({"stream": stream, "text": text})
 
     def run(self, argv: list[str], env: dict[str, str]) -> int:
-        base = self.server.spark
-        self.session = base.newSession()
-        base.sparkContext.setLocalProperty("spark.scheduler.pool", f"step-{self.id}")
+        self.session = self.server.spark.newSession()
         _STEP.sink = self.output
         set_step_session(self.session)
         try:
@@ -144,7 +148,6 @@ class _Step:
             self.done.set()
             _STEP.sink = None
             set_step_session(None)
-            base.sparkContext.setLocalProperty("spark.scheduler.pool", None)  # type: ignore[arg-type]
 
     def watch(self) -> None:
         """Wait for the connection to close; closed before the step ended, cancel the step."""
@@ -227,11 +230,13 @@ def serve(settings: Settings, host: str, port: int, command: Command) -> int:
     import signal
 
     started = time.monotonic()
+    # Steps of different pipelines run side by side: their jobs share the executors fairly.
+    pools = scratch_folder(settings) / "fairscheduler.xml"
+    pools.write_text(_FAIR_POOL)
     spark = session(
         settings,
         "duality-batch-server",
-        # Steps of different pipelines run side by side, each its jobs' fair share.
-        extra={"spark.scheduler.mode": "FAIR"},
+        extra={"spark.scheduler.mode": "FAIR", "spark.scheduler.allocation.file": str(pools)},
     )
     warm_up(spark)
     server = BatchServer((host, port), spark, command)

@@ -432,6 +432,10 @@ def _run_ge(
     # The frames come persisted (and are unpersisted after): GE's own persist would be a second
     # copy that nothing unpersists, kept for good in the batch server's long-running Spark.
     source = context.data_sources.add_spark(f"{spec.name}_snapshot", persist=False)
+    # GE would query through the process's first session (`builder.getOrCreate`), where the
+    # batch server's step did not register its views: it is given the frame's own session.
+    source._spark = table.sparkSession
+    source._execution_engine = None  # made again, on that session
     reconciling = [e for e in expectations if e.meta[ORIGIN] == RECONCILE_ORIGIN]
     schema = [e for e in expectations if e not in reconciling and e.expectation_type in SCHEMA]
     rows = [e for e in expectations if e not in reconciling and e not in schema]
