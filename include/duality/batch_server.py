@@ -121,9 +121,10 @@ class _Routed(io.TextIOBase):
 class _Step:
     """One command's run: its thread, its session, and the connection it answers on."""
 
-    def __init__(self, server: BatchServer, connection: socket.socket):
-        self.server, self.connection = server, connection
+    def __init__(self, server: BatchServer, connection: socket.socket, argv: list[str]):
+        self.server, self.connection, self.argv = server, connection, argv
         self.id = uuid.uuid4().hex[:12]
+        self.started = time.time()
         self.lock = threading.Lock()
         self.done = threading.Event()
         self.thread_id = threading.get_ident()
@@ -174,16 +175,25 @@ class _Handler(socketserver.StreamRequestHandler):
 
     def handle(self) -> None:
         request = json.loads(self.rfile.readline() or b"{}")
+        if request.get("status"):
+            self.wfile.write(json.dumps(self.server.report()).encode() + b"\n")
+            return
         argv, env = request.get("argv"), request.get("env")
         if not isinstance(argv, list) or not isinstance(env, dict):
             return  # not a duality client (a port probe): nothing to run
-        step = _Step(self.server, self.connection)
+        step = _Step(self.server, self.connection, argv)
+        with self.server.lock:
+            self.server.steps[step.id] = step
         watcher = threading.Thread(target=step.watch, name=f"watch-{step.id}", daemon=True)
         watcher.start()
         started = time.monotonic()
         log.info("step %s: duality %s", step.id, " ".join(argv))
         try:
-            code = step.run(argv, env)
+            try:
+                code = step.run(argv, env)
+            finally:
+                with self.server.lock:
+                    self.server.steps.pop(step.id, None)
         except StepCancelled:
             log.warning("step %s: cancelled after %.1fs", step.id, time.monotonic() - started)
             return
@@ -213,6 +223,8 @@ class BatchServer(socketserver.ThreadingTCPServer):
 
     def __init__(self, address: tuple[str, int], spark: SparkSession, command: Command):
         self.spark, self.command = spark, command
+        self.lock = threading.Lock()
+        self.steps: dict[str, _Step] = {}  # running, by id
         # What a step prints goes to its client: sys.stdout and sys.stderr route by thread.
         self._own = (sys.stdout, sys.stderr)
         sys.stdout = _Routed(sys.stdout, "out")
@@ -222,6 +234,25 @@ class BatchServer(socketserver.ThreadingTCPServer):
     def server_close(self) -> None:
         super().server_close()
         sys.stdout, sys.stderr = self._own
+
+    def report(self) -> dict[str, Any]:
+        """The steps running, and Spark's jobs running (of any step)."""
+        with self.lock:
+            steps = [
+                {"id": s.id, "command": " ".join(s.argv), "started": s.started}
+                for s in self.steps.values()
+            ]
+        jobs = list(self.spark.sparkContext.statusTracker().getActiveJobsIds())
+        return {"steps": steps, "active_jobs": jobs}
+
+
+def server_report(address: str, timeout: float = 10.0) -> dict[str, Any]:
+    """What the server at `address` runs (`BatchServer.report`)."""
+    host, _, port = address.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as connection:
+        connection.sendall(b'{"status": true}\n')
+        with connection.makefile("rb") as replies:
+            return dict(json.loads(replies.readline()))
 
 
 def serve(settings: Settings, host: str, port: int, command: Command) -> int:

@@ -149,7 +149,8 @@ def _print_status(report: stack.StackStatus, console: Console) -> None:
         rows.append(("spark", spark.state, spark.master_url or "-", pid, alive, str(spark.log)))
     batch = report.batch
     pid = str(batch.pid or "-")
-    rows.append(("batch-server", batch.state, batch.address or "-", pid, "", str(batch.log)))
+    steps = "" if batch.steps is None else f"{len(batch.steps)} steps running"
+    rows.append(("batch-server", batch.state, batch.address or "-", pid, steps, str(batch.log)))
     for name, component in airflow.components.items():
         rows.append(
             (

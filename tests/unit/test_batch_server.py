@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from duality import batch_server, cli, spark
-from duality.batch_server import BatchServer, run_remote
+from duality.batch_server import BatchServer, run_remote, server_report
 from duality.config import Settings
 from duality.errors import CheckFailed, UsageError
 from duality.local.batch_server import LocalBatchServer
@@ -36,9 +36,14 @@ class FakeSession:
         return []
 
 
+class FakeTracker:
+    def getActiveJobsIds(self) -> list[int]:
+        return [7]
+
+
 class FakeContext:
-    def setLocalProperty(self, key: str, value: str | None) -> None:
-        pass
+    def statusTracker(self) -> FakeTracker:
+        return FakeTracker()
 
 
 class FakeSpark:
@@ -149,10 +154,14 @@ def test_a_client_killed_mid_step_interrupts_its_session_and_stops_the_step(tmp_
         client = subprocess.Popen(command, env={**os.environ, **settings.as_env()})
         try:
             assert started.wait(60), "the step never started"
+            report = server_report(settings.batch_server or "")
+            assert [s["command"] for s in report["steps"]] == ["snapshot"], report
+            assert report["active_jobs"] == [7]
             client.kill()
             client.wait(30)
             assert_eventually(stopped.is_set, timeout=30, message="the step kept running")
             assert server.spark.sessions[-1].interrupted.is_set()  # type: ignore[attr-defined]
+            assert_eventually(lambda: not server_report(settings.batch_server or "")["steps"])
         finally:
             client.kill()
 

@@ -3,6 +3,7 @@ Spark that batch steps run on (docs/decisions/0026-warm-spark-for-batch-steps.md
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -11,6 +12,7 @@ import socket
 import sys
 from pathlib import Path
 
+from duality.batch_server import server_report
 from duality.config import PREFIX, Settings
 from duality.errors import LocalStackError
 from duality.local.ports import LOCAL_HOSTS, free_port
@@ -36,6 +38,7 @@ class BatchServerStatus:
     pid: int | None
     master: str | None
     log: Path
+    steps: list[str] | None = None  # the commands it runs; None when it does not answer
     already_running: bool | None = None  # set by `start()`
 
 
@@ -72,14 +75,14 @@ class LocalBatchServer:
 
     def status(self) -> BatchServerStatus:
         pid = self.pid()
-        master = json.loads(self.state_file.read_text())["master"] if pid is not None else None
-        return BatchServerStatus(
-            state="running" if pid is not None else "stopped",
-            address=self.address if pid is not None else None,
-            pid=pid,
-            master=master,
-            log=self.log,
-        )
+        if pid is None:
+            return BatchServerStatus("stopped", None, None, None, self.log)
+        steps = None
+        with contextlib.suppress(OSError, ValueError):  # still starting, or stopping
+            report = server_report(self.address, timeout=2.0)
+            steps = [step["command"] for step in report["steps"]]
+        master = json.loads(self.state_file.read_text())["master"]
+        return BatchServerStatus("running", self.address, pid, master, self.log, steps)
 
     def _port(self) -> int:
         """The running server's port, else the one `settings.batch_server` names here, else free."""
