@@ -85,8 +85,9 @@ class LocalBatchServer:
         return BatchServerStatus("running", self.address, pid, master, self.log, steps)
 
     def _port(self) -> int:
-        """The running server's port, else the one `settings.batch_server` names here, else free."""
-        if self.state_file.is_file() and self.pid() is not None:
+        """The port it last ran on (clients know it), else the one `settings.batch_server` names
+        on this machine, else a free one."""
+        if self.state_file.is_file():
             return int(json.loads(self.state_file.read_text())["port"])
         host, _, port = (self.settings.batch_server or "").rpartition(":")
         if host in LOCAL_HOSTS and port.isdigit():
