@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from duality import process
+from duality import kafka, process
 from duality.airflow_api import AirflowClient
 from duality.batch_server import server_report
 from duality.config import Settings
@@ -61,6 +61,7 @@ def stack(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 def _pipeline(stack: Stack, keys: int, seed: int) -> tuple[PipelineSpec, dict]:
     spec = make_pipeline(stack.settings, stack.settings.pipelines, "product_sales")
+    kafka.create_topic(stack.settings, spec.source.topic, 3)
     _create_changelog(stack.settings, spec)
     rng = random.Random(seed)
     names = [f"p{i:07d}" for i in range(keys)]
