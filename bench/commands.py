@@ -7,7 +7,10 @@ changed (nine in ten updated, one in ten tombstoned), `snapshot` (incremental), 
 `cmd-*` scenarios start a Spark of their own in each process, as every step did before the
 server; the `cmd-*-warm` ones are clients of a server the run starts, which first serves one
 such sequence on a table of a tenth as many keys (a server in use has served earlier runs).
-Each table is compared with an independent read of the changelog. Targets, on the warm ones:
+Each table is compared with an independent read of the changelog. Then Airflow (started for
+it) runs that pipeline's snapshot DAG on the server after 1% more changes: the `dag-*-task`
+scenarios are its tasks' durations, `dag-snapshot-run` the run's, from Airflow's REST API.
+Targets, on the warm ones:
 the incremental snapshot at most 0.25x the full rebuild; validation at most 5 s per million
 rows; incremental snapshot, validation and publication at most 15 s together; nothing new at
 most 3 s.
@@ -87,10 +90,63 @@ def command_scenarios(
         warm = _sequence(
             warm_settings, source, keys, pipelines, f"bench_cmd_warm_{stamp}", "-warm", say
         )
+        dag = _dag_tasks(warm_settings, source, pipelines, f"bench_cmd_warm_{stamp}", keys, say)
     finally:
         server.stop()
     _set_targets(warm)
-    return [*cold, *warm]
+    return [*cold, *warm, *dag]
+
+
+def _dag_tasks(
+    settings: Settings,
+    source: str,
+    pipelines: Path,
+    name: str,
+    keys: int,
+    say: Callable[[str], None],
+) -> list[CommandFigure]:
+    """The snapshot DAG of the warm sequence's pipeline, run by Airflow on the server after 1%
+    more changes: each task's duration and the run's, from Airflow's REST API."""
+    from duality.airflow_api import AirflowClient
+    from duality.demo import _run_dags
+    from duality.local.airflow import AIRFLOW_USER, LocalAirflow
+    from duality.local.ports import free_port
+
+    scoped = settings.replace(
+        pipelines=pipelines,
+        airflow_url=f"http://localhost:{free_port()}",
+        local_dir=settings.local_dir / "bench-airflow",
+    )
+    spec = bench_spec(name, source, pipelines)
+    rng = random.Random(22)
+    changed = rng.sample([f"p{i:07d}" for i in range(keys)], max(1, int(keys * CHANGED)))
+    write_changelog(scoped, spec, {p: _row(rng) for p in changed})
+    say("starting Airflow to run the snapshot DAG on the server")
+    airflow = LocalAirflow(scoped)
+    started = airflow.start()
+    try:
+        client = AirflowClient(scoped.airflow_url, AIRFLOW_USER, str(started.password))
+        dag_id = f"duality_{spec.name}_snapshot"
+        run_id = _run_dags(client, {dag_id: {}}, say)[dag_id]
+        tasks = {t["task_id"]: t for t in client.task_instances(dag_id, run_id)}
+        run = client.run(dag_id, run_id)
+    finally:
+        airflow.stop()
+    figures = []
+    for task in ("snapshot", "validate", "publish"):
+        figure = CommandFigure(f"dag-{task}-task", 0, float(tasks[task]["duration"]), 0.0)
+        figure.command, figure.warm = f"Airflow task {task} of {dag_id}", True
+        figures.append(figure)
+    total = _seconds(run["end_date"]) - _seconds(run["start_date"])
+    figure = CommandFigure("dag-snapshot-run", 0, total, 0.0)
+    figure.command, figure.warm = f"Airflow run {run_id} of {dag_id}", True
+    return [*figures, figure]
+
+
+def _seconds(timestamp: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
 
 
 def _sequence(

@@ -37,6 +37,8 @@ SCENARIOS = {
         for warm in ("", "-warm")
     ],
     *["cmd-snapshot-nothing-new", "cmd-snapshot-nothing-new-warm"],
+    # The snapshot DAG run by Airflow on the server: its tasks' and its run's durations.
+    *["dag-snapshot-task", "dag-validate-task", "dag-publish-task", "dag-snapshot-run"],
 }
 
 
