@@ -22,6 +22,7 @@ import yaml
 from duality import kafka
 from duality.airflow_api import AirflowClient
 from duality.config import SHIPPED_PIPELINES, Settings
+from duality.errors import LocalStackError
 from duality.local.airflow import AIRFLOW_COMPONENTS, LocalAirflow
 from duality.local.ports import free_port
 from duality.local.ports import port_in_use as _port_in_use
@@ -221,8 +222,11 @@ def test_scheduler_killed_mid_snapshot_publishes_once_and_nothing_shows_the_pass
         assert again["components"]["scheduler"]["pid"] not in (None, scheduler), again
         assert {n: again["components"][n]["pid"] for n in before} == before, "others restarted"
 
-        run = client.wait_run(snapshot_dag, run_id, timeout=600)
-        assert run["state"] == "success", client.task_instances(snapshot_dag, run_id)
+        try:  # within pytest's own timeout, so that what happened can be said
+            run = client.wait_run(snapshot_dag, run_id, timeout=400)
+        except LocalStackError as error:
+            raise AssertionError(_what_happened(topology, snapshot_dag, run_id)) from error
+        assert run["state"] == "success", _what_happened(topology, snapshot_dag, run_id)
         assert _epoch(run["start_date"]) < killed_at < _epoch(run["end_date"])
         assert [r["dag_run_id"] for r in client.runs(snapshot_dag)] == [run_id]
         assert streams.now()["duality.stream"], "the stream is not running any more"
@@ -265,6 +269,20 @@ def _task_state(client: AirflowClient, dag_id: str, run_id: str, task_id: str) -
         if task["task_id"] == task_id:
             return task.get("state")
     return None
+
+
+def _what_happened(topology: Stack, dag_id: str, run_id: str) -> str:
+    """The run's task instances, the ends of their logs and of the batch server's log."""
+    client, lines = topology.client, []
+    for task in client.task_instances(dag_id, run_id):
+        lines.append(f"{task['task_id']}: {task['state']} (try {task['try_number']})")
+        for attempt in range(1, int(task["try_number"] or 0) + 1):
+            log = client.task_log(dag_id, run_id, task["task_id"], attempt)
+            lines.append(f"--- {task['task_id']} try {attempt}:\n{log[-1500:]}")
+    server = topology.root / "local" / "batch-server" / "server.log"
+    if server.is_file():
+        lines.append(f"--- {server}:\n{server.read_text(errors='replace')[-3000:]}")
+    return "\n".join(lines)
 
 
 def _epoch(timestamp: str) -> float:
