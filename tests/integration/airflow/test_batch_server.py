@@ -63,12 +63,17 @@ def _pipeline(stack: Stack, keys: int, seed: int) -> tuple[PipelineSpec, dict]:
     spec = make_pipeline(stack.settings, stack.settings.pipelines, "product_sales")
     kafka.create_topic(stack.settings, spec.source.topic, 3)
     _create_changelog(stack.settings, spec)
+    _write_keys(stack, spec, "p", keys, seed)
+    return spec, _truth(stack.settings, spec)
+
+
+def _write_keys(stack: Stack, spec: PipelineSpec, prefix: str, keys: int, seed: int) -> None:
+    """`keys` new keys in the changelog, in transactions of at most 50,000 records."""
     rng = random.Random(seed)
-    names = [f"p{i:07d}" for i in range(keys)]
-    for start in range(0, keys, 50_000):  # transactions of at most 50,000 records
+    names = [f"{prefix}{i:07d}" for i in range(keys)]
+    for start in range(0, keys, 50_000):
         chunk = names[start : start + 50_000]
         write_changelog(stack.settings, spec, {n: _row(n, rng.randint(1, 5), rng) for n in chunk})
-    return spec, _truth(stack.settings, spec)
 
 
 def _published(spark, stack: Stack, spec: PipelineSpec) -> tuple[int, dict]:  # type: ignore[no-untyped-def]
@@ -102,7 +107,7 @@ def test_a_snapshot_task_set_to_failed_stops_its_step_on_the_server(spark, stack
     dag_id = f"duality_{spec.name}_snapshot"
     _run_dags(stack.client, {dag_id: {}}, lambda _: None)
     first, _ = _published(spark, stack, spec)
-    _pipeline_more(stack, spec, LONG_KEYS)
+    _write_keys(stack, spec, "q", LONG_KEYS, LONG_KEYS)
 
     run_id = stack.client.trigger(dag_id)
     assert_eventually(lambda: _running(stack, spec), timeout=120, message="no step on the server")
@@ -119,14 +124,6 @@ def test_a_snapshot_task_set_to_failed_stops_its_step_on_the_server(spark, stack
     assert stack.client.run(dag_id, run_id)["state"] == "failed"
     version, table = _published(spark, stack, spec)
     assert version == first and table == truth  # the previous version stays published
-
-
-def _pipeline_more(stack: Stack, spec: PipelineSpec, keys: int) -> None:
-    rng = random.Random(keys)
-    names = [f"q{i:07d}" for i in range(keys)]
-    for start in range(0, keys, 50_000):
-        chunk = names[start : start + 50_000]
-        write_changelog(stack.settings, spec, {n: _row(n, rng.randint(1, 5), rng) for n in chunk})
 
 
 def test_the_server_killed_mid_snapshot_fails_the_task_clearly_and_its_retry_publishes(
