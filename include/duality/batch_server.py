@@ -137,12 +137,12 @@ class _Step:
     def output(self, stream: str, text: str) -> None:
         self.send({"stream": stream, "text": text})
 
-    def run(self, argv: list[str], env: dict[str, str]) -> int:
+    def run(self, env: dict[str, str]) -> int:
         self.session = self.server.spark.newSession()
         _STEP.sink = self.output
         set_step_session(self.session)
         try:
-            return self.server.command(argv, env, forward=False)
+            return self.server.command(self.argv, env, forward=False)
         except SystemExit as exit_:  # argparse, and `sys.exit` in a command
             return exit_.code if isinstance(exit_.code, int) else 1
         finally:
@@ -190,7 +190,7 @@ class _Handler(socketserver.StreamRequestHandler):
         log.info("step %s: duality %s", step.id, " ".join(argv))
         try:
             try:
-                code = step.run(argv, env)
+                code = step.run(env)
             finally:
                 with self.server.lock:
                     self.server.steps.pop(step.id, None)
