@@ -341,6 +341,11 @@ def _cmd_stream(settings: Settings, args: Namespace, console: Console) -> Any:
                 else "; no heartbeat yet"
             )
             + (f"; lag {state.lag:,}" if state.lag is not None else "")
+            + (
+                f"; metrics http://{beat['host']}:{beat['metrics_port']}/metrics"
+                if beat and beat.get("metrics_port")
+                else ""
+            )
         )
     return state
 

@@ -63,6 +63,12 @@ class Settings:
     # The batch server (`host:port`, `duality batch-server`) that the batch steps (snapshot,
     # validate, publish, read, repartition) run on; unset, each starts a Spark of its own.
     batch_server: str | None = None
+    # A stream's Prometheus endpoint (docs/monitoring.md): 0 = a free port, -1 = none.
+    metrics_port: int = 0
+    # The Prometheus Pushgateway (`host:port`) that batch steps push their figures to; unset,
+    # they push nowhere. Prometheus' HTTP API (`http://host:port`) that the pipelines page reads.
+    pushgateway: str | None = None
+    prometheus_url: str | None = None
     warehouse: Path = Path(".local/warehouse")
     checkpoint_root: Path = Path(".local/checkpoints")
     jar_cache: Path = Path(".cache/jars")
@@ -113,6 +119,16 @@ class Settings:
             raise UsageError(
                 f"{PREFIX}BATCH_SERVER={self.batch_server!r} is not host:port: write it like "
                 "127.0.0.1:7078, or unset it to run each step in a Spark of its own"
+            )
+        if self.pushgateway is not None and not re.fullmatch(r"[^\s:/]+:\d+", self.pushgateway):
+            raise UsageError(
+                f"{PREFIX}PUSHGATEWAY={self.pushgateway!r} is not host:port: write it like "
+                "127.0.0.1:9091, or unset it to push no batch metrics"
+            )
+        if self.metrics_port < -1 or self.metrics_port > 65535:
+            raise UsageError(
+                f"{PREFIX}METRICS_PORT={self.metrics_port}: use a port, 0 for a free one, or -1 "
+                "for no metrics endpoint"
             )
         for name in ("replication_factor", "min_insync_replicas", "spark_cores_max"):
             value = getattr(self, name)
@@ -359,6 +375,12 @@ def describe() -> list[tuple[str, str, str]]:
         "ones; `duality up --spark-workers N` sets N, so streams and batch jobs fit side by side)",
         "batch_server": "batch server (`host:port`) that batch steps run on, in its warm Spark "
         "(`duality up` starts one); unset: each step starts a Spark of its own",
+        "metrics_port": "port of each stream's Prometheus endpoint (0: a free one, written into "
+        "its heartbeat and `stream status`; -1: none)",
+        "pushgateway": "Prometheus Pushgateway (`host:port`) that batch steps push their figures "
+        "to (`duality up --monitoring` starts one); unset: none",
+        "prometheus_url": "Prometheus' address (`http://host:port`) for the pipelines page's "
+        "charts (`duality up --monitoring` sets it); unset: charts from heartbeats",
         "warehouse": "folder of Delta tables",
         "checkpoint_root": "folder of streaming checkpoints",
         "jar_cache": "folder the Maven-fetched jars are copied into",

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from duality import changelog, kafka
 from duality.config import Settings
+from duality.metrics import reason_kind
 from duality.spec import PipelineSpec
 
 if TYPE_CHECKING:
@@ -58,6 +59,9 @@ class BatchResult:
     updated_keys: int = 0
     replayed: bool = False  # its offsets were committed already: a replay, or no new records
     seconds: float = 0.0  # the whole batch in the driver
+    commit_seconds: float = 0.0  # its transaction's offsets sent and commit
+    # Dead letters by the kind of their reason (duality.metrics.reason_kind).
+    reasons: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 class ChangelogWriter:
@@ -153,7 +157,10 @@ class ChangelogWriter:
                 else:
                     reason = row["_error"]
                 result.dead_lettered += 1
+                kind = reason_kind(reason)
+                result.reasons[kind] = result.reasons.get(kind, 0) + 1
                 self._dead_letter(row, reason, source)
+            committing = time.perf_counter()
             offsets = [
                 kafka.TopicPartition(spec.source.topic, p, end)
                 for p, end in sorted(planned.end_offsets.items())
@@ -162,6 +169,7 @@ class ChangelogWriter:
                 offsets, self._group_metadata, self.settings.connect_timeout_s * 3
             )
             producer.commit_transaction(self.settings.connect_timeout_s * 6)
+            result.commit_seconds = round(time.perf_counter() - committing, 3)
         except BaseException:
             try:
                 producer.abort_transaction(self.settings.connect_timeout_s)

@@ -15,6 +15,7 @@ from typing import Any
 from duality import kafka
 from duality.config import Settings
 from duality.errors import DualityError
+from duality.metrics import MetricsEndpoint, StreamMetrics
 from duality.spec import PipelineSpec
 from duality.stream import seeding
 from duality.stream.changelog_writer import ChangelogWriter
@@ -33,8 +34,11 @@ STALLED_EXIT = 75
 JVM_EXITED = 76
 
 
-def _heartbeat_listener(heartbeat: Heartbeat, writer: ChangelogWriter) -> Any:
-    """A StreamingQueryListener that turns query progress into heartbeats on `_duality-status`."""
+def _heartbeat_listener(
+    heartbeat: Heartbeat, writer: ChangelogWriter, metrics: StreamMetrics | None
+) -> Any:
+    """A StreamingQueryListener that turns query progress into heartbeats on `_duality-status`
+    and the state store's gauges."""
     from pyspark.sql.streaming import StreamingQueryListener
 
     class Listener(StreamingQueryListener):
@@ -56,6 +60,8 @@ def _heartbeat_listener(heartbeat: Heartbeat, writer: ChangelogWriter) -> Any:
                     "state_rows": operators[0].numRowsTotal,
                     "state_memory_bytes": operators[0].memoryUsedBytes,
                 }
+                if metrics is not None:
+                    metrics.state(operators[0].numRowsTotal, operators[0].memoryUsedBytes)
             heartbeat.publish(
                 "running",
                 batch_id=progress.batchId,
@@ -94,6 +100,7 @@ class StreamDriver:
         self.spec = spec
         self.options = options
         self.stopping = threading.Event()
+        self.metrics: StreamMetrics | None = None
 
     def request_stop(self, *_: Any) -> None:
         self.stopping.set()
@@ -112,7 +119,11 @@ class StreamDriver:
             f"duality-stream-{spec.name}",
             {"spark.driver.memory": settings.stream_driver_memory},
         )
-        heartbeat = Heartbeat(settings, spec.name)
+        metrics, endpoint = self._metrics(spark)
+        heartbeat = Heartbeat(
+            settings, spec.name, metrics_port=endpoint.port if endpoint is not None else None
+        )
+        self.metrics = metrics
         backoff = 1.0
         try:
             while not self.stopping.is_set():
@@ -138,12 +149,30 @@ class StreamDriver:
                         "%s: stream failed (%s); restarting in %.0fs", spec.name, short, backoff
                     )
                     heartbeat.publish("restarting", error=short, backoff_s=backoff)
+                    if metrics is not None:
+                        metrics.restarts.labels(spec.name).inc()
                     self.stopping.wait(backoff)
                     backoff = min(backoff * 2, 30.0)
             heartbeat.publish("stopped")
         finally:
             heartbeat.close()
+            if endpoint is not None:
+                endpoint.close()
         return 0
+
+    def _metrics(self, spark: Any) -> tuple[StreamMetrics | None, MetricsEndpoint | None]:
+        """The stream's metrics and their endpoint, unless `DUALITY_METRICS_PORT=-1`."""
+        settings, spec = self.settings, self.spec
+        if settings.metrics_port < 0:
+            return None, None
+        metrics = StreamMetrics(spec.name)
+        # The lag refresher asks Kafka in the background; it gives up sooner than a command.
+        asking = settings.replace(connect_timeout_s=min(settings.connect_timeout_s, 2.0))
+        endpoint = MetricsEndpoint(
+            settings, metrics, lambda: kafka.end_offsets(asking, spec.source.topic)
+        )
+        log.info("%s: metrics on port %d (/metrics)", spec.name, endpoint.port)
+        return metrics, endpoint
 
     def _run_query(self, spark: Any, heartbeat: Heartbeat) -> None:
         spec, settings = self.spec, self.settings
@@ -174,7 +203,9 @@ class StreamDriver:
             )
         # One global watermark for late rows and eviction: the one Spark records per batch.
         spark.conf.set("spark.sql.streaming.statefulOperator.allowMultiple", "false")
-        listener = _heartbeat_listener(heartbeat, writer)
+        listener = _heartbeat_listener(heartbeat, writer, self.metrics)
+        if self.metrics is not None:
+            self.metrics.committed(writer.committed)
         spark.streams.addListener(listener)
         source = (
             spark.readStream.format("kafka")
@@ -187,9 +218,14 @@ class StreamDriver:
         )
         frame = build_query_frame(spec, source, seeding.seeds_stream(spark, spec, checkpoint))
 
+        metrics = self.metrics
+
         def apply(batch: Any, batch_id: int) -> None:
             result = writer.write(batch, batch_id)
             log.info("%s: batch %d: %s", spec.name, batch_id, result)
+            if metrics is not None and not result.replayed:
+                metrics.batch(result)
+                metrics.committed(writer.committed)
 
         query = (
             frame.writeStream.queryName(f"duality-{spec.name}")

@@ -25,12 +25,16 @@ def ensure_topic(settings: Settings) -> None:
 class Heartbeat:
     """Publishes a pipeline's state and progress."""
 
-    def __init__(self, settings: Settings, pipeline: str):
+    def __init__(self, settings: Settings, pipeline: str, metrics_port: int | None = None):
         self.pipeline = pipeline
         self.producer = kafka.producer(settings, linger_ms=0)
         # ppid: the supervisor that `duality stream start` launched (`supervisor.supervise`).
         self.base = dict(
-            pipeline=pipeline, host=socket.gethostname(), pid=os.getpid(), ppid=os.getppid()
+            pipeline=pipeline,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            ppid=os.getppid(),
+            metrics_port=metrics_port,
         )
 
     def publish(self, state: str, **details: Any) -> None:
