@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from argparse import Namespace
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -759,6 +760,54 @@ def _json_value(value: Any) -> Any:
     return str(value)
 
 
+# Commands whose runs are pushed to the Pushgateway as batch steps (docs/monitoring.md), and
+# the argument that names what they ran on.
+_PUSHED_STEPS = {
+    "snapshot": "pipeline",
+    "validate": "pipeline",
+    "publish": "pipeline",
+    "repartition": "source",
+}
+
+
+def _push_step(settings: Settings, args: Namespace, result: Any, seconds: float) -> None:
+    """A batch step's run (`result` None: it failed) for Prometheus, where it ran: on the batch
+    server when a command forwarded it there."""
+    if settings.pushgateway is None or args.command not in _PUSHED_STEPS:
+        return
+    if getattr(args, "dry_run", False):
+        return
+    from duality import metrics
+    from duality.snapshot import delta_log
+
+    step = "maintain" if getattr(args, "maintain", False) else args.command
+    figures: dict[str, Any] = {}
+    success = result is not None
+    if isinstance(result, dict):  # repartition
+        figures["records_read"] = result.get("copied")
+    elif result is not None:
+        success = bool(getattr(result, "success", True))
+        for name in ("rows", "records_read", "version"):
+            figures[name] = getattr(result, name, None)
+        published = getattr(result, "published_version", None)
+        path = getattr(result, "path", None)
+        if published is not None and path is None:  # `publish`: the table is the spec's
+            path = str(spec.find_spec(settings, args.pipeline).snapshot_path(settings))
+        if published is not None and path is not None:
+            commits = {v.version: v.timestamp_ms for v in delta_log.history(Path(path))}
+            if published in commits:
+                figures["published_version"] = published
+                figures["published_at"] = commits[published] / 1000
+    metrics.push_step(
+        settings,
+        step,
+        getattr(args, _PUSHED_STEPS[args.command]),
+        seconds=seconds,
+        success=success,
+        figures=figures,
+    )
+
+
 def main(
     argv: Sequence[str] | None = None,
     environ: Mapping[str, str] | None = None,
@@ -778,7 +827,13 @@ def main(
             settings = Settings.from_env(environ)
             if forward and settings.batch_server and args.command in BATCH_COMMANDS:
                 return run_remote(settings, argv, command)
-            result = args.handler(settings, args, console)
+            started = time.monotonic()
+            try:
+                result = args.handler(settings, args, console)
+            except DualityError:
+                _push_step(settings, args, None, time.monotonic() - started)
+                raise
+            _push_step(settings, args, result, time.monotonic() - started)
         except DualityError:
             raise
         except Exception as error:

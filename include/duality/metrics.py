@@ -13,7 +13,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
 
 from duality.config import Settings
 
@@ -21,7 +27,11 @@ if TYPE_CHECKING:
     from duality.stream.changelog_writer import BatchResult
 
 log = logging.getLogger("duality.metrics")
+# No `_created` series beside each counter and histogram: Prometheus does not use them.
+disable_created_metrics()
 
+# Where a Spark driver's UI serves Spark's own metrics (`spark_ui_config`).
+SPARK_METRICS_PATH = "/metrics/prometheus"
 # Seconds between two reads of the source topic's end offsets for the lag gauges: a scrape
 # reads the last values and never waits on Kafka.
 LAG_REFRESH_S = 5.0
@@ -201,6 +211,7 @@ class MetricsEndpoint:
         settings: Settings,
         metrics: StreamMetrics,
         end_offsets: Callable[[], dict[int, int]],
+        spark_ui: str | None = None,
     ) -> None:
         from prometheus_client import start_http_server
 
@@ -210,11 +221,15 @@ class MetricsEndpoint:
         self.server, _ = start_http_server(settings.metrics_port, registry=metrics.registry)
         self.port = int(self.server.server_port)
         self.target = target_file(settings, metrics.pipeline)
+        self.spark_target = targets_folder(settings) / f"spark-{metrics.pipeline}.json"
         self._refresher = threading.Thread(
             target=self._refresh, name="duality-metrics-lag", daemon=True
         )
         self._refresher.start()
         write_target(self.target, f"{socket.gethostname()}:{self.port}", metrics.pipeline)
+        if spark_ui is not None:  # Spark's own metrics of the driver (its PrometheusServlet)
+            address = spark_ui.split("://", 1)[-1].rstrip("/")
+            write_target(self.spark_target, address, metrics.pipeline, SPARK_METRICS_PATH)
 
     def _refresh(self) -> None:
         while not self._stop.is_set():
@@ -230,8 +245,28 @@ class MetricsEndpoint:
         """A stream stopped on purpose is no target any more (a killed one stays, and is down)."""
         self._stop.set()
         self.target.unlink(missing_ok=True)
+        self.spark_target.unlink(missing_ok=True)
         self.server.shutdown()
         self.server.server_close()
+
+
+def spark_ui_config() -> dict[str, str]:
+    """Spark settings of a stream whose metrics are on: the driver's UI on a free port, serving
+    Spark's metrics in Prometheus' format at SPARK_METRICS_PATH, and keeping little history."""
+    sink = "spark.metrics.conf.*.sink.prometheusServlet"
+    return {
+        "spark.ui.enabled": "true",
+        "spark.ui.port": "0",
+        # Spark's metric names start with this instead of the application's id, which changes
+        # with every start.
+        "spark.metrics.namespace": "duality",
+        f"{sink}.class": "org.apache.spark.metrics.sink.PrometheusServlet",
+        f"{sink}.path": SPARK_METRICS_PATH,
+        "spark.ui.retainedJobs": "100",
+        "spark.ui.retainedStages": "100",
+        "spark.sql.ui.retainedExecutions": "20",
+        "spark.sql.streaming.ui.retainedProgressUpdates": "100",
+    }
 
 
 def targets_folder(settings: Settings) -> Path:
@@ -243,10 +278,13 @@ def target_file(settings: Settings, pipeline: str) -> Path:
     return targets_folder(settings) / f"stream-{pipeline}.json"
 
 
-def write_target(path: Path, address: str, pipeline: str) -> None:
+def write_target(path: Path, address: str, pipeline: str, metrics_path: str | None = None) -> None:
     """One target in the file_sd format, written whole (a reader never sees half of it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    document = [{"targets": [address], "labels": {"pipeline": pipeline}}]
+    labels = {"pipeline": pipeline}
+    if metrics_path is not None:
+        labels["__metrics_path__"] = metrics_path
+    document = [{"targets": [address], "labels": labels}]
     partial = path.with_suffix(f".{os.getpid()}.tmp")
     partial.write_text(json.dumps(document))
     partial.replace(path)

@@ -15,7 +15,7 @@ from typing import Any
 from duality import kafka
 from duality.config import Settings
 from duality.errors import DualityError
-from duality.metrics import MetricsEndpoint, StreamMetrics
+from duality.metrics import MetricsEndpoint, StreamMetrics, spark_ui_config
 from duality.spec import PipelineSpec
 from duality.stream import seeding
 from duality.stream.changelog_writer import ChangelogWriter
@@ -114,11 +114,10 @@ class StreamDriver:
         # glibc gives each thread that allocates its own malloc arena; RocksDB's and the JVM's
         # native allocations from many threads then keep growing the JVM's resident memory.
         os.environ.setdefault("MALLOC_ARENA_MAX", "2")
-        spark = session(
-            settings,
-            f"duality-stream-{spec.name}",
-            {"spark.driver.memory": settings.stream_driver_memory},
-        )
+        extra = {"spark.driver.memory": settings.stream_driver_memory}
+        if settings.metrics_port >= 0:
+            extra |= spark_ui_config()
+        spark = session(settings, f"duality-stream-{spec.name}", extra)
         metrics, endpoint = self._metrics(spark)
         heartbeat = Heartbeat(
             settings, spec.name, metrics_port=endpoint.port if endpoint is not None else None
@@ -169,7 +168,10 @@ class StreamDriver:
         # The lag refresher asks Kafka in the background; it gives up sooner than a command.
         asking = settings.replace(connect_timeout_s=min(settings.connect_timeout_s, 2.0))
         endpoint = MetricsEndpoint(
-            settings, metrics, lambda: kafka.end_offsets(asking, spec.source.topic)
+            settings,
+            metrics,
+            lambda: kafka.end_offsets(asking, spec.source.topic),
+            spark.sparkContext.uiWebUrl,
         )
         log.info("%s: metrics on port %d (/metrics)", spec.name, endpoint.port)
         return metrics, endpoint
