@@ -304,6 +304,19 @@ def stream_targets(settings: Settings) -> Iterator[tuple[str, str]]:
 
 # --- batch steps -------------------------------------------------------------------------
 
+# What `push_step` pushes (the compose tests check the dashboard and the alert rules by them).
+PUSHED_METRICS = (
+    "duality_step_duration_seconds",
+    "duality_step_success",
+    "duality_step_last_run_timestamp_seconds",
+    "duality_step_rows",
+    "duality_step_records_read",
+    "duality_step_version",
+    "duality_validation_success",
+    "duality_snapshot_published_version",
+    "duality_snapshot_published_timestamp_seconds",
+)
+
 
 def push_step(
     settings: Settings,
