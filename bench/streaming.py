@@ -20,6 +20,9 @@ and the memory of its process tree.
   the same pipeline plus a filter, a computed field in the key, `count_distinct`, `latest` and
   `stddev`, cold, from the query's start until the committed offsets cover the topic; compared
   with `stream-throughput` (target: at least 0.8x).
+- `stream-metrics-off`: the same backlog (a topic of its own) through the same pipeline without
+  its Prometheus endpoint (`DUALITY_METRICS_PORT=-1`; every other stream scenario runs with it,
+  the default); target: `stream-throughput` at least 0.97x this.
 - `state-scale`: the same backlog run (100k keys) and a backlog of one event per key over 20
   times as many keys (2M); for each, the peak RSS of the stream's whole process tree (the
   supervisor, the driver, its JVM and Python workers, sampled every 0.25 s) and the RSS once the
@@ -53,7 +56,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +92,7 @@ POLL_S = 0.2
 
 THROUGHPUT_TARGET = 0.8  # stream-throughput records/s over python-copy's
 RICH_TARGET = 0.8  # stream-rich records/s over stream-throughput's
+METRICS_TARGET = 0.97  # stream-throughput (metrics on) over stream-metrics-off
 RSS_GROWTH_TARGET_MB = 500.0
 RESTART_RATIO_TARGET = 1.5
 LATENCY_P99_TARGET_S = 2.0
@@ -263,6 +267,18 @@ def set_rich_ratio(rich: StreamFigure, cold: Figure) -> None:
     rich.note = (
         f"{ratio:.2f}x stream-throughput (target {RICH_TARGET}x): a filter, a computed key, "
         "count_distinct, latest and stddev over the same backlog"
+    )
+
+
+def set_metrics_ratio(off: StreamFigure, on: Figure) -> None:
+    """`stream-throughput` (metrics on, the default) against the same stream without them."""
+    ratio = on.records_per_s / off.records_per_s if off.records_per_s else 0.0
+    off.details["metrics_on_vs_off"] = round(ratio, 3)
+    goal = f"stream-throughput (metrics on) >= {METRICS_TARGET}x this"
+    off.targets = [target(goal, ratio, ratio >= METRICS_TARGET)]
+    off.note = (
+        f"stream-throughput, with its metrics endpoint, is {ratio:.2f}x this (target "
+        f"{METRICS_TARGET}x): the same backlog, DUALITY_METRICS_PORT=-1"
     )
 
 
@@ -1150,6 +1166,23 @@ def stream_scenarios(
     )
     set_rich_ratio(rich, throughput)
 
+    # The same backlog again, by the same stream without its metrics endpoint.
+    progress.console.print("the same backlog by the same stream without metrics")
+    plain_topic = f"bench-nometrics-{bench.stamp}"
+    kafka.create_topic(settings, plain_topic, PARTITIONS)
+    preload(settings, plain_topic, order_events(records, keys), progress)
+    plain_spec = bench_spec(f"bench_nometrics_{bench.stamp}", plain_topic, bench.pipelines)
+    without = replace(bench, settings=settings.replace(metrics_port=-1))
+    plain_point = consume_backlog(without, plain_spec, keys, megabytes, "stream, no metrics", 0)
+    plain = StreamFigure(
+        "stream-metrics-off",
+        plain_point.events,
+        plain_point.seconds,
+        megabytes,
+        details={"keys": keys, "max_offsets_per_trigger": MAX_OFFSETS_PER_TRIGGER},
+    )
+    set_metrics_ratio(plain, throughput)
+
     large_keys = keys * STATE_SCALE_FACTOR
     large_topic = f"bench-state-{bench.stamp}"
     kafka.create_topic(settings, large_topic, PARTITIONS)
@@ -1170,6 +1203,7 @@ def stream_scenarios(
         throughput,
         warm,
         rich,
+        plain,
         state_scale_figure(small, large),
     ]
 

@@ -26,7 +26,8 @@ COPIES = [  # the scenarios that read or copy every record once
 ]
 SCENARIOS = {
     *COPIES,
-    *["stream-rich", "state-scale", "restore-from-changelog", "recompute-from-source"],
+    *["stream-rich", "stream-metrics-off", "state-scale"],
+    *["restore-from-changelog", "recompute-from-source"],
     *["snapshot-full", "latency"],
     *["snapshot-incremental", "snapshot-full-after", "snapshot-nothing-new", "validate"],
     "validate-3x",
