@@ -220,8 +220,8 @@ class MetricsEndpoint:
         self._stop = threading.Event()
         self.server, _ = start_http_server(settings.metrics_port, registry=metrics.registry)
         self.port = int(self.server.server_port)
-        self.target = target_file(settings, metrics.pipeline)
-        self.spark_target = targets_folder(settings) / f"spark-{metrics.pipeline}.json"
+        self.settings = settings
+        self.target, self.spark_target = target_files(settings, metrics.pipeline)
         self._refresher = threading.Thread(
             target=self._refresh, name="duality-metrics-lag", daemon=True
         )
@@ -242,10 +242,8 @@ class MetricsEndpoint:
             self._stop.wait(LAG_REFRESH_S)
 
     def close(self) -> None:
-        """A stream stopped on purpose is no target any more (a killed one stays, and is down)."""
         self._stop.set()
-        self.target.unlink(missing_ok=True)
-        self.spark_target.unlink(missing_ok=True)
+        forget_targets(self.settings, self.metrics.pipeline)
         self.server.shutdown()
         self.server.server_close()
 
@@ -274,8 +272,16 @@ def targets_folder(settings: Settings) -> Path:
     return settings.local_dir / "monitoring" / "targets"
 
 
-def target_file(settings: Settings, pipeline: str) -> Path:
-    return targets_folder(settings) / f"stream-{pipeline}.json"
+def target_files(settings: Settings, pipeline: str) -> tuple[Path, Path]:
+    """The files of a pipeline's stream and of its Spark driver."""
+    folder = targets_folder(settings)
+    return folder / f"stream-{pipeline}.json", folder / f"spark-{pipeline}.json"
+
+
+def forget_targets(settings: Settings, pipeline: str) -> None:
+    """A stream stopped on purpose is no target any more (a killed one stays, and is down)."""
+    for path in target_files(settings, pipeline):
+        path.unlink(missing_ok=True)
 
 
 def write_target(path: Path, address: str, pipeline: str, metrics_path: str | None = None) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import psutil
 
-from duality import kafka
+from duality import kafka, metrics
 from duality.config import Settings
 from duality.errors import LocalStackError
 from duality.process import end_processes, live_pid, start_daemon, stop_group
@@ -202,6 +202,8 @@ def stop(settings: Settings, spec: PipelineSpec, *, hold: bool = True) -> Stoppe
     if pid is not None:
         _terminate(pid)
     pid_file(settings, spec).unlink(missing_ok=True)
+    # Also when its driver had died without removing them: stopped is not down.
+    metrics.forget_targets(settings, spec.name)
     return StoppedStream(spec.name, was_running=pid is not None, pid=pid)
 
 
@@ -233,4 +235,5 @@ def stop_all(settings: Settings) -> list[StoppedStream]:
             _terminate(pid)
             stopped.append(StoppedStream(path.stem, was_running=True, pid=pid))
         path.unlink(missing_ok=True)
+        metrics.forget_targets(settings, path.stem)
     return stopped
