@@ -266,6 +266,19 @@ def stream_targets(settings: Settings) -> Iterator[tuple[str, str]]:
 
 # --- batch steps -------------------------------------------------------------------------
 
+# Every metric `push_step` pushes (the compose tests check dashboards and alerts against them).
+PUSHED_METRICS = (
+    "duality_step_duration_seconds",
+    "duality_step_success",
+    "duality_step_last_run_timestamp_seconds",
+    "duality_step_rows",
+    "duality_step_records_read",
+    "duality_step_version",
+    "duality_validation_success",
+    "duality_snapshot_published_version",
+    "duality_snapshot_published_timestamp_seconds",
+)
+
 
 def push_step(
     settings: Settings,
@@ -327,6 +340,7 @@ def push_step(
             registry=registry,
         )
         at.labels(pipeline).set(figures["published_at"])
+    assert {metric.name for metric in registry.collect()} <= set(PUSHED_METRICS)
     try:
         push_to_gateway(
             settings.pushgateway,
