@@ -19,7 +19,7 @@ from duality.config import Settings
 from duality.errors import LocalStackError
 from duality.local.monitoring import STREAMS_JOB, LocalMonitoring
 from duality.metrics import StreamMetrics, push_step, target_file, write_target
-from tests.harness import assert_eventually
+from tests.harness import ROOT, assert_eventually
 
 
 def _processes_under(folder: Path) -> list[psutil.Process]:
@@ -76,6 +76,12 @@ def test_streams_and_batch_steps_are_scraped_and_alerted_on(monitoring: LocalMon
     groups = _api(monitoring, "rules")["groups"]
     rules = [rule["name"] for group in groups for rule in group["rules"]]
     assert "DualityStreamDown" in rules and "DualityValidationFailed" in rules
+    # Prometheus takes every query of the shipped dashboard.
+    for dashboard in (ROOT / "monitoring" / "grafana" / "dashboards").glob("*.json"):
+        for panel in json.loads(dashboard.read_text())["panels"]:
+            for target in panel["targets"]:
+                query = target["expr"].replace("$pipeline", ".*")
+                _api(monitoring, "query", query=query.replace("$__rate_interval", "1m"))
 
     # A stream's endpoint, found through its target file as a stream writes it.
     metrics = StreamMetrics("watched")
