@@ -125,11 +125,11 @@ def up(
     watching = None
     if topology.monitoring:
         # Before the batch server and Airflow: the steps they run push to the Pushgateway.
-        prometheus = LocalMonitoring(settings)
+        monitor = LocalMonitoring(settings)
         progress("starting Prometheus and its Pushgateway")
-        watching = prometheus.start()
-        chosen["DUALITY_PUSHGATEWAY"] = prometheus.pushgateway_address
-        chosen["DUALITY_PROMETHEUS_URL"] = prometheus.prometheus_url
+        watching = monitor.start()
+        chosen["DUALITY_PUSHGATEWAY"] = monitor.pushgateway_address
+        chosen["DUALITY_PROMETHEUS_URL"] = monitor.prometheus_url
     spark = None
     if topology.spark_workers:
         cluster = local_spark(settings, topology.spark_workers)
