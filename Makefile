@@ -11,7 +11,7 @@ PY_STAMP := $(VENV)/.duality-installed
 JAR_STAMP := $(JAR_CACHE)/.duality-fetched
 PYTEST_ARGS ?=
 
-.PHONY: help setup browser postgres demo test test-unit test-integration bench up down status lint lock clean
+.PHONY: help setup browser postgres monitoring demo test test-unit test-integration bench up down status lint lock clean
 
 help:
 	@echo "make demo    run the demo on the local stack (sets itself up)"
@@ -72,6 +72,17 @@ postgres:
 	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
 	    postgresql; }
 
+# Prometheus, promtool and the Pushgateway from Debian, for `duality up --monitoring` and the
+# alert rules' tests (tests/unit/test_alert_rules.py). duality runs them under .local/monitoring/
+# on ports of its own; the system's services are not used.
+monitoring:
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null && \
+	  command -v prometheus-pushgateway >/dev/null || { \
+	  SUDO=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
+	  $$SUDO apt-get update && \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+	    prometheus prometheus-pushgateway; }
+
 demo: setup
 	$(VENV)/bin/duality up
 	$(VENV)/bin/duality demo
@@ -82,13 +93,13 @@ demo: setup
 TEST_WORKERS ?= 2
 PARALLEL := -n $(TEST_WORKERS) --dist loadscope
 
-test: setup browser postgres
+test: setup browser postgres monitoring
 	$(PY) -m pytest $(PARALLEL) $(PYTEST_ARGS)
 
-test-unit: setup
+test-unit: setup monitoring
 	$(PY) -m pytest -m unit $(PYTEST_ARGS)
 
-test-integration: setup browser postgres
+test-integration: setup browser postgres monitoring
 	$(PY) -m pytest $(PARALLEL) -m "integration or e2e" $(PYTEST_ARGS)
 
 bench: setup

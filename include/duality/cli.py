@@ -53,6 +53,7 @@ def _cmd_up(settings: Settings, args: Namespace, console: Console) -> stack.Stac
             spark_workers=args.spark_workers,
             airflow_db=args.airflow_db,
             sasl=args.sasl,
+            monitoring=args.monitoring,
             progress=spinner.update,
         )
     if args.json:
@@ -81,6 +82,15 @@ def _cmd_up(settings: Settings, args: Namespace, console: Console) -> stack.Stac
         f"batch server {verb} at [bold]{batch.address}[/] (pid {batch.pid}, Spark "
         f"{batch.master}): the batch steps run in its warm Spark; log {batch.log}"
     )
+    watching = started.monitoring
+    if watching is not None:
+        verb = "already running" if watching.already_running else "started"
+        console.print(
+            f"Prometheus {verb} at [bold]http://{watching.prometheus.address}[/] (pid "
+            f"{watching.prometheus.pid}; config {watching.config}, alert rules {watching.rules}), "
+            f"its Pushgateway at [bold]{watching.pushgateway.address}[/] (pid "
+            f"{watching.pushgateway.pid}); logs in {watching.prometheus.log.parent.parent}"
+        )
     web = started.airflow
     verb = "already running" if web.already_running else "started"
     console.print(
@@ -102,6 +112,8 @@ def _cmd_down(settings: Settings, args: Namespace, console: Console) -> stack.St
     )
     if stopped.batch.was_running:
         console.print(f"batch server stopped (pid {stopped.batch.pid})")
+    for name, pid in stopped.monitoring.pids.items():
+        console.print(f"{name} stopped (pid {pid})")
     if stopped.spark.was_running:
         console.print(f"Spark master and workers stopped (pids {stopped.spark.pids})")
     for node in stopped.brokers:
@@ -152,6 +164,14 @@ def _print_status(report: stack.StackStatus, console: Console) -> None:
     pid = str(batch.pid or "-")
     steps = "" if batch.steps is None else f"{len(batch.steps)} steps running"
     rows.append(("batch-server", batch.state, batch.address or "-", pid, steps, str(batch.log)))
+    if report.monitoring is not None:
+        for name, program in (
+            ("prometheus", report.monitoring.prometheus),
+            ("pushgateway", report.monitoring.pushgateway),
+        ):
+            ready = "yes" if program.ready else "no"
+            pid = str(program.pid or "-")
+            rows.append((name, program.state, program.address or "-", pid, ready, str(program.log)))
     for name, component in airflow.components.items():
         rows.append(
             (
@@ -646,6 +666,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="clients log in with SCRAM-SHA-512 as DUALITY_SASL_USERNAME with "
         "DUALITY_SASL_PASSWORD (DUALITY_SECURITY_PROTOCOL=SASL_PLAINTEXT, "
         "DUALITY_SASL_MECHANISM=SCRAM-SHA-512)",
+    )
+    up.add_argument(
+        "--monitoring",
+        action="store_true",
+        help="also start Prometheus (scraping the streams, Spark and the Pushgateway, with the "
+        "alert rules of monitoring/alerts.yml) and the Pushgateway the batch steps push to",
     )
     up.add_argument(
         "--airflow-db",

@@ -310,7 +310,7 @@ def stream_targets(settings: Settings) -> Iterator[tuple[str, str]]:
 
 # --- batch steps -------------------------------------------------------------------------
 
-# What `push_step` pushes (the compose tests check the dashboard and the alert rules by them).
+# Every metric `push_step` pushes (the compose tests check dashboards and alerts against them).
 PUSHED_METRICS = (
     "duality_step_duration_seconds",
     "duality_step_success",
@@ -384,6 +384,7 @@ def push_step(
             registry=registry,
         )
         at.labels(pipeline).set(figures["published_at"])
+    assert {metric.name for metric in registry.collect()} <= set(PUSHED_METRICS)
     try:
         push_to_gateway(
             settings.pushgateway,

@@ -8,8 +8,11 @@ import functools
 import json
 import re
 import shlex
+import shutil
+import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import urlsplit
@@ -653,3 +656,235 @@ def test_local_topology_has_compose_brokers_and_workers():
         assert int(_option(command, "--cores")) == spark.cores, worker
         assert _option(command, "--memory") == spark.memory, worker
     assert PRODUCTION.airflow_db == POSTGRES
+
+
+# --- monitoring: Prometheus, its Pushgateway, Grafana (docs/monitoring.md) ------------------
+
+PUSHGATEWAY = "pushgateway"
+PROMETHEUS = "prometheus"
+GRAFANA = "grafana"
+MONITORING = ROOT / "monitoring"
+ALERTS = MONITORING / "alerts.yml"
+DASHBOARDS = MONITORING / "grafana" / "dashboards"
+PROVISIONING = MONITORING / "grafana" / "provisioning"
+
+
+def _bind_mounts(name: str) -> dict[str, Path]:
+    """Container path -> file or folder of the checkout, of one service's bind mounts."""
+    mounts = {}
+    for volume in _service(name).get("volumes") or []:
+        source, target, *_ = str(volume).split(":")
+        if source.startswith("."):
+            mounts[target] = (ROOT / source).resolve()
+    return mounts
+
+
+def _flags(name: str) -> dict[str, str]:
+    """A service's `--flag=value` arguments."""
+    return dict(part.split("=", 1) for part in _command(name) if part.startswith("--"))
+
+
+def _compose_prometheus() -> dict[str, Any]:
+    mounts = _bind_mounts(PROMETHEUS)
+    config = mounts.get(_flags(PROMETHEUS)["--config.file"])
+    assert config is not None and config.is_file(), "Prometheus reads no config of the checkout"
+    data = yaml.safe_load(config.read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+def _address(flag: str) -> int:
+    """The port of a `--web.listen-address` value (`:9091`)."""
+    host, _, port = flag.rpartition(":")
+    assert host in ("", "0.0.0.0"), f"{flag} does not listen on every address of its container"
+    return int(port)
+
+
+def _promtool(*arguments: str | Path) -> subprocess.CompletedProcess[str]:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.fail("promtool is not installed: run `make monitoring` (Debian's prometheus)")
+    return subprocess.run(
+        [promtool, *map(str, arguments)], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_monitoring_services_are_there_and_wait_for_each_other():
+    assert {PUSHGATEWAY, PROMETHEUS, GRAFANA} <= set(_services())
+    assert _service(PROMETHEUS)["depends_on"][PUSHGATEWAY]["condition"] == "service_healthy"
+    assert _service(GRAFANA)["depends_on"][PROMETHEUS]["condition"] == "service_healthy"
+    for name in (PUSHGATEWAY, PROMETHEUS):
+        port = _address(_flags(name)["--web.listen-address"])
+        assert f"localhost:{port}/-/ready" in " ".join(_service(name)["healthcheck"]["test"])
+        assert port in _published_ports(name).values(), f"{name}'s port {port} is not published"
+
+
+def test_prometheus_scrapes_what_the_local_stack_scrapes():
+    """The compose config is the local stack's generated one with compose's paths, interval
+    and Pushgateway: the streams' target files on the volume they write them to, the alert
+    rules of the checkout, the Pushgateway that Airflow's tasks and the batch server push to."""
+    from duality.local.monitoring import prometheus_config
+    from duality.metrics import targets_folder
+
+    config = _compose_prometheus()
+    airflow = Settings.from_env(_env("airflow-scheduler"))
+    assert Settings.from_env(_env(BATCH_SERVER)).pushgateway == airflow.pushgateway
+    assert airflow.pushgateway is not None
+    (rules,) = config["rule_files"]
+    assert _bind_mounts(PROMETHEUS).get(rules) == ALERTS, f"{rules} is not {ALERTS}"
+    interval = config["global"]["scrape_interval"]
+    targets = targets_folder(airflow)
+    assert config == prometheus_config(targets, airflow.pushgateway, Path(rules), interval)
+    # The streams write their files where Prometheus reads them.
+    streams = PurePosixPath(_volume_mounts("airflow-scheduler")[WAREHOUSE_VOLUME])
+    assert _volume_mounts(PROMETHEUS).get(WAREHOUSE_VOLUME) == str(streams)
+    assert PurePosixPath(targets).is_relative_to(streams), f"{targets} is not on {streams}"
+    # The Pushgateway is the service of that name, on the port it listens on.
+    host, _, port = airflow.pushgateway.rpartition(":")
+    assert host == PUSHGATEWAY == _service(PUSHGATEWAY)["hostname"]
+    assert int(port) == _address(_flags(PUSHGATEWAY)["--web.listen-address"])
+    prometheus = urlsplit(str(airflow.prometheus_url))
+    assert prometheus.hostname == PROMETHEUS == _service(PROMETHEUS)["hostname"]
+    assert prometheus.port == _address(_flags(PROMETHEUS)["--web.listen-address"])
+
+
+def test_the_compose_prometheus_config_is_valid(tmp_path: Path):
+    config = _compose_prometheus()
+    config["rule_files"] = [str(ALERTS)]  # where the container sees it mounted
+    copy = tmp_path / "prometheus.yml"
+    copy.write_text(yaml.safe_dump(config))
+    checked = _promtool("check", "config", copy)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def _datasource() -> dict[str, Any]:
+    (datasource,) = yaml.safe_load((PROVISIONING / "datasources" / "prometheus.yml").read_text())[
+        "datasources"
+    ]
+    return dict(datasource)
+
+
+def _dashboards() -> dict[str, dict[str, Any]]:
+    found = {path.name: json.loads(path.read_text()) for path in sorted(DASHBOARDS.glob("*.json"))}
+    assert found, f"no dashboard in {DASHBOARDS}"
+    return found
+
+
+def _datasource_uids(node: Any) -> Iterator[str]:
+    if isinstance(node, dict):
+        if isinstance(node.get("datasource"), dict):
+            yield node["datasource"]["uid"]
+        for value in node.values():
+            yield from _datasource_uids(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _datasource_uids(value)
+
+
+def test_grafana_is_provisioned_with_prometheus_and_the_dashboards():
+    mounts = _bind_mounts(GRAFANA)
+    assert mounts.get("/etc/grafana/provisioning") == PROVISIONING
+    datasource = _datasource()
+    assert datasource["type"] == "prometheus" and datasource["isDefault"] is True
+    assert datasource["url"] == Settings.from_env(_env("airflow-scheduler")).prometheus_url
+    (provider,) = yaml.safe_load((PROVISIONING / "dashboards" / "duality.yml").read_text())[
+        "providers"
+    ]
+    assert mounts.get(provider["options"]["path"]) == DASHBOARDS
+    for name, dashboard in _dashboards().items():
+        assert set(_datasource_uids(dashboard)) == {datasource["uid"]}, name
+
+
+def _panels_querying(metric: str) -> list[str]:
+    return [
+        panel["title"]
+        for dashboard in _dashboards().values()
+        for panel in dashboard["panels"]
+        if any(metric in target["expr"] for target in panel.get("targets", []))
+    ]
+
+
+def test_the_dashboard_shows_what_the_issue_asks():
+    """Throughput, lag, batch duration (a histogram quantile), dead letters by reason, the
+    published snapshot's age."""
+    assert _panels_querying("rate(duality_records_read_total")
+    assert _panels_querying("duality_consumer_lag_records")
+    assert _panels_querying("histogram_quantile(0.95, sum by (pipeline, le) (rate(duality_batch")
+    assert _panels_querying("sum by (pipeline, reason) (rate(duality_dead_letters_total")
+    assert _panels_querying("time() - max by (pipeline) (duality_snapshot_published_timestamp")
+
+
+def _exported_metrics() -> set[str]:
+    """Every series name duality exports: a stream's registry (counters with `_total`,
+    histograms with `_bucket`, `_sum`, `_count`), what batch steps push, and Prometheus' `up`."""
+    from duality.metrics import PUSHED_METRICS, StreamMetrics
+
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    names = {"up", *PUSHED_METRICS}
+    for family in StreamMetrics("x").registry.collect():
+        names |= {family.name + suffix for suffix in suffixes[family.type]}
+        names |= {sample.name for sample in family.samples}
+    return names
+
+
+_PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or"}
+_PROMQL_WORDS |= {"unless", "offset", "bool", "inf", "nan"}
+
+
+def _metric_names(expression: str) -> set[str]:
+    """The metric names a PromQL expression (or Grafana's `label_values(metric, label)`) reads:
+    its identifiers that are neither functions, keywords, labels, strings nor durations."""
+    text = re.sub(r"label_values\(\s*([^,()]+?)\s*,\s*\w+\s*\)", r"\1", expression)
+    text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)  # strings
+    text = re.sub(r"\{[^}]*\}", "", text)  # label matchers
+    text = re.sub(r"\[[^\]]*\]", "", text)  # ranges and subqueries
+    text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", text)
+    text = re.sub(r"\$\w+", "", text)  # Grafana's variables
+    names = set()
+    for match in re.finditer(r"(?<![\w.])[A-Za-z_:][A-Za-z0-9_:]*", text):
+        if text[match.end() :].lstrip().startswith("(") or match.group(0) in _PROMQL_WORDS:
+            continue  # a function, or a keyword
+        names.add(match.group(0))
+    return names
+
+
+def _queries() -> dict[str, str]:
+    """Every PromQL expression of the dashboards and the alert rules, by where it is."""
+    queries = {}
+    for name, dashboard in _dashboards().items():
+        for panel in dashboard["panels"]:
+            for target in panel.get("targets", []):
+                queries[f"{name}: {panel['title']} {target['refId']}"] = target["expr"]
+        for variable in dashboard.get("templating", {}).get("list", []):
+            query = variable["query"]
+            queries[f"{name}: ${variable['name']}"] = query.get("query", query)
+    for group in yaml.safe_load(ALERTS.read_text())["groups"]:
+        for rule in group["rules"]:
+            queries[f"alerts.yml: {rule.get('alert') or rule.get('record')}"] = rule["expr"]
+    return queries
+
+
+def test_the_metric_name_reader_reads_promql():
+    assert _metric_names('sum by (a, le) (rate(x_total{a=~"$p", b="c"}[5m])) / on (a) y') == {
+        "x_total",
+        "y",
+    }
+    assert _metric_names("deriv(sum(z)[10m:1m]) > 0 and on (p) time() - w offset 5m > 2e3") == {
+        "z",
+        "w",
+    }
+    assert _metric_names("label_values(m_total, pipeline)") == {"m_total"}
+
+
+def test_every_query_names_only_metrics_duality_exports():
+    exported = _exported_metrics()
+    assert {"duality_records_read_total", "duality_batch_duration_seconds_bucket"} <= exported
+    assert "duality_snapshot_published_timestamp_seconds" in exported
+    named: set[str] = set()
+    for where, expression in _queries().items():
+        names = _metric_names(expression)
+        assert names, f"{where} names no metric: {expression}"
+        assert names <= exported, f"{where} names {sorted(names - exported)}, which no code exports"
+        named |= names
+    # Each alert's metrics are read: the reader did not skip them.
+    assert {"up", "duality_validation_success", "duality_dead_letters_total"} <= named

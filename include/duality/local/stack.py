@@ -20,6 +20,7 @@ from duality.local.kraft import (
     local_cluster,
     stop_brokers,
 )
+from duality.local.monitoring import LocalMonitoring, MonitoringStatus, MonitoringStopped
 from duality.local.scram import Scram
 from duality.local.spark_cluster import SparkStatus, SparkStopped, local_spark
 from duality.spark import sweep_scratch
@@ -33,6 +34,7 @@ class Topology:
     spark_workers: int = 0  # 0: Spark in local mode
     airflow_db: str = "sqlite"
     sasl: bool = False  # clients log in with SCRAM-SHA-512 as the settings' user
+    monitoring: bool = False  # Prometheus and its Pushgateway run too
 
     def __post_init__(self) -> None:
         if self.brokers < 1:
@@ -75,6 +77,7 @@ class StackUp:
     airflow: AirflowStatus
     batch: BatchServerStatus
     spark: SparkStatus | None = None
+    monitoring: MonitoringStatus | None = None
 
 
 def up(
@@ -84,11 +87,13 @@ def up(
     spark_workers: int | None = None,
     airflow_db: str | None = None,
     sasl: bool = False,
+    monitoring: bool = False,
     progress: Callable[[str], None] = lambda _: None,
 ) -> StackUp:
-    """Start what does not run: Kafka, Spark (the cluster, if any, and the batch server the
-    batch steps run on), then Airflow (whose tasks need both); what is not given is what
-    runs, else the default, and another topology than what runs is refused."""
+    """Start what does not run: Kafka, Prometheus and its Pushgateway (with `monitoring`),
+    Spark (the cluster, if any, and the batch server the batch steps run on), then Airflow
+    (whose tasks need both); what is not given is what runs, else the default, and another
+    topology than what runs is refused (monitoring can be added to a running stack)."""
     recorded = recorded_stack(settings)
     base = recorded or Topology(airflow_db=settings.airflow_db)
     topology = Topology(
@@ -96,8 +101,11 @@ def up(
         spark_workers=base.spark_workers if spark_workers is None else spark_workers,
         airflow_db=base.airflow_db if airflow_db is None else airflow_db,
         sasl=base.sasl or sasl,
+        monitoring=base.monitoring or monitoring,
     )
-    if recorded is not None and topology != recorded:
+    if recorded is not None and dataclasses.replace(topology, monitoring=False) != (
+        dataclasses.replace(recorded, monitoring=False)
+    ):
         raise UsageError(
             f"the local stack in {settings.local_dir} runs {_describe(recorded)}; "
             f"`duality down` first, then `duality up` with {_describe(topology)}"
@@ -114,6 +122,14 @@ def up(
         chosen["DUALITY_SECURITY_PROTOCOL"] = settings.security_protocol
         chosen["DUALITY_SASL_MECHANISM"] = str(settings.sasl_mechanism)
         chosen["DUALITY_SASL_USERNAME"] = str(settings.sasl_username)
+    watching = None
+    if topology.monitoring:
+        # Before the batch server and Airflow: the steps they run push to the Pushgateway.
+        monitor = LocalMonitoring(settings)
+        progress("starting Prometheus and its Pushgateway")
+        watching = monitor.start()
+        chosen["DUALITY_PUSHGATEWAY"] = monitor.pushgateway_address
+        chosen["DUALITY_PROMETHEUS_URL"] = monitor.prometheus_url
     spark = None
     if topology.spark_workers:
         cluster = local_spark(settings, topology.spark_workers)
@@ -134,7 +150,7 @@ def up(
     stacked = Settings.from_env({**settings.as_env(), **chosen})
     progress(f"starting Airflow on {settings.airflow_url}")
     airflow = LocalAirflow(stacked).start(progress=progress)
-    return StackUp(topology, broker, airflow, batch, spark)
+    return StackUp(topology, broker, airflow, batch, spark, watching)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,14 +160,16 @@ class StackDown:
     airflow: AirflowStopped
     streams: list[StoppedStream]
     batch: BatchServerStopped
+    monitoring: MonitoringStopped
 
 
 def down(settings: Settings) -> StackDown:
     """Airflow first (a supervisor run could start a stream again), the streams, the batch
-    server, Spark, Kafka."""
+    server, Prometheus and its Pushgateway, Spark, Kafka."""
     airflow = LocalAirflow(settings).stop()
     streams = control.stop_all(settings)
     batch = LocalBatchServer(settings).stop()
+    monitoring = LocalMonitoring(settings).stop()
     # What the stopped (or once killed) drivers' JVMs left in their temporary folders.
     sweep_scratch(settings)
     topology = recorded_stack(settings) or Topology()
@@ -161,7 +179,7 @@ def down(settings: Settings) -> StackDown:
     spark = local_spark(settings, max(1, workers)).stop()
     brokers = stop_brokers(settings)
     (settings.local_dir / STACK_FILE).unlink(missing_ok=True)
-    return StackDown(brokers, spark, airflow, streams, batch)
+    return StackDown(brokers, spark, airflow, streams, batch, monitoring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +211,7 @@ class StackStatus:
     airflow: AirflowStatus
     batch: BatchServerStatus
     spark: SparkStatus | None = None
+    monitoring: MonitoringStatus | None = None  # when it runs, or the stack was started with it
 
 
 def status(settings: Settings) -> StackStatus:
@@ -234,7 +253,10 @@ def status(settings: Settings) -> StackStatus:
         local_spark(settings, topology.spark_workers).status() if topology.spark_workers else None
     )
     airflow = LocalAirflow(settings).status()
-    return StackStatus(topology, broker, airflow, LocalBatchServer(settings).status(), spark)
+    monitoring = LocalMonitoring(settings).status()
+    shown = monitoring if topology.monitoring or monitoring.state != "stopped" else None
+    batch = LocalBatchServer(settings).status()
+    return StackStatus(topology, broker, airflow, batch, spark, shown)
 
 
 def require_sound(stack: StackStatus) -> None:

@@ -22,26 +22,52 @@ def _kafka_processes(marker: str) -> list[psutil.Process]:
     return found
 
 
+def _monitoring_processes(marker: str) -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if cmdline and "prometheus" in cmdline[0] and any(marker in part for part in cmdline):
+            found.append(process)
+    return found
+
+
 def test_up_twice_status_down(tmp_path: Path):
     port = free_port()
     env = Settings.from_env().replace(
         local_dir=tmp_path / "local",
         bootstrap_servers=f"localhost:{port}",
         controller_port=free_port(),
+        airflow_url=f"http://localhost:{free_port()}",
     )
     try:
-        started = duality_json(env, "up")["broker"]
+        first = duality_json(env, "up", "--monitoring")
+        started = first["broker"]
         assert started["already_running"] is False
+        watching = first["monitoring"]
+        assert watching["already_running"] is False
+        record = json.loads((tmp_path / "local" / "stack.json").read_text())
+        assert record["settings"]["DUALITY_PUSHGATEWAY"] == watching["pushgateway"]["address"]
+        prometheus_url = f"http://{watching['prometheus']['address']}"
+        assert record["settings"]["DUALITY_PROMETHEUS_URL"] == prometheus_url
 
-        again = duality_json(env, "up")["broker"]
+        # A second `up` keeps what runs, monitoring included.
+        second = duality_json(env, "up")
+        again = second["broker"]
         assert again["already_running"] is True
         assert again["pid"] == started["pid"]
+        assert second["monitoring"]["already_running"] is True
+        assert len(_monitoring_processes(str(tmp_path))) == 2
         assert len(_kafka_processes(str(tmp_path))) == 1
         # The broker's JVM unpacks its native libraries into its own folder, not /tmp.
         (broker_jvm,) = _kafka_processes(str(tmp_path))
         assert f"-Djava.io.tmpdir={tmp_path / 'local' / 'kafka' / 'tmp'}" in broker_jvm.cmdline()
 
-        broker = duality_json(env, "status")["broker"]
+        status = duality_json(env, "status")
+        for program in ("prometheus", "pushgateway"):
+            shown = status["monitoring"][program]
+            assert (shown["state"], shown["ready"]) == ("running", True), program
+            assert shown["pid"] == watching[program]["pid"], program
+        broker = status["broker"]
         assert broker["state"] == "running"
         assert broker["reachable"] is True
         assert broker["bootstrap_servers"] == f"localhost:{port}"
@@ -55,6 +81,10 @@ def test_up_twice_status_down(tmp_path: Path):
     assert down.returncode == 0, down.stderr
     assert [node["pid"] for node in json.loads(down.stdout)["brokers"]] == [started["pid"]]
     assert _kafka_processes(str(tmp_path)) == []
+    assert json.loads(down.stdout)["monitoring"]["pids"] == {
+        program: watching[program]["pid"] for program in ("prometheus", "pushgateway")
+    }
+    assert _monitoring_processes(str(tmp_path)) == []
     assert not left.exists()
 
     stopped = run_duality(env, "status", "--json")
