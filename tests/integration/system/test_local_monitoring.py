@@ -1,12 +1,18 @@
 """The local stack's Prometheus and Pushgateway (`duality up --monitoring`) in a temporary
 folder: a stream's target file is discovered and scraped, a batch step's push is scraped with
-its own labels, the shipped alert rules are evaluated on both, and stopping leaves nothing."""
+its own labels, the shipped alert rules are evaluated on both, and stopping leaves nothing; a
+real stream under load watched by it: its metrics read back through Prometheus equal what was
+produced, its endpoint answers while the broker is down, its SIGKILL fires "stream down", and
+its restart resolves it."""
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 import urllib.parse
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,11 +21,24 @@ import psutil
 import pytest
 from prometheus_client import start_http_server
 
+from duality import kafka, metrics, workload
 from duality.config import Settings
 from duality.errors import LocalStackError
+from duality.local.broker import LocalBroker, ephemeral_broker
 from duality.local.monitoring import STREAMS_JOB, LocalMonitoring
-from duality.metrics import StreamMetrics, push_step, target_file, write_target
-from tests.harness import ROOT, assert_eventually
+from duality.metrics import StreamMetrics, push_step, target_files, write_target
+from tests import truth
+from tests.harness import (
+    ROOT,
+    StreamProcess,
+    assert_eventually,
+    make_pipeline,
+    read_topic,
+)
+
+EVENTS, LOAD_EVENTS, KEYS = 3_000, 3_000, 100
+RULE_FOR_S = 60  # `for:` of DualityStreamDown in monitoring/alerts.yml
+EVALUATION_S = 5  # scrape and rule evaluation interval of the local stack's Prometheus
 
 
 def _processes_under(folder: Path) -> list[psutil.Process]:
@@ -63,6 +82,12 @@ def _alerts(monitoring: LocalMonitoring, name: str) -> list[tuple[str, str]]:
     )
 
 
+def _one(monitoring: LocalMonitoring, query: str) -> float | None:
+    """The value of a query that gives one series, else None."""
+    values = [value for _, value in _samples(monitoring, query)]
+    return values[0] if len(values) == 1 else None
+
+
 def test_streams_and_batch_steps_are_scraped_and_alerted_on(monitoring: LocalMonitoring):
     started = monitoring.start()
     assert started.already_running is False
@@ -84,13 +109,15 @@ def test_streams_and_batch_steps_are_scraped_and_alerted_on(monitoring: LocalMon
                 _api(monitoring, "query", query=query.replace("$__rate_interval", "1m"))
 
     # A stream's endpoint, found through its target file as a stream writes it.
-    metrics = StreamMetrics("watched")
-    metrics.records_read.labels("watched").inc(1234)
-    metrics.dead_letters.labels("watched", "malformed_json").inc(7)
-    server, _ = start_http_server(0, addr="127.0.0.1", registry=metrics.registry)
+    watched = StreamMetrics("watched")
+    watched.records_read.labels("watched").inc(1234)
+    watched.dead_letters.labels("watched", "malformed_json").inc(7)
+    server, _ = start_http_server(0, addr="127.0.0.1", registry=watched.registry)
     settings = monitoring.settings
     try:
-        write_target(target_file(settings, "watched"), f"127.0.0.1:{server.server_port}", "watched")
+        write_target(
+            target_files(settings, "watched")[0], f"127.0.0.1:{server.server_port}", "watched"
+        )
         read = assert_eventually(
             lambda: _samples(monitoring, 'duality_records_read_total{pipeline="watched"}'),
             timeout=60,
@@ -142,3 +169,114 @@ def test_missing_programs_name_the_make_target(
     with pytest.raises(LocalStackError, match=missing):
         monitoring.start()
     assert monitoring.status().state == "stopped"
+
+
+def _scrape(settings: Settings, pipeline: str) -> str:
+    """The stream's /metrics, at the address its target file names."""
+    addresses = [address for name, address in metrics.stream_targets(settings) if name == pipeline]
+    assert len(addresses) == 1, addresses
+    with urllib.request.urlopen(f"http://{addresses[0]}/metrics", timeout=5) as answer:
+        return str(answer.read().decode())
+
+
+def test_prometheus_watches_a_stream_and_alerts_when_it_dies(
+    base_settings: Settings, tmp_path: Path
+):
+    with ephemeral_broker(base_settings) as settings:
+        settings = settings.replace(local_dir=tmp_path / "local")
+        monitoring = LocalMonitoring(settings)
+        monitoring.start()
+        api = monitoring
+        pipelines = tmp_path / "pipelines"
+        spec = make_pipeline(settings, pipelines, "product_sales")
+        stream = StreamProcess(
+            settings, spec, pipelines, tmp_path / "stream.log", max_offsets_per_trigger=1_000
+        )
+        try:
+            kafka.create_topic(settings, spec.source.topic, 3)
+            workload.produce(settings, spec, events=EVENTS, keys=KEYS, bad_fraction=0.08, seed=3)
+            stream.start()
+            load = threading.Thread(
+                target=workload.produce,
+                args=(settings, spec),
+                kwargs={
+                    "events": LOAD_EVENTS,
+                    "keys": KEYS,
+                    "bad_fraction": 0.08,
+                    "rate": 600,
+                    "seed": 4,
+                },
+            )
+            load.start()
+            load.join(timeout=120)
+            stream.wait_caught_up(timeout=180)
+
+            source = read_topic(settings, spec.source.topic)
+            assert len(source) == EVENTS + LOAD_EVENTS
+            _, bad = truth.expected(spec, source)
+            by_reason = Counter(metrics.reason_kind(reason) for reason in bad.values())
+            assert len(by_reason) >= 4, by_reason  # several kinds of bad record
+            name = spec.name
+            assert_eventually(
+                lambda: _one(api, f'sum(duality_records_read_total{{pipeline="{name}"}})'),
+                float(len(source)),
+                timeout=60,
+                message="records read, as Prometheus scraped them",
+            )
+            assert_eventually(
+                lambda: _one(api, f'sum(duality_consumer_lag_records{{pipeline="{name}"}})'),
+                0.0,
+                timeout=60,
+                message="the lag, as Prometheus scraped it",
+            )
+            scraped = _samples(api, f'duality_dead_letters_total{{pipeline="{name}"}}')
+            dead = {labels["reason"]: int(value) for labels, value in scraped}
+            assert dead == {kind: by_reason.get(kind, 0) for kind in metrics.REASON_KINDS}
+            assert_eventually(
+                lambda: _one(api, f'duality_state_rows{{pipeline="{name}"}}'),
+                float(len(truth.expected(spec, source)[0])),
+                timeout=30,
+            )
+            assert _samples(api, f'up{{job="duality-spark", pipeline="{name}"}}'), (
+                "Prometheus found no Spark driver target"
+            )
+
+            # The broker away: the endpoint still answers, and says so.
+            broker = LocalBroker(settings)
+            broker.stop()
+            try:
+                assert_eventually(
+                    lambda: f'duality_kafka_up{{pipeline="{name}"}} 0.0' in _scrape(settings, name),
+                    timeout=60,
+                    message="duality_kafka_up did not fall to 0 while the broker was down",
+                )
+            finally:
+                broker.start()
+            assert_eventually(
+                lambda: f'duality_kafka_up{{pipeline="{name}"}} 1.0' in _scrape(settings, name),
+                timeout=60,
+            )
+
+            # The stream SIGKILLed: its target stays and does not answer.
+            stream.kill()
+            killed = time.monotonic()
+            assert_eventually(
+                lambda: _alerts(api, "DualityStreamDown"),
+                [(name, "firing")],
+                timeout=RULE_FOR_S + 6 * EVALUATION_S + 30,
+                interval=1,
+                message="DualityStreamDown did not fire",
+            )
+            fired_after = time.monotonic() - killed
+            assert fired_after >= RULE_FOR_S, fired_after  # not before the rule's `for:`
+            stream.start()
+            assert_eventually(
+                lambda: _alerts(api, "DualityStreamDown"),
+                [],
+                timeout=180,
+                interval=1,
+                message="DualityStreamDown did not resolve after the restart",
+            )
+        finally:
+            stream.kill()
+            monitoring.stop()
