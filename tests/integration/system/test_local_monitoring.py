@@ -182,8 +182,9 @@ def _scrape(settings: Settings, pipeline: str) -> str:
 def test_prometheus_watches_a_stream_and_alerts_when_it_dies(
     base_settings: Settings, tmp_path: Path
 ):
-    with ephemeral_broker(base_settings) as settings:
-        settings = settings.replace(local_dir=tmp_path / "local")
+    with ephemeral_broker(base_settings) as on_broker:
+        broker = LocalBroker(on_broker)  # found in its own folder, under the session's
+        settings = on_broker.replace(local_dir=tmp_path / "local")
         monitoring = LocalMonitoring(settings)
         monitoring.start()
         api = monitoring
@@ -242,7 +243,6 @@ def test_prometheus_watches_a_stream_and_alerts_when_it_dies(
             )
 
             # The broker away: the endpoint still answers, and says so.
-            broker = LocalBroker(settings)
             broker.stop()
             try:
                 assert_eventually(
