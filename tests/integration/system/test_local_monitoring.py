@@ -32,6 +32,7 @@ from tests.harness import (
     ROOT,
     StreamProcess,
     assert_eventually,
+    duality_json,
     make_pipeline,
     read_topic,
 )
@@ -240,6 +241,35 @@ def test_prometheus_watches_a_stream_and_alerts_when_it_dies(
             )
             assert _samples(api, f'up{{job="duality-spark", pipeline="{name}"}}'), (
                 "Prometheus found no Spark driver target"
+            )
+
+            # The batch steps as users run them push their figures where Prometheus finds them.
+            steps = settings.replace(
+                pushgateway=monitoring.pushgateway_address,
+                pipelines=pipelines,
+                warehouse=tmp_path / "warehouse",
+                reports=tmp_path / "reports",
+            )
+            built = duality_json(steps, "snapshot", name)
+            duality_json(steps, "validate", name)
+            pushed = assert_eventually(
+                lambda: {
+                    labels["step"]: value
+                    for labels, value in _samples(api, f'duality_step_success{{pipeline="{name}"}}')
+                },
+                lambda found: set(found) == {"snapshot", "validate"},
+                timeout=60,
+            )
+            assert pushed == {"snapshot": 1.0, "validate": 1.0}
+            rows = _one(api, f'duality_step_rows{{pipeline="{name}", step="snapshot"}}')
+            assert rows == built["rows"]
+            age = _one(
+                api, f'time() - duality_snapshot_published_timestamp_seconds{{pipeline="{name}"}}'
+            )
+            assert age is not None and 0 <= age < 300, age
+            assert (
+                _one(api, f'duality_snapshot_published_version{{pipeline="{name}"}}')
+                == (built["version"])
             )
 
             # The broker away: the endpoint still answers, and says so.
