@@ -223,7 +223,8 @@ def _stream(
         state=state,
         heartbeat_age_s=age,
         silent=state == "running" and age is not None and age > STALL_AFTER_S,
-        input_rate=_number(beat.get("input_rows_per_second")),
+        # An idle beat: no records came since the last batch.
+        input_rate=0.0 if beat.get("idle") else _number(beat.get("input_rows_per_second")),
         lag=lag,
         last_batch=beat.get("batch_id"),
         last_batch_age_s=_age(now, last_batch_ms),

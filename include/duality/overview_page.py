@@ -105,13 +105,13 @@ def _stream_cells(stream: StreamView | None, kafka_up: bool) -> str:
     if stream.last_batch is not None or stream.last_batch_age_s is not None:
         number = f"#{stream.last_batch} " if stream.last_batch is not None else ""
         when = f"{age(stream.last_batch_age_s)} ago" if stream.last_batch_age_s is not None else ""
-        batch = f"{number}{when}".strip()
+        batch = _text(f"{number}{when}".strip())
     return (
         f'<td data-field="state">{_badge(state)}'
         f'<div class="small">{detail}</div></td>'
         f'<td class="num" data-field="input-rate">{_rate(stream.input_rate)}</td>'
         f'<td class="num" data-field="lag">{_count(stream.lag)}</td>'
-        f'<td class="num" data-field="last-batch">{_text(batch)}</td>'
+        f'<td class="num" data-field="last-batch">{batch}</td>'
         f'<td class="num" data-field="dead-letters">{_count(stream.dead_letters)}</td>'
         f'<td class="num" data-field="state-rows">{_count(stream.state_rows)}</td>'
     )
@@ -171,15 +171,21 @@ def chart(rate: list[Point], lag: list[Point], overview: Overview) -> str:
             shapes.append(f'<text x="2" y="{top + 11}">{label}: no data</text>')
             continue
         peak = max(p.value for p in points) or 1.0
-        coords = " ".join(
-            f"{(p.at - start) / overview.window_s * _CHART_W:.1f},"
-            f"{top + half - 2 - p.value / peak * (half - 14):.1f}"
+        xy = [
+            (
+                (p.at - start) / overview.window_s * _CHART_W,
+                top + half - 2 - p.value / peak * (half - 14),
+            )
             for p in points
             if start <= p.at <= end
-        )
+        ]
+        coords = " ".join(f"{x:.1f},{y:.1f}" for x, y in xy)
         shapes.append(
             f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{coords}"/>'
         )
+        if xy:  # the latest value, visible even when it is the only one
+            x, y = xy[-1]
+            shapes.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2" fill="{colour}"/>')
         latest = points[-1].value
         shapes.append(
             f'<text x="2" y="{top + 11}">{label} {_short(latest)}{unit} '
