@@ -31,6 +31,11 @@ RATE_QUERY = "sum by (pipeline) (rate(duality_records_read_total[1m]))"
 LAG_QUERY = "sum by (pipeline) (duality_consumer_lag_records)"
 
 HistorySource = Literal["prometheus", "heartbeats", "none"]
+_FROM_HEARTBEATS = (
+    "from the heartbeats on _duality-status: a compacted topic, so only the records its cleaner "
+    "has not reached yet are left; gaps are not idleness"
+)
+_NO_HISTORY = "no history: Kafka does not answer"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +107,36 @@ class Overview:
 Series = dict[str, list[Point]]  # pipeline -> points
 
 
+def query_range(
+    url: str,
+    query: str,
+    start: float,
+    end: float,
+    step: float,
+    timeout: float = PROMETHEUS_TIMEOUT_S,
+) -> Series:
+    """Prometheus' `query_range` of a query summed by pipeline: its points per pipeline."""
+    arguments = urllib.parse.urlencode(
+        {"query": query, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step:g}"}
+    )
+    address = f"{url.rstrip('/')}/api/v1/query_range?{arguments}"
+    try:
+        with urllib.request.urlopen(address, timeout=timeout) as response:
+            answer = json.loads(response.read())
+    except (OSError, ValueError) as error:
+        raise DualityError(f"Prometheus at {url} did not answer ({error})") from None
+    if answer.get("status") != "success":
+        raise DualityError(f"Prometheus at {url} refused {query!r}: {answer.get('error')}")
+    series: Series = {}
+    for result in answer.get("data", {}).get("result", []):
+        pipeline = result.get("metric", {}).get("pipeline")
+        if pipeline is None:
+            continue
+        points = [Point(float(at), float(value)) for at, value in result.get("values", [])]
+        series[pipeline] = [p for p in points if p.value == p.value]  # NaN: no data then
+    return series
+
+
 @dataclasses.dataclass
 class Sources:
     """Where the overview reads Kafka and Prometheus (the library's readers; tests give fakes)."""
@@ -110,9 +145,7 @@ class Sources:
     heartbeats: Callable[[Settings], dict[str, dict[str, Any]]] = heartbeat.latest
     history: Callable[[Settings, int], dict[str, list[dict[str, Any]]]] = heartbeat.history
     lag: Callable[[Settings, PipelineSpec], int | None] = control.lag
-    prometheus: Callable[[str, str, float, float, float], Series] = (
-        lambda url, query, start, end, step: query_range(url, query, start, end, step)
-    )
+    prometheus: Callable[[str, str, float, float, float], Series] = query_range
     clock: Callable[[], float] = time.time
 
 
@@ -131,32 +164,11 @@ def overview(settings: Settings, sources: Sources | None = None) -> Overview:
         beats = sources.heartbeats(quick)
     except DualityError as error:
         kafka_error = str(error)
-    history_source: HistorySource = "none"
-    rate: Series = {}
-    lag: Series = {}
-    note = ""
-    if settings.prometheus_url:
-        try:
-            start = now - WINDOW_S
-            rate = sources.prometheus(settings.prometheus_url, RATE_QUERY, start, now, _STEP_S)
-            lag = sources.prometheus(settings.prometheus_url, LAG_QUERY, start, now, _STEP_S)
-            history_source = "prometheus"
-            note = f"from Prometheus at {settings.prometheus_url}"
-        except DualityError as error:
-            note = f"{error}; "
-    if history_source == "none" and kafka_error is None:
-        try:
-            recent = sources.history(quick, int((now - WINDOW_S) * 1000))
-            rate, lag = _heartbeat_series(recent)
-            history_source = "heartbeats"
-            note += (
-                "from the heartbeats on _duality-status: a compacted topic, so only the records "
-                "its cleaner has not reached yet are left; gaps are not idleness"
-            )
-        except DualityError as error:
-            kafka_error = str(error)
-    if history_source == "none":
-        note += "no history: Kafka does not answer"
+    try:
+        history_source, note, rate, lag = _history(settings, quick, sources, now, kafka_error)
+    except DualityError as error:
+        kafka_error = str(error)
+        history_source, note, rate, lag = "none", _NO_HISTORY, {}, {}
     views = []
     for name, spec, spec_error in specs:
         if spec is None:
@@ -182,9 +194,27 @@ def overview(settings: Settings, sources: Sources | None = None) -> Overview:
     if kafka_error is not None:
         # The api-server lives on: its admin client must not keep reconnecting (and logging).
         kafka.forget(quick)
-    return Overview(
-        now, WINDOW_S, kafka_error is None, kafka_error, history_source, note.strip(), views
-    )
+    return Overview(now, WINDOW_S, kafka_error is None, kafka_error, history_source, note, views)
+
+
+def _history(
+    settings: Settings, quick: Settings, sources: Sources, now: float, kafka_error: str | None
+) -> tuple[HistorySource, str, Series, Series]:
+    """Rate and lag per pipeline over the window, where they come from and what to know of
+    them: from Prometheus when it is set and answers, else from the heartbeats."""
+    start, note = now - WINDOW_S, ""
+    url = settings.prometheus_url
+    if url:
+        try:
+            rate = sources.prometheus(url, RATE_QUERY, start, now, _STEP_S)
+            lag = sources.prometheus(url, LAG_QUERY, start, now, _STEP_S)
+            return "prometheus", f"from Prometheus at {url}", rate, lag
+        except DualityError as error:
+            note = f"{error}; "
+    if kafka_error is not None:
+        return "none", note + _NO_HISTORY, {}, {}
+    rate, lag = _heartbeat_series(sources.history(quick, int(start * 1000)))
+    return "heartbeats", note + _FROM_HEARTBEATS, rate, lag
 
 
 def _specs(settings: Settings) -> list[tuple[str, PipelineSpec | None, str | None]]:
@@ -305,36 +335,6 @@ def _offsets_behind(latest: Any, end: Any) -> int | None:
         for partition, offset in partitions.items():
             total += max(0, int(offset) - int(ended.get(partition, 0)))
     return total
-
-
-def query_range(
-    url: str,
-    query: str,
-    start: float,
-    end: float,
-    step: float,
-    timeout: float = PROMETHEUS_TIMEOUT_S,
-) -> Series:
-    """Prometheus' `query_range` of a query summed by pipeline: its points per pipeline."""
-    arguments = urllib.parse.urlencode(
-        {"query": query, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step:g}"}
-    )
-    address = f"{url.rstrip('/')}/api/v1/query_range?{arguments}"
-    try:
-        with urllib.request.urlopen(address, timeout=timeout) as response:
-            answer = json.loads(response.read())
-    except (OSError, ValueError) as error:
-        raise DualityError(f"Prometheus at {url} did not answer ({error})") from None
-    if answer.get("status") != "success":
-        raise DualityError(f"Prometheus at {url} refused {query!r}: {answer.get('error')}")
-    series: Series = {}
-    for result in answer.get("data", {}).get("result", []):
-        pipeline = result.get("metric", {}).get("pipeline")
-        if pipeline is None:
-            continue
-        points = [Point(float(at), float(value)) for at, value in result.get("values", [])]
-        series[pipeline] = [p for p in points if p.value == p.value]  # NaN: no data then
-    return series
 
 
 def _age(now: float, epoch_ms: Any) -> float | None:

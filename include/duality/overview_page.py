@@ -52,7 +52,7 @@ def render(overview: Overview, *, airflow_root: str = "", reports_url: str = "re
     if not overview.kafka_up:
         parts.append(
             '<div class="banner" id="kafka-down"><strong>Kafka is down:</strong> the streams\' '
-            f"state, lag and history are unknown. {_text(overview.kafka_error or '')} "
+            f"state and lag are unknown. {_text(overview.kafka_error or '')} "
             "The snapshots below are read from their Delta logs.</div>"
         )
     parts.append(
@@ -170,11 +170,12 @@ def chart(rate: list[Point], lag: list[Point], overview: Overview) -> str:
         if not points:
             shapes.append(f'<text x="2" y="{top + 11}">{label}: no data</text>')
             continue
-        peak = max(p.value for p in points) or 1.0
+        peak = max(p.value for p in points)
+        scale = peak or 1.0  # all zero: a flat line at the bottom
         xy = [
             (
                 (p.at - start) / overview.window_s * _CHART_W,
-                top + half - 2 - p.value / peak * (half - 14),
+                top + half - 2 - p.value / scale * (half - 14),
             )
             for p in points
             if start <= p.at <= end

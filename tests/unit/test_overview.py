@@ -319,6 +319,23 @@ def test_history_from_prometheus(settings, specs, prometheus):
     ) == pytest.approx(overview.WINDOW_S)
 
 
+def test_kafka_down_still_charts_from_prometheus(settings, specs):
+    running, _ = specs
+
+    def down(_: Settings) -> int:
+        raise BrokerUnavailable("timed out after 2s waiting for Kafka at localhost:9")
+
+    def prometheus(url: str, query: str, *_: float) -> overview.Series:
+        return {running.name: [Point(NOW - 30, 4.0 if query == overview.RATE_QUERY else 9.0)]}
+
+    sources = _sources(reachable=down, prometheus=prometheus)
+    found = overview.overview(settings.replace(prometheus_url="http://prometheus:9090"), sources)
+    assert not found.kafka_up and found.history_source == "prometheus"
+    row = _row(found, running)
+    assert row.stream is None
+    assert row.rate == [Point(NOW - 30, 4.0)] and row.lag == [Point(NOW - 30, 9.0)]
+
+
 def test_prometheus_down_falls_back_to_the_heartbeats(settings, specs):
     running, _ = specs
     closed = f"http://127.0.0.1:{free_port()}"
