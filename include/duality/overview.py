@@ -299,9 +299,9 @@ def _snapshot(settings: Settings, spec: PipelineSpec, now: float) -> SnapshotVie
 
 
 def _heartbeat_series(recent: dict[str, list[dict[str, Any]]]) -> tuple[Series, Series]:
-    """Input rate and lag per pipeline from its heartbeats: a batch's input rate, and its lag
-    when it was planned (the source's latest offsets then, minus the batch's end offsets); an
-    idle beat has caught up (rate 0, lag 0)."""
+    """Input rate and lag per pipeline from its heartbeats: a batch's input rate, and the lag
+    when it was planned, the records then waiting (its own, and those past its end offsets up
+    to the source's latest then); an idle beat has caught up (rate 0, lag 0)."""
     rate: Series = {}
     lag: Series = {}
     for pipeline, beats in recent.items():
@@ -318,7 +318,8 @@ def _heartbeat_series(recent: dict[str, list[dict[str, Any]]]) -> tuple[Series, 
                 rate.setdefault(pipeline, []).append(Point(at, records_per_s))
             behind = _offsets_behind(beat.get("source_latest_offsets"), beat.get("source_offsets"))
             if behind is not None:
-                lag.setdefault(pipeline, []).append(Point(at, float(behind)))
+                waiting = behind + (beat.get("num_input_rows") or 0)
+                lag.setdefault(pipeline, []).append(Point(at, float(waiting)))
     return rate, lag
 
 

@@ -128,7 +128,7 @@ def test_the_json_tells_what_the_page_shows(stack: Stack, pipelines: Pipelines) 
     assert stream["state"] == "running", stream
     assert stream["dead_letters"] > 0 and stream["state_rows"] > 0, stream
     assert stream["lag"] is not None and stream["last_batch"] is not None, stream
-    assert running["rate"], "no input rate over the last hour"
+    assert running["rate"] and running["lag"], "no input rate or lag over the last hour"
     snapshot = running["snapshot"]
     assert snapshot["published_version"] == 0 and snapshot["verdict"] == "passed", snapshot
     assert snapshot["data_docs"] == f"{pipelines.running.name}/data_docs/index.html"

@@ -244,6 +244,7 @@ def test_history_from_the_heartbeats(settings, specs):
         _beat(
             last_progress_ms=int((NOW - 600) * 1000),
             input_rows_per_second=100.0,
+            num_input_rows=15,
             source_offsets={topic: {"0": 50, "1": 40}},
             source_latest_offsets={topic: {"0": 80, "1": 45}},
         ),
@@ -255,7 +256,8 @@ def test_history_from_the_heartbeats(settings, specs):
     assert found.history_source == "heartbeats" and "compacted" in found.history_note
     row = _row(found, running)
     assert row.rate == [Point(NOW - 600, 100.0), Point(NOW - 300, 0.0), Point(NOW - 60, 20.0)]
-    assert row.lag == [Point(NOW - 600, 35.0), Point(NOW - 300, 0.0)]
+    # 15 records in the batch, 35 past its end: 50 waited when it was planned.
+    assert row.lag == [Point(NOW - 600, 50.0), Point(NOW - 300, 0.0)]
     assert _row(found, idle).rate == [] and _row(found, idle).lag == []
 
 

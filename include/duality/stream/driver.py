@@ -74,8 +74,8 @@ def _heartbeat_listener(
                 processed_rows_per_second=progress.processedRowsPerSecond,
                 num_input_rows=progress.numInputRows,
                 source_offsets=json_or_none(kafka_source.endOffset) if kafka_source else None,
-                # The source's end offsets when the batch was planned: its lag at that time,
-                # which the heartbeats' history charts without asking Kafka.
+                # The source's end offsets when the batch was planned: with the batch's own
+                # records, the lag then, which the pipelines page charts without asking Kafka.
                 source_latest_offsets=(
                     json_or_none(kafka_source.latestOffset) if kafka_source else None
                 ),
