@@ -248,7 +248,8 @@ def _stream(
     state = str(beat.get("state", "unknown"))
     last_batch_ms = beat.get("last_batch_ms")
     if last_batch_ms is None and not beat.get("idle") and "batch_id" in beat:
-        last_batch_ms = beat.get("last_progress_ms")  # a driver's beat of a batch, before 2026-11
+        # A driver from before `last_batch_ms`: the beat of a batch is its time.
+        last_batch_ms = beat.get("last_progress_ms")
     return StreamView(
         state=state,
         heartbeat_age_s=age,

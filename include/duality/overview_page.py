@@ -158,8 +158,8 @@ def chart(rate: list[Point], lag: list[Point], overview: Overview) -> str:
     start = end - overview.window_s
     half = _CHART_H // 2
     shapes = [
-        f'<svg class="history" width="{_CHART_W}" height="{_CHART_H + 2}" '
-        f'viewBox="0 0 {_CHART_W} {_CHART_H + 2}" role="img" '
+        f'<svg class="history" width="{_CHART_W}" height="{_CHART_H + 12}" '
+        f'viewBox="0 0 {_CHART_W} {_CHART_H + 12}" role="img" '
         f'aria-label="input rate and lag over the last hour">',
         f'<line x1="0" y1="{half}" x2="{_CHART_W}" y2="{half}" stroke="#d1d9e0"/>',
     ]
@@ -192,6 +192,9 @@ def chart(rate: list[Point], lag: list[Point], overview: Overview) -> str:
             f'<text x="2" y="{top + 11}">{label} {_short(latest)}{unit} '
             f"(max {_short(peak)}{unit})</text>"
         )
+    # The time axis: the window's start on the left, now on the right.
+    shapes.append(f'<text x="0" y="{_CHART_H + 11}">{overview.window_s / 60:g} min ago</text>')
+    shapes.append(f'<text x="{_CHART_W}" y="{_CHART_H + 11}" text-anchor="end">now</text>')
     shapes.append("</svg>")
     return "".join(shapes)
 

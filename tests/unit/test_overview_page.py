@@ -191,6 +191,7 @@ def test_the_chart_draws_each_series_in_its_half():
     peak = min(rate, key=lambda p: p[1])  # SVG's y grows downwards
     assert peak[0] == max(x for x, _ in rate[:2])  # 250/s, the second point
     assert "rate 0/s (max 250/s)" in svg and "lag 0 (max 40)" in svg
+    assert ">60 min ago</text>" in svg and ">now</text>" in svg
     assert chart([], [], _overview()) == '<span class="small">no data</span>'
     assert "rate 0/s (max 0/s)" in chart([Point(NOW - 10, 0.0)], [], _overview())
     assert "lag: no data" in chart(RUNNING.rate, [], _overview())
