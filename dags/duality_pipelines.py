@@ -37,7 +37,7 @@ DEFAULT_ARGS = {
 
 def stream_dag(spec: PipelineSpec) -> DAG:
     with DAG(
-        dag_id=f"duality_{spec.name}_stream",
+        dag_id=spec.dag_id("stream"),
         description=f"keeps the stream of {spec.name} running ({spec.source.topic} -> "
         f"{spec.changelog_topic})",
         doc_md=__doc__,
@@ -76,7 +76,7 @@ def snapshot_dag(spec: PipelineSpec, settings: Settings) -> DAG:
     )
     version = "{{ ti.xcom_pull(task_ids='snapshot')['version'] }}"
     with DAG(
-        dag_id=f"duality_{spec.name}_snapshot",
+        dag_id=spec.dag_id("snapshot"),
         description=f"Delta snapshot of {spec.name}: build -> validate -> publish",
         doc_md=__doc__,
         schedule=spec.snapshot.schedule,
@@ -98,7 +98,7 @@ def snapshot_dag(spec: PipelineSpec, settings: Settings) -> DAG:
 
 def reset_dag(spec: PipelineSpec) -> DAG:
     with DAG(
-        dag_id=f"duality_{spec.name}_reset",
+        dag_id=spec.dag_id("reset"),
         description=f"reset {spec.name} to reprocess {spec.source.topic} (manual only)",
         doc_md=__doc__,
         schedule=None,

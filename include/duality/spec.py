@@ -316,6 +316,10 @@ class Expectation(BaseModel):
         return named
 
 
+# The DAGs each pipeline gets (dags/duality_pipelines.py, DESIGN §9).
+DAG_KINDS = ("stream", "snapshot", "reset")
+
+
 class PipelineSpec(BaseModel):
     """A pipeline: a source topic, computed fields, a filter, a group key, aggregates, and
     where the table goes."""
@@ -470,6 +474,11 @@ class PipelineSpec(BaseModel):
     def consumer_group(self) -> str:
         """The group whose committed offsets say what the changelog covers."""
         return f"duality-{self.name}"
+
+    def dag_id(self, kind: str) -> str:
+        """The Airflow DAG of this pipeline that does `kind`: stream, snapshot or reset."""
+        assert kind in DAG_KINDS, kind
+        return f"duality_{self.name}_{kind}"
 
     @cached_property
     def key_columns(self) -> list[str]:

@@ -14,6 +14,7 @@ from typing import TypeVar
 import pytest
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support.ui import WebDriverWait
@@ -128,3 +129,13 @@ class Browser:
                 f"{str(error).strip() or '(no message)'}"
                 f"\n  screenshot: {png}\n  page source: {html}"
             ) from error
+
+    def log_in(self, user: str, password: str, path: str = "/") -> None:
+        """Open `path`, which sends a visitor without a login to Airflow's login page, and log
+        in there; Airflow then shows `path`."""
+        self.open(path)
+        self.wait(lambda d: "/auth/login" in d.current_url)
+        self.visible(By.NAME, "username").send_keys(user)
+        self.visible(By.NAME, "password").send_keys(password)
+        self.click(By.XPATH, "//button[@type='submit' and normalize-space()='Sign in']")
+        self.wait(lambda d: "/auth/login" not in d.current_url)

@@ -77,12 +77,7 @@ def test_trigger_repartition_from_the_form_and_see_it_succeed(
     target = f"{source}-{PARTITIONS}p"
 
     with ui.step("log in"):
-        ui.open("/")
-        ui.wait(lambda d: "/auth/login" in d.current_url)
-        ui.visible(By.NAME, "username").send_keys("admin")
-        ui.visible(By.NAME, "password").send_keys(stack.password)
-        ui.click(By.XPATH, "//button[@type='submit' and normalize-space()='Sign in']")
-        ui.wait(lambda d: "/auth/login" not in d.current_url)
+        ui.log_in("admin", stack.password)
 
     with ui.step("DAG list"):
         ui.click(By.CSS_SELECTOR, "a[aria-label='Dags']")

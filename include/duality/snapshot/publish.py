@@ -66,12 +66,18 @@ def published(spark: SparkSession, path: Path) -> Published | None:
     return _published_in((row["properties"] if row else None) or {})
 
 
+def published_in_log(path: Path) -> Published | None:
+    """The published version from the latest version's checksum file alone, without Spark; None
+    when none is published or Delta wrote no checksum."""
+    latest = delta_log.table_state(path, delta_log.history(path)[0].version)
+    return _published_in(latest.properties) if latest is not None else None
+
+
 def published_size(spec: PipelineSpec, path: Path) -> tuple[Published, int] | None:
     """The published version and its row count from the checksum files alone, without Spark;
     None when they do not say (no checksum, none published: `read` then asks)."""
     delta_log.require_table(spec, path)
-    latest = delta_log.table_state(path, delta_log.history(path)[0].version)
-    found = _published_in(latest.properties) if latest is not None else None
+    found = published_in_log(path)
     state = delta_log.table_state(path, found.version) if found is not None else None
     return (found, state.rows) if found and state and state.rows is not None else None
 
@@ -113,13 +119,15 @@ def record_validation(
     return _metadata_commit(spark, path, properties, metadata)
 
 
-def validation(versions: list[delta_log.Version], version: int) -> tuple[Verdict, int] | None:
-    """The newest verdict the table records for `version` (from `history()`) and the commit
-    that records it; None when it was never validated."""
+def validation(
+    versions: list[delta_log.Version], version: int | None = None
+) -> tuple[Verdict, int] | None:
+    """The newest verdict the table records for `version` (from `history()`; None: for any
+    version) and the commit that records it; None when it was never validated."""
     fields = [field.name for field in dataclasses.fields(Verdict)]
     for entry in versions:
         recorded = (entry.metadata or {}).get("validation")
-        if isinstance(recorded, dict) and recorded.get("version") == version:
+        if isinstance(recorded, dict) and version in (None, recorded.get("version")):
             return Verdict(**{name: recorded[name] for name in fields}), entry.version
     return None
 

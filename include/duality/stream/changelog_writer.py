@@ -88,7 +88,7 @@ class ChangelogWriter:
         committed = kafka.committed_offsets(settings, spec.consumer_group, spec.source.topic)
         self.committed = {p: offset for p, (offset, _) in committed.items()}
         # Since this driver started, for the heartbeat.
-        self.filtered = self.late_windows = 0
+        self.filtered = self.late_windows = self.dead_lettered = 0
         # The group the offsets are committed to; it never subscribes, so it never rebalances.
         group = kafka.consumer(settings, spec.consumer_group)
         self._group_metadata = group.consumer_group_metadata()
@@ -179,6 +179,7 @@ class ChangelogWriter:
         self.committed.update(planned.end_offsets)
         self.filtered += result.filtered
         self.late_windows += result.late_windows
+        self.dead_lettered += result.dead_lettered
         result.seconds = round(time.perf_counter() - started, 2)
         return result
 

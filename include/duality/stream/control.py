@@ -218,11 +218,18 @@ def describe(settings: Settings, spec: PipelineSpec) -> StreamState:
     if beat is not None:
         result.heartbeat = beat
         result.heartbeat_age_s = round(time.time() - beat.get("last_progress_ms", 0) / 1000, 1)
-    if kafka.topic_exists(settings, spec.source.topic):
-        ends = kafka.end_offsets(settings, spec.source.topic)
-        committed = kafka.committed_offsets(settings, spec.consumer_group, spec.source.topic)
-        result.lag = sum(max(0, end - committed.get(p, (0, None))[0]) for p, end in ends.items())
+    result.lag = lag(settings, spec)
     return result
+
+
+def lag(settings: Settings, spec: PipelineSpec) -> int | None:
+    """Source records not yet covered by the stream's committed offsets; None when the source
+    topic does not exist."""
+    if not kafka.topic_exists(settings, spec.source.topic):
+        return None
+    ends = kafka.end_offsets(settings, spec.source.topic)
+    committed = kafka.committed_offsets(settings, spec.consumer_group, spec.source.topic)
+    return sum(max(0, end - committed.get(p, (0, None))[0]) for p, end in ends.items())
 
 
 def stop_all(settings: Settings) -> list[StoppedStream]:

@@ -44,6 +44,8 @@ def _heartbeat_listener(
     class Listener(StreamingQueryListener):
         def __init__(self) -> None:
             self.state: dict[str, Any] = {}
+            # The last micro-batch, repeated while idle: the pipelines page shows its age.
+            self.last_batch: dict[str, Any] = {}
 
         def onQueryStarted(self, event: Any) -> None:
             heartbeat.publish("running", query_id=str(event.id))
@@ -62,23 +64,40 @@ def _heartbeat_listener(
                 }
                 if metrics is not None:
                     metrics.state(operators[0].numRowsTotal, operators[0].memoryUsedBytes)
+            self.last_batch = {
+                "batch_id": progress.batchId,
+                "last_batch_ms": int(time.time() * 1000),
+            }
             heartbeat.publish(
                 "running",
-                batch_id=progress.batchId,
                 input_rows_per_second=progress.inputRowsPerSecond,
                 processed_rows_per_second=progress.processedRowsPerSecond,
                 num_input_rows=progress.numInputRows,
                 source_offsets=json_or_none(kafka_source.endOffset) if kafka_source else None,
+                # The source's end offsets when the batch was planned: with the batch's own
+                # records, the lag then, which the pipelines page charts without asking Kafka.
+                source_latest_offsets=(
+                    json_or_none(kafka_source.latestOffset) if kafka_source else None
+                ),
                 committed_offsets=writer.committed,
                 filtered=writer.filtered,
                 late_windows=writer.late_windows,
+                dead_lettered=writer.dead_lettered,
                 watermark=progress.eventTime.get("watermark") if progress.eventTime else None,
+                **self.last_batch,
                 **self.state,
             )
 
         def onQueryIdle(self, event: Any) -> None:
             heartbeat.publish(
-                "running", idle=True, committed_offsets=writer.committed, **self.state
+                "running",
+                idle=True,
+                committed_offsets=writer.committed,
+                filtered=writer.filtered,
+                late_windows=writer.late_windows,
+                dead_lettered=writer.dead_lettered,
+                **self.last_batch,
+                **self.state,
             )
 
         def onQueryTerminated(self, event: Any) -> None:

@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from duality import kafka
@@ -60,8 +61,28 @@ def latest(settings: Settings) -> dict[str, dict[str, Any]]:
     """The latest heartbeat of every pipeline (a record that is no JSON object is skipped)."""
     if not kafka.topic_exists(settings, STATUS_TOPIC):
         return {}
-    documents: dict[str, dict[str, Any]] = {}
-    for message in kafka.read_to_end(settings, STATUS_TOPIC, timeout=60):
+    return dict(_beats(settings))
+
+
+def history(settings: Settings, since_ms: int) -> dict[str, list[dict[str, Any]]]:
+    """Every pipeline's heartbeats written since `since_ms` (epoch ms), oldest first. The topic
+    is compacted: besides each pipeline's latest, only the records its cleaner has not reached
+    yet are left."""
+    if not kafka.topic_exists(settings, STATUS_TOPIC):
+        return {}
+    beats: dict[str, list[dict[str, Any]]] = {}
+    start = kafka.offsets_for_time(settings, STATUS_TOPIC, since_ms)
+    for pipeline, document in _beats(settings, start):
+        if document.get("last_progress_ms", 0) >= since_ms:
+            beats.setdefault(pipeline, []).append(document)
+    return beats
+
+
+def _beats(
+    settings: Settings, start: dict[int, int] | None = None
+) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(pipeline, heartbeat) of each record of the topic in order, from the offsets `start`."""
+    for message in kafka.read_to_end(settings, STATUS_TOPIC, start=start, timeout=60):
         key, value = message.key(), message.value()
         if key is None or value is None:
             continue
@@ -71,5 +92,4 @@ def latest(settings: Settings) -> dict[str, dict[str, Any]]:
         except (UnicodeDecodeError, ValueError):
             continue
         if isinstance(document, dict):
-            documents[pipeline] = document
-    return documents
+            yield pipeline, document
