@@ -21,7 +21,7 @@ from duality.config import Settings
 from duality.errors import LocalStackError
 from duality.process import end_processes, live_pid, start_daemon, stop_group
 from duality.spec import PipelineSpec
-from duality.stream import heartbeat
+from duality.stream import heartbeat, seeding
 
 # The module that runs a stream: the marker a stream's supervisor carries in its command line.
 MODULE = "duality.stream"
@@ -131,6 +131,15 @@ def running_pid(settings: Settings, spec: PipelineSpec) -> int | None:
     return _stream_pid(pid_file(settings, spec), spec.name)
 
 
+def stream_options(pid: int) -> list[str]:
+    """The options a running supervisor was started with (what follows its pipeline)."""
+    try:
+        cmdline = psutil.Process(pid).cmdline()
+    except psutil.Error:
+        return []
+    return cmdline[cmdline.index(MODULE) + 2 :] if MODULE in cmdline else []
+
+
 def start(
     settings: Settings, spec: PipelineSpec, *, wait: bool = True, job_args: Sequence[str] = ()
 ) -> StreamState:
@@ -140,6 +149,10 @@ def start(
     pid = running_pid(settings, spec)
     if pid is not None:
         return dataclasses.replace(describe(settings, spec), already_running=True)
+    # A checkpoint of another layout or number of state partitions: said now, not in its log.
+    seeding.checkpoint_usable(
+        spec, seeding.checkpoint_dir(settings, spec), seeding.state_partitions(settings, spec)
+    )
     kafka.ensure_reachable(settings)
     if not kafka.topic_exists(settings, spec.source.topic, wait_if_missing=True):
         raise LocalStackError(

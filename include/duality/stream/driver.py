@@ -59,6 +59,8 @@ def _heartbeat_listener(
                 self.state = {
                     "state_rows": operators[0].numRowsTotal,
                     "state_memory_bytes": operators[0].memoryUsedBytes,
+                    # What the stateful stage ran with in this batch (the checkpoint's number).
+                    "state_tasks": operators[0].numShufflePartitions,
                 }
                 if metrics is not None:
                     metrics.state(operators[0].numRowsTotal, operators[0].memoryUsedBytes)
@@ -101,6 +103,7 @@ class StreamDriver:
         self.options = options
         self.stopping = threading.Event()
         self.metrics: StreamMetrics | None = None
+        self.partitions = 0  # the state partitions in force, set by `run`
 
     def request_stop(self, *_: Any) -> None:
         self.stopping.set()
@@ -114,13 +117,22 @@ class StreamDriver:
         # glibc gives each thread that allocates its own malloc arena; RocksDB's and the JVM's
         # native allocations from many threads then keep growing the JVM's resident memory.
         os.environ.setdefault("MALLOC_ARENA_MAX", "2")
-        extra = {"spark.driver.memory": settings.stream_driver_memory}
+        self.partitions = seeding.state_partitions(settings, spec)
+        # Before any Spark: a checkpoint of another number stops the start (it names the fix).
+        seeding.checkpoint_usable(spec, seeding.checkpoint_dir(settings, spec), self.partitions)
+        extra = {
+            "spark.driver.memory": settings.stream_driver_memory,
+            "spark.sql.shuffle.partitions": str(self.partitions),
+        }
         if settings.metrics_port >= 0:
             extra |= spark_ui_config()
         spark = session(settings, f"duality-stream-{spec.name}", extra)
         metrics, endpoint = self._metrics(spark)
         heartbeat = Heartbeat(
-            settings, spec.name, metrics_port=endpoint.port if endpoint is not None else None
+            settings,
+            spec.name,
+            metrics_port=endpoint.port if endpoint is not None else None,
+            state_partitions=self.partitions,
         )
         self.metrics = metrics
         backoff = 1.0
@@ -183,7 +195,7 @@ class StreamDriver:
         # First fence any older driver and abort its open transaction, then read what the
         # changelog covers: the seed and the starting offsets below are a consistent pair.
         writer = ChangelogWriter(settings, spec, checkpoint)
-        if seeding.checkpoint_usable(spec, checkpoint):
+        if seeding.checkpoint_usable(spec, checkpoint, self.partitions):
             log.info(
                 "%s: resuming from the checkpoint %s (the state is in Spark's state store; the "
                 "changelog is not read)",
@@ -192,7 +204,7 @@ class StreamDriver:
             )
         else:
             started = time.monotonic()
-            seeding.prepare_checkpoint(spec, checkpoint)
+            seeding.prepare_checkpoint(spec, checkpoint, self.partitions)
             keys = seeding.write_seed(spark, settings, spec, checkpoint)
             log.info(
                 "%s: restored %d keys from %s in %.1fs (seeding the state store); source resumes "
