@@ -348,6 +348,16 @@ def _cmd_stream(settings: Settings, args: Namespace, console: Console) -> Any:
                 if beat and beat.get("metrics_port")
                 else ""
             )
+            + (
+                f"; active driver pid {beat.get('pid')} on {beat.get('host')}"
+                if beat and state.standby
+                else ""
+            )
+            + (
+                f"; standby driver pid {state.standby.get('pid')} on {state.standby.get('host')}"
+                if state.standby
+                else ""
+            )
         )
     return state
 
