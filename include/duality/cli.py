@@ -358,6 +358,7 @@ def _cmd_stream(settings: Settings, args: Namespace, console: Console) -> Any:
             + (
                 f"; last heartbeat {state.heartbeat_age_s}s ago: {beat.get('state')}, "
                 f"batch {beat.get('batch_id', '-')}, {beat.get('state_rows', '-')} rows in state"
+                f" ({beat.get('state_partitions', '-')} partitions)"
                 if beat
                 else "; no heartbeat yet"
             )
@@ -367,8 +368,45 @@ def _cmd_stream(settings: Settings, args: Namespace, console: Console) -> Any:
                 if beat and beat.get("metrics_port")
                 else ""
             )
+            + (
+                f"; active driver pid {beat.get('pid')} on {beat.get('host')}"
+                if beat and state.standby
+                else ""
+            )
+            + (
+                f"; standby driver pid {state.standby.get('pid')} on {state.standby.get('host')}"
+                if state.standby
+                else ""
+            )
         )
     return state
+
+
+def _cmd_rescale(settings: Settings, args: Namespace, console: Console) -> dict[str, Any]:
+    from duality.stream import rescale
+
+    pipeline = spec.find_spec(settings, args.pipeline)
+    plan = rescale.plan(settings, pipeline, args.partitions)
+    steps = plan.steps()
+    if not args.json:
+        if not steps:
+            console.print(
+                f"{pipeline.name} already has {plan.partitions} state partitions; nothing to do"
+            )
+        else:
+            title = "would" if args.dry_run else "will"
+            console.print(
+                f"rescale of {pipeline.name} from {plan.partitions_before} to "
+                f"{plan.partitions} state partitions {title}:"
+            )
+            for step in steps:
+                console.print(f"  - {step}")
+    if not args.dry_run and steps:
+        with console.status(f"rescaling {pipeline.name}"):
+            rescale.execute(settings, pipeline, plan)
+        if not args.json:
+            console.print(f"{pipeline.name} now runs with {plan.partitions} state partitions")
+    return {**plan.as_dict(), "dry_run": args.dry_run}
 
 
 def _cmd_reset(settings: Settings, args: Namespace, console: Console) -> dict[str, Any]:
@@ -719,6 +757,13 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--foreground", action="store_true", help="run in this process")
     add("stop", _cmd_stream, "stop the stream gracefully", True, streams)
     add("status", _cmd_stream, "process, last heartbeat and lag of the stream", True, streams)
+    rescale = add("rescale", _cmd_rescale, "change the stream's state partitions", True, streams)
+    rescale.add_argument(
+        "--partitions",
+        type=at_least_one,
+        help="state partitions (default: the spec's `parallelism`, else DUALITY_STREAM_PARTITIONS)",
+    )
+    rescale.add_argument("--dry-run", action="store_true", help="print the plan only")
 
     rewind = add("reset", _cmd_reset, "reset a pipeline to reprocess its source", True)
     rewind.add_argument("--to-datetime", help="reprocess from this time (ISO-8601)")

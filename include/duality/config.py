@@ -63,6 +63,9 @@ class Settings:
     # The batch server (`host:port`, `duality batch-server`) that the batch steps (snapshot,
     # validate, publish, read, repartition) run on; unset, each starts a Spark of its own.
     batch_server: str | None = None
+    # State partitions of a stream whose spec sets no `parallelism`; unset, one per core of a
+    # local master, 4 on a cluster.
+    stream_partitions: int | None = None
     # A stream's Prometheus endpoint (docs/monitoring.md): 0 = a free port, -1 = none.
     metrics_port: int = 0
     # The Prometheus Pushgateway (`host:port`) that batch steps push their figures to; unset,
@@ -130,7 +133,12 @@ class Settings:
                 f"{PREFIX}METRICS_PORT={self.metrics_port}: use a port, 0 for a free one, or -1 "
                 "for no metrics endpoint"
             )
-        for name in ("replication_factor", "min_insync_replicas", "spark_cores_max"):
+        for name in (
+            "replication_factor",
+            "min_insync_replicas",
+            "spark_cores_max",
+            "stream_partitions",
+        ):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UsageError(f"{PREFIX}{name.upper()}={value!r}: set it to 1 or more")
@@ -375,6 +383,9 @@ def describe() -> list[tuple[str, str, str]]:
         "ones; `duality up --spark-workers N` sets N, so streams and batch jobs fit side by side)",
         "batch_server": "batch server (`host:port`) that batch steps run on, in its warm Spark "
         "(`duality up` starts one); unset: each step starts a Spark of its own",
+        "stream_partitions": "state partitions of a stream whose spec sets no `parallelism` "
+        "(unset: one per core of a local master, 4 on a cluster); fixed in its checkpoint, "
+        "changed by `duality stream rescale`",
         "metrics_port": "port of each stream's Prometheus endpoint (0: a free one, written into "
         "its heartbeat and `stream status`; -1: none)",
         "pushgateway": "Prometheus Pushgateway (`host:port`) that batch steps push their figures "

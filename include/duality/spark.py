@@ -107,6 +107,15 @@ def local_cores(master: str) -> int:
     return max(1, int(cores))
 
 
+def default_partitions(settings: Settings) -> int:
+    """Shuffle partitions, and a stream's state partitions unless its spec or the settings say:
+    in local mode one per core (each partition of a micro-batch costs a task and a state store
+    commit, and more than the cores only queue: decision 18), 4 on a cluster."""
+    if settings.spark_master.startswith("local"):
+        return local_cores(settings.spark_master)
+    return 4
+
+
 def session_config(settings: Settings, app_name: str) -> dict[str, str]:
     """Every setting the builder applies, but for the driver's temporary folder, which `session`
     adds since it makes the folder; also what the compose stack's jobs are given."""
@@ -130,19 +139,15 @@ def session_config(settings: Settings, app_name: str) -> dict[str, str]:
         "spark.sql.debug.maxToStringFields": "200",
         # A stateful query keeps one state store per shuffle partition, and its first checkpoint
         # fixes their number for good: Spark's 200 would be 200 RocksDB instances per stream.
-        "spark.sql.shuffle.partitions": "4",
+        "spark.sql.shuffle.partitions": str(default_partitions(settings)),
         # Spark keeps 100 compiled classes of generated code by default, fewer than one Delta
         # MERGE and the reads around it generate: every snapshot run compiled all of them
         # again, and the JIT their new classes (docs/decisions/0020-generated-code-cache.md).
         "spark.sql.codegen.cache.maxEntries": "1000",
     }
     if local:
-        # In local mode one partition per core: each partition of a micro-batch costs a task and
-        # a state store commit, and more partitions than cores only queue
-        # (docs/decisions/0018-stream-latency.md).
         cores = str(local_cores(settings.spark_master))
         config |= {
-            "spark.sql.shuffle.partitions": cores,
             "spark.default.parallelism": cores,
             "spark.ui.enabled": "false",
             "spark.sql.adaptive.enabled": "true",

@@ -344,6 +344,15 @@ class PipelineSpec(BaseModel):
     changelog: Changelog = Changelog()
     snapshot: Snapshot = Snapshot()
     expectations: list[Expectation] = []
+    # State partitions of the stream: Spark fixes them in the checkpoint, so a change needs
+    # `duality stream rescale` (docs/streams.md#state-partitions). None: from the settings.
+    parallelism: int | None = Field(
+        default=None,
+        ge=1,
+        le=1024,
+        description="state partitions of the stream's aggregation (default: "
+        "DUALITY_STREAM_PARTITIONS); changing it needs `duality stream rescale`",
+    )
 
     _computed: dict[str, Expression] = PrivateAttr(default_factory=dict)
     _where: Expression | None = PrivateAttr(default=None)

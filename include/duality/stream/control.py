@@ -21,7 +21,7 @@ from duality.config import Settings
 from duality.errors import LocalStackError
 from duality.process import end_processes, live_pid, start_daemon, stop_group
 from duality.spec import PipelineSpec
-from duality.stream import heartbeat
+from duality.stream import heartbeat, seeding
 
 # The module that runs a stream: the marker a stream's supervisor carries in its command line.
 MODULE = "duality.stream"
@@ -40,6 +40,7 @@ class StreamState:
     heartbeat: dict[str, Any] | None = None  # the latest, as the driver published it
     heartbeat_age_s: float | None = None
     lag: int | None = None  # source records not yet covered by the committed offsets
+    standby: dict[str, Any] | None = None  # the latest heartbeat of a driver waiting to take over
     already_running: bool | None = None  # set by `start`
 
 
@@ -104,16 +105,22 @@ def streams_folder(settings: Settings) -> Path:
     return settings.local_dir / "streams"
 
 
-def pid_file(settings: Settings, spec: PipelineSpec) -> Path:
-    return streams_folder(settings) / f"{spec.name}.pid"
+def slot(standby: bool) -> str:
+    """This host's instances of a stream: the first, and a standby; which one's driver is
+    active is the election's (duality.stream.election), not the slot's."""
+    return ".standby" if standby else ""
+
+
+def pid_file(settings: Settings, spec: PipelineSpec, standby: bool = False) -> Path:
+    return streams_folder(settings) / f"{spec.name}{slot(standby)}.pid"
 
 
 def _wanted_file(settings: Settings, spec: PipelineSpec) -> Path:
     return streams_folder(settings) / f"{spec.name}.supervisor.json"
 
 
-def log_file(settings: Settings, spec: PipelineSpec) -> Path:
-    return streams_folder(settings) / f"{spec.name}.log"
+def log_file(settings: Settings, spec: PipelineSpec, standby: bool = False) -> Path:
+    return streams_folder(settings) / f"{spec.name}{slot(standby)}.log"
 
 
 def is_stream(cmdline: list[str], name: str) -> bool:
@@ -127,19 +134,38 @@ def _stream_pid(path: Path, name: str) -> int | None:
     return live_pid(path, lambda cmdline: is_stream(cmdline, name))
 
 
-def running_pid(settings: Settings, spec: PipelineSpec) -> int | None:
-    return _stream_pid(pid_file(settings, spec), spec.name)
+def running_pid(settings: Settings, spec: PipelineSpec, standby: bool = False) -> int | None:
+    return _stream_pid(pid_file(settings, spec, standby), spec.name)
+
+
+def stream_options(pid: int) -> list[str]:
+    """The options a running supervisor was started with (what follows its pipeline)."""
+    try:
+        cmdline = psutil.Process(pid).cmdline()
+    except psutil.Error:
+        return []
+    return cmdline[cmdline.index(MODULE) + 2 :] if MODULE in cmdline else []
 
 
 def start(
-    settings: Settings, spec: PipelineSpec, *, wait: bool = True, job_args: Sequence[str] = ()
+    settings: Settings,
+    spec: PipelineSpec,
+    *,
+    wait: bool = True,
+    job_args: Sequence[str] = (),
 ) -> StreamState:
     """Start the stream detached unless it runs (`job_args`: its options, as
-    `StreamOptions.to_args` writes them); wait until it reports `running`."""
+    `StreamOptions.to_args` writes them; with `--standby`, the second instance); wait until it
+    reports `running` (a standby: until its driver waits to take over)."""
+    standby = "--standby" in job_args
     set_desired(settings, spec, "running")
-    pid = running_pid(settings, spec)
+    pid = running_pid(settings, spec, standby)
     if pid is not None:
         return dataclasses.replace(describe(settings, spec), already_running=True)
+    # A checkpoint of another layout or number of state partitions: said now, not in its log.
+    seeding.checkpoint_usable(
+        spec, seeding.checkpoint_dir(settings, spec), seeding.state_partitions(settings, spec)
+    )
     kafka.ensure_reachable(settings)
     if not kafka.topic_exists(settings, spec.source.topic, wait_if_missing=True):
         raise LocalStackError(
@@ -148,21 +174,25 @@ def start(
             f"`duality produce {spec.name}`"
         )
     streams_folder(settings).mkdir(parents=True, exist_ok=True)
-    log = log_file(settings, spec)
+    log = log_file(settings, spec, standby)
     process = start_daemon(
         [sys.executable, "-m", MODULE, spec.name, *job_args],
         log,
-        pid_file(settings, spec),
+        pid_file(settings, spec, standby),
         # The settings this command runs with (Airflow connections included) go along.
         env={**os.environ, **settings.as_env()},
     )
     if wait:
-        _wait_running(settings, spec, process, log)
+        _wait_running(settings, spec, process, log, standby)
     return dataclasses.replace(describe(settings, spec), already_running=False)
 
 
 def _wait_running(
-    settings: Settings, spec: PipelineSpec, process: subprocess.Popen[bytes], log: Path
+    settings: Settings,
+    spec: PipelineSpec,
+    process: subprocess.Popen[bytes],
+    log: Path,
+    standby: bool = False,
 ) -> None:
     deadline = time.monotonic() + _START_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -172,9 +202,11 @@ def _wait_running(
                 f"the stream of {spec.name} exited with code {process.returncode} while "
                 f"starting; last lines of {log}:\n{tail}"
             )
-        beat = heartbeat.latest(settings).get(spec.name, {})
-        if process.pid in (beat.get("ppid"), beat.get("pid")) and beat.get("state") == "running":
-            return
+        beats = heartbeat.latest(settings)
+        for beat in (beats.get(spec.name, {}), beats.get(standby_key(spec.name), {})):
+            mine = process.pid in (beat.get("ppid"), beat.get("pid"))
+            if mine and beat.get("state") in (("running", "standby") if standby else ("running",)):
+                return
         time.sleep(1)
     raise LocalStackError(
         f"the stream of {spec.name} did not report running within {_START_TIMEOUT_S:g}s; see {log}"
@@ -198,12 +230,15 @@ def stop(settings: Settings, spec: PipelineSpec, *, hold: bool = True) -> Stoppe
     """Stop the stream; with `hold`, the supervisor leaves it stopped until a start."""
     if hold:
         set_desired(settings, spec, "stopped")
-    pid = running_pid(settings, spec)
-    if pid is not None:
-        _terminate(pid)
-    pid_file(settings, spec).unlink(missing_ok=True)
+    # The standby first: it would take over from the active one being stopped.
+    pids = [running_pid(settings, spec, standby) for standby in (True, False)]
+    for standby, pid in zip((True, False), pids, strict=True):
+        if pid is not None:
+            _terminate(pid)
+        pid_file(settings, spec, standby).unlink(missing_ok=True)
     # Also when its driver had died without removing them: stopped is not down.
     metrics.forget_targets(settings, spec.name)
+    pid = pids[1] if pids[1] is not None else pids[0]
     return StoppedStream(spec.name, was_running=pid is not None, pid=pid)
 
 
@@ -214,10 +249,14 @@ def describe(settings: Settings, spec: PipelineSpec) -> StreamState:
         spec.name, "running" if pid else "stopped", pid, str(log_file(settings, spec))
     )
     kafka.ensure_reachable(settings)
-    beat = heartbeat.latest(settings).get(spec.name)
+    beats = heartbeat.latest(settings)
+    beat = beats.get(spec.name)
     if beat is not None:
         result.heartbeat = beat
         result.heartbeat_age_s = round(time.time() - beat.get("last_progress_ms", 0) / 1000, 1)
+    waiting = beats.get(standby_key(spec.name))
+    if waiting is not None and waiting.get("state") == "standby":
+        result.standby = waiting
     result.lag = lag(settings, spec)
     return result
 
@@ -232,15 +271,22 @@ def lag(settings: Settings, spec: PipelineSpec) -> int | None:
     return sum(max(0, end - committed.get(p, (0, None))[0]) for p, end in ends.items())
 
 
+def standby_key(pipeline: str) -> str:
+    """The heartbeat key of a pipeline's standby drivers (the active one's is the pipeline)."""
+    return f"{pipeline}@standby"
+
+
 def stop_all(settings: Settings) -> list[StoppedStream]:
     """Stop every stream of this local stack, however it was started (`duality down`); they stay
     wanted as before."""
     stopped = []
-    for path in sorted(streams_folder(settings).glob("*.pid")):
-        pid = _stream_pid(path, path.stem)
+    # Standbys first (`x.standby.pid` sorts after `x.pid`): none takes over from one stopped.
+    for path in sorted(streams_folder(settings).glob("*.pid"), reverse=True):
+        name = path.name.split(".")[0]  # a pipeline's name has no dot
+        pid = _stream_pid(path, name)
         if pid is not None:
             _terminate(pid)
-            stopped.append(StoppedStream(path.stem, was_running=True, pid=pid))
+            stopped.append(StoppedStream(name, was_running=True, pid=pid))
         path.unlink(missing_ok=True)
-        metrics.forget_targets(settings, path.stem)
+        metrics.forget_targets(settings, name)
     return stopped

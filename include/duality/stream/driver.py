@@ -17,8 +17,9 @@ from duality.config import Settings
 from duality.errors import DualityError
 from duality.metrics import MetricsEndpoint, StreamMetrics, spark_ui_config
 from duality.spec import PipelineSpec
-from duality.stream import seeding
+from duality.stream import control, seeding
 from duality.stream.changelog_writer import ChangelogWriter
+from duality.stream.election import Election
 from duality.stream.heartbeat import Heartbeat
 from duality.stream.options import StreamOptions
 from duality.stream.query import build_query_frame
@@ -32,6 +33,9 @@ STALLED_EXIT = 75
 # The driver's JVM is gone (killed, or ended by an OutOfMemoryError): no query can run in this
 # process again, so it exits and the supervisor starts a driver with a new JVM.
 JVM_EXITED = 76
+# Another driver of the pipeline became the active one: this one exits, and its supervisor
+# starts a new driver, which waits as the standby.
+LOST_ELECTION = 77
 
 
 def _heartbeat_listener(
@@ -61,6 +65,8 @@ def _heartbeat_listener(
                 self.state = {
                     "state_rows": operators[0].numRowsTotal,
                     "state_memory_bytes": operators[0].memoryUsedBytes,
+                    # What the stateful stage ran with in this batch (the checkpoint's number).
+                    "state_tasks": operators[0].numShufflePartitions,
                 }
                 if metrics is not None:
                     metrics.state(operators[0].numRowsTotal, operators[0].memoryUsedBytes)
@@ -120,6 +126,8 @@ class StreamDriver:
         self.options = options
         self.stopping = threading.Event()
         self.metrics: StreamMetrics | None = None
+        self.partitions = 0  # the state partitions in force, set by `run`
+        self.election: Election  # set by `run`, once Spark runs
 
     def request_stop(self, *_: Any) -> None:
         self.stopping.set()
@@ -133,13 +141,28 @@ class StreamDriver:
         # glibc gives each thread that allocates its own malloc arena; RocksDB's and the JVM's
         # native allocations from many threads then keep growing the JVM's resident memory.
         os.environ.setdefault("MALLOC_ARENA_MAX", "2")
-        extra = {"spark.driver.memory": settings.stream_driver_memory}
+        self.partitions = seeding.state_partitions(settings, spec)
+        # Before any Spark: a checkpoint of another number stops the start (it names the fix).
+        seeding.checkpoint_usable(spec, seeding.checkpoint_dir(settings, spec), self.partitions)
+        extra = {
+            "spark.driver.memory": settings.stream_driver_memory,
+            "spark.sql.shuffle.partitions": str(self.partitions),
+        }
         if settings.metrics_port >= 0:
             extra |= spark_ui_config()
         spark = session(settings, f"duality-stream-{spec.name}", extra)
+        # Warm (its JVM and Spark session up), it waits for its turn: one active driver per
+        # pipeline across hosts (duality.stream.election).
+        self.election = Election(settings, spec.name)
+        if not self._wait_active():
+            self.election.close()
+            return 0
         metrics, endpoint = self._metrics(spark)
         heartbeat = Heartbeat(
-            settings, spec.name, metrics_port=endpoint.port if endpoint is not None else None
+            settings,
+            spec.name,
+            metrics_port=endpoint.port if endpoint is not None else None,
+            state_partitions=self.partitions,
         )
         self.metrics = metrics
         backoff = 1.0
@@ -176,7 +199,27 @@ class StreamDriver:
             heartbeat.close()
             if endpoint is not None:
                 endpoint.close()
+            # Last: a standby is assigned at once, its query starting after this one stopped.
+            self.election.close()
         return 0
+
+    def _wait_active(self) -> bool:
+        """Wait, as a standby, until the election makes this driver active (True), or until
+        it is asked to stop (False). A standby says so on its own heartbeat key."""
+        if self.election.active.wait(1.0):  # the first driver of a pipeline: at once
+            return True
+        spec = self.spec
+        log.info("%s: standby, waiting for the active driver to end", spec.name)
+        waiting = Heartbeat(self.settings, control.standby_key(spec.name))
+        try:
+            waiting.publish("standby")
+            taken = self.election.wait_active(self.stopping, lambda: waiting.publish("standby"))
+            waiting.publish("active" if taken else "stopped")
+        finally:
+            waiting.close()
+        if taken:
+            log.info("%s: taking over as the active driver", spec.name)
+        return taken
 
     def _metrics(self, spark: Any) -> tuple[StreamMetrics | None, MetricsEndpoint | None]:
         """The stream's metrics and their endpoint, unless `DUALITY_METRICS_PORT=-1`."""
@@ -202,7 +245,7 @@ class StreamDriver:
         # First fence any older driver and abort its open transaction, then read what the
         # changelog covers: the seed and the starting offsets below are a consistent pair.
         writer = ChangelogWriter(settings, spec, checkpoint)
-        if seeding.checkpoint_usable(spec, checkpoint):
+        if seeding.checkpoint_usable(spec, checkpoint, self.partitions):
             log.info(
                 "%s: resuming from the checkpoint %s (the state is in Spark's state store; the "
                 "changelog is not read)",
@@ -211,7 +254,7 @@ class StreamDriver:
             )
         else:
             started = time.monotonic()
-            seeding.prepare_checkpoint(spec, checkpoint)
+            seeding.prepare_checkpoint(spec, checkpoint, self.partitions)
             keys = seeding.write_seed(spark, settings, spec, checkpoint)
             log.info(
                 "%s: restored %d keys from %s in %.1fs (seeding the state store); source resumes "
@@ -263,6 +306,12 @@ class StreamDriver:
             last_batch = None
             while query.isActive and not self.stopping.is_set():
                 query.awaitTermination(1)
+                if self.election.lost.is_set():
+                    # Another driver is (or will be) active: stop now; the transactional
+                    # producer's fencing has already made this one's commits fail.
+                    query.stop()
+                    message = "the election made another driver active"
+                    self._exit_for_new_driver(heartbeat, "standby", message, LOST_ELECTION)
                 progress = query.lastProgress
                 batch = progress["batchId"] if progress else None
                 if query.status.get("isTriggerActive") and batch == last_batch:

@@ -26,7 +26,13 @@ def ensure_topic(settings: Settings) -> None:
 class Heartbeat:
     """Publishes a pipeline's state and progress."""
 
-    def __init__(self, settings: Settings, pipeline: str, metrics_port: int | None = None):
+    def __init__(
+        self,
+        settings: Settings,
+        pipeline: str,
+        metrics_port: int | None = None,
+        state_partitions: int | None = None,
+    ):
         self.pipeline = pipeline
         self.producer = kafka.producer(settings, linger_ms=0)
         # ppid: the supervisor that `duality stream start` launched (`supervisor.supervise`).
@@ -36,6 +42,7 @@ class Heartbeat:
             pid=os.getpid(),
             ppid=os.getppid(),
             metrics_port=metrics_port,
+            state_partitions=state_partitions,
         )
 
     def publish(self, state: str, **details: Any) -> None:

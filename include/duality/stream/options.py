@@ -22,16 +22,26 @@ class StreamOptions:
     max_offsets_per_trigger: int = MAX_OFFSETS_PER_TRIGGER
     stall_timeout_s: float = STALL_TIMEOUT_S
     trigger_seconds: float = 1.0
+    # A second instance on this host: its driver starts Spark, then waits to become the active
+    # one (docs/decisions/0029-warm-standby.md).
+    standby: bool = False
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        for (flag, what), field in zip(_ARGUMENTS, dataclasses.fields(StreamOptions), strict=True):
+        numbers = dataclasses.fields(StreamOptions)[: len(_ARGUMENTS)]
+        for (flag, what), field in zip(_ARGUMENTS, numbers, strict=True):
             parser.add_argument(
                 flag,
                 type=type(field.default),
                 default=field.default,
                 help=f"{what} (default %(default)s)",
             )
+        parser.add_argument(
+            "--standby",
+            action="store_true",
+            help="a warm standby: another instance of the stream, whose driver takes over when "
+            "the active one dies",
+        )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> StreamOptions:
@@ -39,11 +49,14 @@ class StreamOptions:
             raise UsageError("--max-offsets-per-trigger must be at least 1")
         if args.trigger_seconds < 0 or args.stall_timeout <= 0:
             raise UsageError("--trigger-seconds must be 0 or more and --stall-timeout positive")
-        return cls(args.max_offsets_per_trigger, args.stall_timeout, args.trigger_seconds)
+        return cls(
+            args.max_offsets_per_trigger, args.stall_timeout, args.trigger_seconds, args.standby
+        )
 
     def to_args(self) -> list[str]:
-        pairs = zip(_ARGUMENTS, dataclasses.astuple(self), strict=True)
-        return [part for (flag, _), value in pairs for part in (flag, str(value))]
+        pairs = zip(_ARGUMENTS, dataclasses.astuple(self)[: len(_ARGUMENTS)], strict=True)
+        numbers = [part for (flag, _), value in pairs for part in (flag, str(value))]
+        return [*numbers, "--standby"] if self.standby else numbers
 
 
 # Each field's flag and help, in the fields' order.

@@ -134,9 +134,41 @@ def state_layout(spec: PipelineSpec) -> str:
     return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def checkpoint_usable(spec: PipelineSpec, checkpoint: Path) -> bool:
+def state_partitions(settings: Settings, spec: PipelineSpec) -> int:
+    """The state partitions a stream of `spec` runs with: its `parallelism`, else
+    DUALITY_STREAM_PARTITIONS, else Spark's default here (`spark.default_partitions`)."""
+    from duality.spark import default_partitions
+
+    if spec.parallelism is not None:
+        return spec.parallelism
+    if settings.stream_partitions is not None:
+        return settings.stream_partitions
+    return default_partitions(settings)
+
+
+def checkpoint_partitions(checkpoint: Path) -> int | None:
+    """The state partitions `checkpoint` fixed: as duality recorded them, else as Spark's
+    offset log records its `spark.sql.shuffle.partitions`; None without a checkpoint."""
+    marker = checkpoint / _ENGINE_FILE
+    if marker.is_file():
+        recorded = json.loads(marker.read_text()).get("partitions")
+        if recorded is not None:
+            return int(recorded)
+    offsets = checkpoint / "offsets"
+    logged = sorted(
+        (int(f.name) for f in offsets.iterdir() if f.name.isdigit()) if offsets.is_dir() else []
+    )
+    if not logged:
+        return None
+    metadata = json.loads((offsets / str(logged[-1])).read_text().splitlines()[1])
+    value = metadata.get("conf", {}).get("spark.sql.shuffle.partitions")
+    return int(value) if value is not None else None
+
+
+def checkpoint_usable(spec: PipelineSpec, checkpoint: Path, partitions: int) -> bool:
     """Whether the query can resume from `checkpoint` rather than seed from the changelog; a
-    checkpoint of another state layout is a usage error."""
+    checkpoint of another state layout, or of another number of state partitions than
+    `partitions`, is a usage error."""
     offsets = checkpoint / "offsets"
     if not offsets.is_dir() or not any(offsets.iterdir()):
         return False
@@ -156,13 +188,21 @@ def checkpoint_usable(spec: PipelineSpec, checkpoint: Path) -> bool:
             f"the checkpoint {checkpoint} was written, so neither it nor the changelog can be "
             f"resumed: run `duality reset {spec.name}` to recompute the table from the source"
         )
+    fixed = checkpoint_partitions(checkpoint)
+    if fixed is not None and fixed != partitions:
+        raise UsageError(
+            f"pipeline {spec.name}: its checkpoint {checkpoint} has {fixed} state partitions, "
+            f"and it is asked to run with {partitions} (its spec's `parallelism`, else "
+            f"DUALITY_STREAM_PARTITIONS): run `duality stream rescale {spec.name} --partitions "
+            f"{partitions}` to rebuild its state in {partitions} from the changelog, or ask for "
+            f"{fixed} again"
+        )
     return True
 
 
-def prepare_checkpoint(spec: PipelineSpec, checkpoint: Path) -> None:
-    """Empty the checkpoint folder and mark it as this engine's."""
+def prepare_checkpoint(spec: PipelineSpec, checkpoint: Path, partitions: int) -> None:
+    """Empty the checkpoint folder and mark it as this engine's, with its state partitions."""
     shutil.rmtree(checkpoint, ignore_errors=True)
     checkpoint.mkdir(parents=True)
-    (checkpoint / _ENGINE_FILE).write_text(
-        json.dumps({"engine": _ENGINE, "layout": state_layout(spec)})
-    )
+    marker = {"engine": _ENGINE, "layout": state_layout(spec), "partitions": partitions}
+    (checkpoint / _ENGINE_FILE).write_text(json.dumps(marker))

@@ -21,17 +21,18 @@ from duality.config import Settings
 from duality.errors import DualityError, LocalStackError, UsageError
 from duality.process import die_with_parent
 from duality.spec import PipelineSpec, find_spec
-from duality.stream.control import MODULE, pid_file, streams_folder
+from duality.stream.control import MODULE, pid_file, slot, streams_folder
 from duality.stream.options import StreamOptions
 
 log = logging.getLogger("duality.stream")
 
 
 @contextlib.contextmanager
-def exclusive(settings: Settings, spec: PipelineSpec) -> Iterator[None]:
-    """Hold the pipeline's lock for the life of the stream, or fail if another stream holds
-    it: one checkpoint never has two drivers."""
-    path = streams_folder(settings) / f"{spec.name}.lock"
+def exclusive(settings: Settings, spec: PipelineSpec, standby: bool = False) -> Iterator[None]:
+    """Hold the lock of the pipeline's slot on this host (the first instance, or the standby)
+    for the life of the stream, or fail if another stream holds it. Across slots and hosts,
+    the election lets one driver at a time run the query."""
+    path = streams_folder(settings) / f"{spec.name}{slot(standby)}.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as handle:
         try:
@@ -73,7 +74,10 @@ def supervise(settings: Settings, spec: PipelineSpec, pipeline: str, options: St
     signal.signal(signal.SIGINT, request_stop)
     command = [sys.executable, "-m", f"{MODULE}.driver", pipeline, *options.to_args()]
     backoff = 1.0
-    with exclusive(settings, spec), owned_pid_file(pid_file(settings, spec)):
+    with (
+        exclusive(settings, spec, options.standby),
+        owned_pid_file(pid_file(settings, spec, options.standby)),
+    ):
         while not stopping.is_set():
             # The kernel kills the driver when the supervisor dies, even by SIGKILL, so a
             # killed stream never leaves a driver running without the lock.

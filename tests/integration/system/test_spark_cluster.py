@@ -3,20 +3,31 @@ unchanged, its executors get duality as a zip (`spark.submit.pyFiles`)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 
 from duality import kafka, workload
 from duality.config import Settings
 from duality.local.spark_cluster import LocalSparkCluster
 from duality.snapshot import delta_log
 from duality.spark import package_zip
-from tests.harness import ROOT, StreamProcess, assert_eventually, make_pipeline, run_python
+from tests.harness import (
+    ROOT,
+    StreamProcess,
+    assert_eventually,
+    duality_json,
+    make_pipeline,
+    run_duality,
+    run_python,
+)
 from tests.integration.spark.test_stream import _verify
 
 EVENTS, MORE_EVENTS, KEYS = 12_000, 4_000, 500
@@ -216,3 +227,92 @@ def test_snapshot_and_repartition_run_on_the_workers(
     _ran_on_both_workers(cluster, f"duality-repartition-{target}")
     assert report["copied"] == 8_000
     _assert_exact_copy(on_cluster, spec.source.topic, target)
+
+
+def _set_parallelism(spec_file: Path, partitions: int) -> None:
+    data = yaml.safe_load(spec_file.read_text())
+    data["parallelism"] = partitions
+    spec_file.write_text(yaml.safe_dump(data))
+
+
+class _OffsetsWatch:
+    """The stream's committed source offsets, read every 0.2 s in a thread: they must never go
+    back (a record read twice would take them back first)."""
+
+    def __init__(self, settings: Settings, group: str, topic: str):
+        self.settings, self.group, self.topic = settings, group, topic
+        self.seen: list[dict[int, int]] = []
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        while not self.stopping.wait(0.2):
+            committed = kafka.committed_offsets(self.settings, self.group, self.topic)
+            self.seen.append({p: offset for p, (offset, _) in committed.items()})
+
+    def stop(self) -> list[dict[int, int]]:
+        self.stopping.set()
+        self.thread.join(timeout=30)
+        return self.seen
+
+
+def test_rescale_under_load_4_to_8_then_8_to_2(
+    cluster: LocalSparkCluster, settings: Settings, tmp_path: Path
+):
+    cluster.start()  # both workers again, if an earlier test killed one
+    pipelines = tmp_path / "pipelines"
+    spec = make_pipeline(settings, pipelines, "product_sales")
+    spec_file = pipelines / f"{spec.name}.yaml"
+    kafka.create_topic(settings, spec.source.topic, 4)
+    workload.produce(settings, spec, events=EVENTS // 2, keys=KEYS, bad_fraction=0.06, seed=61)
+    on_cluster = settings.replace(spark_master=cluster.master_url, pipelines=pipelines)
+    options = ("--max-offsets-per-trigger", "1000")
+    load = threading.Thread(
+        target=workload.produce,
+        args=(settings, spec),
+        kwargs={"events": MORE_EVENTS, "keys": KEYS, "bad_fraction": 0.06, "rate": 60, "seed": 62},
+    )
+    watch = _OffsetsWatch(settings, spec.consumer_group, spec.source.topic)
+
+    def tasks() -> int | None:
+        return duality_json(on_cluster, "stream", "status", spec.name)["heartbeat"].get(
+            "state_tasks"
+        )
+
+    try:
+        duality_json(on_cluster, "stream", "start", spec.name, *options)
+        assert_eventually(tasks, 4, timeout=180, message="the stateful stage's tasks on 4")
+        load.start()
+        # 4 -> 8 while the stream runs: rescale stops it, and starts it with its options.
+        _set_parallelism(spec_file, 8)
+        plan = duality_json(on_cluster, "stream", "rescale", spec.name, "--dry-run")
+        assert (plan["partitions_before"], plan["partitions"]) == (4, 8), plan
+        assert plan["stop_pid"] is not None and plan["job_args"][:2] == list(options)
+        done = duality_json(on_cluster, "stream", "rescale", spec.name, timeout=400)
+        # The same plan (the load moved the committed offsets it names meanwhile).
+        assert done["dry_run"] is False and done["steps"][:3] == plan["steps"][:3]
+        assert_eventually(tasks, 8, timeout=180, message="the stateful stage's tasks on 8")
+        # 8 -> 2 while it is stopped: a start with the new number refuses, naming the rescale.
+        duality_json(on_cluster, "stream", "stop", spec.name)
+        _set_parallelism(spec_file, 2)
+        refused = run_duality(on_cluster, "stream", "start", spec.name, *options)
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        assert f"duality stream rescale {spec.name} --partitions 2" in refused.stderr
+        done = duality_json(on_cluster, "stream", "rescale", spec.name)
+        assert (done["partitions_before"], done["stop_pid"]) == (8, None), done
+        duality_json(on_cluster, "stream", "start", spec.name, *options)
+        assert_eventually(tasks, 2, timeout=180, message="the stateful stage's tasks on 2")
+        load.join(timeout=300)
+        assert not load.is_alive(), "the load producer did not finish"
+        produced = EVENTS // 2 + MORE_EVENTS
+        assert_eventually(
+            lambda: sum(watch.seen[-1].values()) if watch.seen else 0, produced, timeout=240
+        )
+    finally:
+        seen = watch.stop()
+        run_duality(on_cluster, "stream", "stop", spec.name)
+    for earlier, later in itertools.pairwise(seen):
+        assert all(later.get(p, 0) >= offset for p, offset in earlier.items()), (earlier, later)
+    # The changelog equals the ground truth, and every bad record was dead-lettered once.
+    _verify(settings, spec, produced)

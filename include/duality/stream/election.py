@@ -1,0 +1,94 @@
+"""Which of a pipeline's drivers is active (docs/decisions/0029-warm-standby.md): the member of
+the consumer group `duality-<pipeline>-active` that holds the one partition of `_duality-drivers`.
+Kafka's group coordinator decides, across hosts; the transactional producer's fencing is the
+safety net behind it."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from duality import kafka
+from duality.config import Settings
+
+log = logging.getLogger("duality.stream")
+
+DRIVERS_TOPIC = "_duality-drivers"
+# The coordinator takes a driver for dead after this long without a heartbeat (the broker's
+# smallest allowed by default, group.min.session.timeout.ms); a standby is assigned then.
+SESSION_TIMEOUT_MS = 6_000
+HEARTBEAT_INTERVAL_MS = 1_000
+
+
+def ensure_topic(settings: Settings) -> None:
+    kafka.create_topic(settings, DRIVERS_TOPIC, 1, exist_ok=True)
+
+
+class Election:
+    """This driver's membership: `active` is set while it holds the partition, `lost` once it
+    held it and no longer does (another driver may be active then: this one must stop)."""
+
+    def __init__(self, settings: Settings, pipeline: str):
+        ensure_topic(settings)
+        self.pipeline = pipeline
+        self.active = threading.Event()
+        self.lost = threading.Event()
+        self._closing = threading.Event()
+        # Sticky assignment: a standby that joins never takes the partition from the active.
+        self._consumer = kafka.consumer(
+            settings,
+            f"duality-{pipeline}-active",
+            session_timeout_ms=SESSION_TIMEOUT_MS,
+            heartbeat_interval_ms=HEARTBEAT_INTERVAL_MS,
+            partition_assignment_strategy="cooperative-sticky",
+            enable_partition_eof=False,
+        )
+        self._consumer.subscribe(
+            [DRIVERS_TOPIC], on_assign=self._assigned, on_revoke=self._revoked, on_lost=self._lost
+        )
+        self._thread = threading.Thread(target=self._poll, name="duality-election", daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        # The group's callbacks run inside poll(); the records themselves are not read.
+        while not self._closing.is_set():
+            try:
+                self._consumer.poll(0.2)
+            except Exception as error:  # a closed consumer, or Kafka away: the next poll says
+                if self._closing.is_set():
+                    return
+                log.warning("%s: the election's poll failed: %s", self.pipeline, error)
+
+    def _assigned(self, consumer: Any, partitions: list[Any]) -> None:
+        if partitions:
+            log.info("%s: this driver is now the active one", self.pipeline)
+            self.active.set()
+
+    def _revoked(self, consumer: Any, partitions: list[Any]) -> None:
+        if partitions and self.active.is_set():
+            log.warning("%s: this driver is no longer the active one", self.pipeline)
+            self.active.clear()
+            self.lost.set()
+
+    def _lost(self, consumer: Any, partitions: list[Any]) -> None:
+        self._revoked(consumer, partitions)
+
+    def wait_active(self, stopping: threading.Event, waiting: Any = None) -> bool:
+        """Block until this driver is the active one (True) or `stopping` is set (False);
+        `waiting()` is called about every 5 s meanwhile."""
+        while not stopping.is_set():
+            if self.active.wait(5):
+                return True
+            if waiting is not None:
+                waiting()
+        return False
+
+    def close(self) -> None:
+        """Leave the group at once: a standby is assigned without waiting for the timeout."""
+        self._closing.set()
+        self._thread.join(timeout=5)
+        try:
+            self._consumer.close()
+        except Exception as error:
+            log.warning("%s: leaving the election failed: %s", self.pipeline, error)

@@ -1,0 +1,139 @@
+"""A warm standby (`duality stream start --standby`): one driver is active at a time, however
+many try; the active one SIGKILLed under load, the standby's first micro-batch commits soon
+after, its supervisor's new driver becomes the standby, and the changelog stays exact."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from duality import kafka, workload
+from duality.config import Settings
+from duality.stream import control, heartbeat
+from tests.harness import assert_eventually, duality_json, make_pipeline, run_duality
+from tests.integration.spark.test_stream import _verify
+
+EVENTS, LOAD_EVENTS, KEYS = 3_000, 4_000, 200
+
+
+def _beats(settings: Settings, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The active driver's latest heartbeat and the standby's."""
+    beats = heartbeat.latest(settings)
+    return beats.get(name, {}), beats.get(control.standby_key(name), {})
+
+
+def _first_commit_after(settings: Settings, topic: str, since: float) -> float:
+    """Seconds from `since` (monotonic) until a read_committed consumer, placed at the topic's
+    stable end now, reads a record: the next transaction committed."""
+    ends = kafka.end_offsets(settings, topic)
+    reader = kafka.consumer(settings, f"failover-{os.getpid()}", enable_partition_eof=False)
+    try:
+        reader.assign([kafka.TopicPartition(topic, p, o) for p, o in ends.items()])
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            message = reader.poll(0.05)
+            if message is not None and message.error() is None:
+                return time.monotonic() - since
+        raise AssertionError(f"no transaction committed to {topic} within 120 s of the kill")
+    finally:
+        reader.close()
+
+
+def test_a_warm_standby_takes_over_from_a_killed_driver(settings: Settings, tmp_path: Path):
+    pipelines = tmp_path / "pipelines"
+    spec = make_pipeline(settings, pipelines, "product_sales")
+    scoped = settings.replace(pipelines=pipelines)
+    name = spec.name
+    kafka.create_topic(settings, spec.source.topic, 3)
+    workload.produce(settings, spec, events=EVENTS, keys=KEYS, bad_fraction=0.05, seed=71)
+    options = ("--max-offsets-per-trigger", "1000", "--trigger-seconds", "0.5")
+    extra: subprocess.Popen[bytes] | None = None
+    load = threading.Thread(
+        target=workload.produce,
+        args=(settings, spec),
+        kwargs={"events": LOAD_EVENTS, "keys": KEYS, "bad_fraction": 0.05, "rate": 200, "seed": 72},
+    )
+    try:
+        first = duality_json(scoped, "stream", "start", name, *options)
+        assert first["heartbeat"]["state"] == "running"
+        duality_json(scoped, "stream", "start", name, *options, "--standby")
+        active, standby = assert_eventually(
+            lambda: _beats(settings, name),
+            lambda beats: beats[1].get("state") == "standby",
+            timeout=120,
+            message="the standby never reported waiting",
+        )
+        assert standby["pid"] != active["pid"]
+        status = duality_json(scoped, "stream", "status", name)
+        assert status["standby"]["pid"] == standby["pid"]
+
+        # A third driver started by hand, outside both slots, also waits: never two actives.
+        with open(tmp_path / "extra.log", "wb") as out:
+            extra = subprocess.Popen(
+                [sys.executable, "-m", "duality.stream.driver", name, *options],
+                env={**os.environ, **scoped.as_env()},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        assert_eventually(
+            lambda: "standby, waiting" in (tmp_path / "extra.log").read_text(), timeout=120
+        )
+        extra.send_signal(signal.SIGTERM)  # a standby asked to stop ends without running
+        assert extra.wait(timeout=60) == 0
+        assert _beats(settings, name)[0]["pid"] == active["pid"]
+        assert "taking over" not in (tmp_path / "extra.log").read_text()
+
+        load.start()
+        assert_eventually(
+            lambda: (
+                sum(
+                    o
+                    for o, _ in kafka.committed_offsets(
+                        settings, spec.consumer_group, spec.source.topic
+                    ).values()
+                )
+                > EVENTS
+            ),
+            timeout=120,
+        )
+        os.kill(active["pid"], signal.SIGKILL)  # the active driver alone; its supervisor lives
+        killed = time.monotonic()
+        failover = _first_commit_after(settings, spec.changelog_topic, killed)
+        print(f"failover: first commit {failover:.1f} s after the kill")
+        taken, _ = _beats(settings, name)
+        assert taken["pid"] == standby["pid"], "the standby did not take over"
+        # The killed driver's supervisor started a new driver, which waits as the standby.
+        assert_eventually(
+            lambda: _beats(settings, name)[1],
+            lambda beat: beat.get("state") == "standby" and beat.get("pid") != standby["pid"],
+            timeout=120,
+            message="no new standby after the failover",
+        )
+        load.join(timeout=120)
+        assert not load.is_alive()
+        produced = EVENTS + LOAD_EVENTS
+        assert_eventually(
+            lambda: sum(
+                o
+                for o, _ in kafka.committed_offsets(
+                    settings, spec.consumer_group, spec.source.topic
+                ).values()
+            ),
+            produced,
+            timeout=180,
+        )
+    finally:
+        if extra is not None and extra.poll() is None:
+            extra.kill()
+            extra.wait()
+        stopped = run_duality(scoped, "stream", "stop", name)
+        assert stopped.returncode == 0, stopped.stderr
+    assert control.running_pid(scoped, spec) is None
+    assert control.running_pid(scoped, spec, standby=True) is None
+    _verify(settings, spec, produced)
