@@ -33,9 +33,11 @@ STALLED_EXIT = 75
 # The driver's JVM is gone (killed, or ended by an OutOfMemoryError): no query can run in this
 # process again, so it exits and the supervisor starts a driver with a new JVM.
 JVM_EXITED = 76
-# Another driver of the pipeline became the active one: this one exits, and its supervisor
-# starts a new driver, which waits as the standby.
-LOST_ELECTION = 77
+
+
+class ElectionLost(Exception):
+    """This driver is no longer the active one (another took over, or its membership lapsed
+    while Kafka was away): it stops its query and waits as a standby."""
 
 
 def _heartbeat_listener(
@@ -171,6 +173,12 @@ class StreamDriver:
                 try:
                     self._run_query(spark, heartbeat)
                     backoff = 1.0
+                except ElectionLost as lost:
+                    log.warning("%s: %s; waiting as the standby", spec.name, lost)
+                    heartbeat.publish("standby", error=str(lost))
+                    self.election.lost.clear()
+                    if not self._wait_active():
+                        break
                 except DualityError:
                     raise
                 except Exception as error:
@@ -307,11 +315,9 @@ class StreamDriver:
             while query.isActive and not self.stopping.is_set():
                 query.awaitTermination(1)
                 if self.election.lost.is_set():
-                    # Another driver is (or will be) active: stop now; the transactional
-                    # producer's fencing has already made this one's commits fail.
-                    query.stop()
-                    message = "the election made another driver active"
-                    self._exit_for_new_driver(heartbeat, "standby", message, LOST_ELECTION)
+                    # Another driver may be active: stop now (the transactional producer's
+                    # fencing makes this one's commits fail meanwhile) and wait again.
+                    raise ElectionLost("the election made another driver active")
                 progress = query.lastProgress
                 batch = progress["batchId"] if progress else None
                 if query.status.get("isTriggerActive") and batch == last_batch:
