@@ -156,7 +156,7 @@ class StreamDriver:
         # Warm (its JVM and Spark session up), it waits for its turn: one active driver per
         # pipeline across hosts (duality.stream.election).
         self.election = Election(settings, spec.name)
-        if not self._wait_active():
+        if not self._wait_active(spark):
             self.election.close()
             return 0
         metrics, endpoint = self._metrics(spark)
@@ -177,7 +177,7 @@ class StreamDriver:
                     log.warning("%s: %s; waiting as the standby", spec.name, lost)
                     heartbeat.publish("standby", error=str(lost))
                     self.election.lost.clear()
-                    if not self._wait_active():
+                    if not self._wait_active(spark):
                         break
                 except DualityError:
                     raise
@@ -211,12 +211,13 @@ class StreamDriver:
             self.election.close()
         return 0
 
-    def _wait_active(self) -> bool:
+    def _wait_active(self, spark: Any) -> bool:
         """Wait, as a standby, until the election makes this driver active (True), or until
         it is asked to stop (False). A standby says so on its own heartbeat key."""
         if self.election.active.wait(1.0):  # the first driver of a pipeline: at once
             return True
         spec = self.spec
+        self._warm_up(spark)
         log.info("%s: standby, waiting for the active driver to end", spec.name)
         waiting = Heartbeat(self.settings, control.standby_key(spec.name))
         try:
@@ -228,6 +229,34 @@ class StreamDriver:
         if taken:
             log.info("%s: taking over as the active driver", spec.name)
         return taken
+
+    def _warm_up(self, spark: Any) -> None:
+        """Run the query's plan once, as a batch job over one record, so that a takeover's
+        first micro-batch finds Spark's planner loaded and compiled and most of the query's
+        generated code in Spark's cache (decision 29)."""
+        from duality.stream.query import rows_schema
+
+        started = time.monotonic()
+        kafka_row = "key binary, value binary, topic string, partition int, offset bigint, "
+        kafka_row += "timestamp timestamp, timestampType int"
+        record = [(b"k", b'{"warm": "up"}', self.spec.source.topic, 0, 0, None, 0)]
+        source = spark.createDataFrame(record, kafka_row).selectExpr(
+            "key",
+            "value",
+            "topic",
+            "partition",
+            "offset",
+            "current_timestamp() AS timestamp",
+            "timestampType",
+        )
+        seeds = spark.createDataFrame([], rows_schema(self.spec))
+        frame = build_query_frame(self.spec, source, seeds)
+        try:
+            frame.write.format("noop").mode("overwrite").save()
+        except Exception as error:  # only time is lost: the takeover compiles what it needs
+            log.warning("%s: warming up failed: %s", self.spec.name, str(error)[:300])
+            return
+        log.info("%s: warmed up in %.1fs", self.spec.name, time.monotonic() - started)
 
     def _metrics(self, spark: Any) -> tuple[StreamMetrics | None, MetricsEndpoint | None]:
         """The stream's metrics and their endpoint, unless `DUALITY_METRICS_PORT=-1`."""

@@ -18,7 +18,8 @@ DRIVERS_TOPIC = "_duality-drivers"
 # The coordinator takes a driver for dead after this long without a heartbeat (the broker's
 # smallest allowed by default, group.min.session.timeout.ms); a standby is assigned then.
 SESSION_TIMEOUT_MS = 6_000
-HEARTBEAT_INTERVAL_MS = 1_000
+# A standby hears of the rebalance with its next heartbeat.
+HEARTBEAT_INTERVAL_MS = 500
 
 
 def ensure_topic(settings: Settings) -> None:
