@@ -28,8 +28,12 @@ and the memory of its process tree.
   supervisor, the driver, its JVM and Python workers, sampled every 0.25 s) and the RSS once the
   backlog is covered; then a restart with the checkpoint intact: stopped gracefully, 1,000 new
   events produced, started again, timed from the process start until the committed offsets cover
-  them. Targets: peak RSS grows by at most 500 MB, and the restart at the larger state takes at
-  most 1.5x as long.
+  them; then failover: the stream and a warm standby (`--standby`) under a trickle of events,
+  the active driver SIGKILLed, timed from the kill until a read_committed reader sees the next
+  changelog transaction; then the same without a standby (the supervisor's new driver waits out
+  the election's 6 s session, then starts the query cold). Targets: peak RSS grows by at most
+  500 MB, the restart at the larger state takes at most 1.5x as long, failover with a standby
+  at most 10 s at both sizes.
 - `restore-from-changelog`: a backlog of one event per key (1M keys, the `--records` figure)
   streamed into the changelog; then the stream is stopped, its checkpoint folder deleted and
   started again, timed from the process start until its heartbeat's `state_rows` holds every key
@@ -50,6 +54,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -75,7 +80,7 @@ from duality.stream.options import MAX_OFFSETS_PER_TRIGGER
 
 # The checkout, for the stream process the bench shares with the tests.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.harness import StreamProcess
+from tests.harness import StreamProcess, first_commit_after
 
 SPEC = SHIPPED_PIPELINES / "product_sales.yaml"
 SPARK_AGGREGATION = Path(__file__).resolve().parent / "spark_aggregation.py"
@@ -92,6 +97,7 @@ POLL_S = 0.2
 
 THROUGHPUT_TARGET = 0.8  # stream-throughput records/s over python-copy's
 RICH_TARGET = 0.8  # stream-rich records/s over stream-throughput's
+FAILOVER_TARGET_S = 10.0  # the active driver's SIGKILL -> the standby's first commit
 METRICS_TARGET = 0.97  # stream-throughput (metrics on) over stream-metrics-off
 RSS_GROWTH_TARGET_MB = 500.0
 RESTART_RATIO_TARGET = 1.5
@@ -180,6 +186,10 @@ class Point:
     restart_seconds: float = 0.0
     restart_events: int = 0
     restart_peak_rss_mb: float = 0.0
+    # The active driver SIGKILLed under a trickle of events: seconds until the next changelog
+    # transaction commits, with a warm standby and without one (its supervisor's new driver).
+    failover_standby_seconds: float = 0.0
+    failover_cold_seconds: float = 0.0
     # A second backlog given to the running stream at once (stream-throughput-warm), if any.
     warm_events: int = 0
     warm_seconds: float = 0.0
@@ -201,6 +211,8 @@ class Point:
             "restart_seconds": round(self.restart_seconds, 3),
             "restart_events": self.restart_events,
             "restart_peak_rss_mb": round(self.restart_peak_rss_mb, 1),
+            "failover_standby_seconds": round(self.failover_standby_seconds, 3),
+            "failover_cold_seconds": round(self.failover_cold_seconds, 3),
         }
 
 
@@ -216,7 +228,9 @@ class StateScaleFigure(StreamFigure):
             (
                 Figure(f"state-scale ({p.keys:,} keys)", p.events, p.seconds, p.megabytes),
                 f"peak RSS {p.peak_rss_mb:,.0f} MB, {p.covered_rss_mb:,.0f} MB when covered; "
-                f"restart {p.restart_seconds:.1f} s, peak {p.restart_peak_rss_mb:,.0f} MB",
+                f"restart {p.restart_seconds:.1f} s, peak {p.restart_peak_rss_mb:,.0f} MB; "
+                f"failover {p.failover_standby_seconds:.1f} s with a standby, "
+                f"{p.failover_cold_seconds:.1f} s without",
             )
             for p in self.points
         ]
@@ -669,6 +683,82 @@ def restart(
     point.restart_peak_rss_mb = memory.peak / 1e6
 
 
+def failover(bench: Bench, point: Point, spec: PipelineSpec, label: str) -> None:
+    """With the checkpoint intact, the stream and a warm standby (`--standby`) under a trickle
+    of events: the active driver SIGKILLed, timed from the kill until a read_committed reader
+    sees the next changelog transaction (`failover_standby_seconds`); then the standby stopped,
+    the same kill of the one driver left, which its supervisor replaces with a new driver
+    (`failover_cold_seconds`)."""
+    settings = bench.settings
+    bench.progress.console.print(f"{label}: failover, with a warm standby and without")
+    first = stream_process(bench, spec)
+    second = StreamProcess(
+        settings,
+        spec,
+        bench.pipelines,
+        bench.logs / f"{spec.name}.standby.log",
+        max_offsets_per_trigger=MAX_OFFSETS_PER_TRIGGER,
+        stall_timeout=None,
+    )
+    second.args.append("--standby")
+    stop = threading.Event()
+
+    def trickle() -> None:  # about 200 events a second, new keys
+        out = kafka.producer(settings)
+        for n, (key, value) in enumerate(unique_events(10**9, f"f{spec.name}-")):
+            kafka.send(out, spec.source.topic, key, value)
+            if n % 10 == 9:
+                out.flush(10)
+                if stop.wait(0.05):
+                    return
+
+    def beats() -> tuple[dict[str, Any], dict[str, Any]]:
+        latest = heartbeat.latest(settings)
+        return latest.get(spec.name, {}), latest.get(f"{spec.name}@standby", {})
+
+    def until(condition: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + backlog_timeout(point.keys)
+        while not condition():
+            first.check()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{label}: {what} not within the time allowed")
+            time.sleep(POLL_S)
+
+    producer = threading.Thread(target=trickle, daemon=True)
+    with first, second:
+        first.start()
+        until(lambda: beats()[0].get("state") == "running", "the stream running")
+        second.start()
+        until(lambda: beats()[1].get("state") == "standby", "the standby waiting")
+        producer.start()
+        try:
+            active = beats()[0]["pid"]
+            os.kill(active, signal.SIGKILL)
+            killed = time.monotonic()
+            point.failover_standby_seconds = first_commit_after(
+                settings, spec.changelog_topic, killed
+            )
+            # The killed driver's supervisor starts a driver that waits; the standby's
+            # supervisor, stopped, leaves it the only one.
+            taken = beats()[0]["pid"]
+            until(lambda: beats()[1].get("state") == "standby", "a new standby")
+            second.stop()
+            until(
+                lambda: (
+                    beats()[0].get("pid") not in (None, active, taken)
+                    and beats()[0].get("state") == "running"
+                ),
+                "the driver left running",
+            )
+            os.kill(beats()[0]["pid"], signal.SIGKILL)
+            killed = time.monotonic()
+            point.failover_cold_seconds = first_commit_after(settings, spec.changelog_topic, killed)
+        finally:
+            stop.set()
+            producer.join(timeout=30)
+        first.stop()
+
+
 # -- scenarios -------------------------------------------------------------------------------
 
 
@@ -684,6 +774,7 @@ def state_scale_point(
     label = f"stream over {keys:,} keys"
     point = consume_backlog(bench, spec, keys, megabytes, label, distinct_keys, warm_events)
     restart(bench, point, spec, new_events, label)
+    failover(bench, point, spec, label)
     parts = ", ".join(f"{name} {mb:,.0f}" for name, mb in point.peak_rss_parts.items())
     bench.progress.console.print(
         f"{label}: {point.events:,} records in {point.seconds:.1f}s, peak RSS "
@@ -715,6 +806,14 @@ def state_scale_figure(small: Point, large: Point) -> StateScaleFigure:
             "max_offsets_per_trigger": MAX_OFFSETS_PER_TRIGGER,
         },
         targets=[
+            *(
+                target(
+                    f"failover with a warm standby at {p.keys:,} keys <= {FAILOVER_TARGET_S:g} s",
+                    p.failover_standby_seconds,
+                    p.failover_standby_seconds <= FAILOVER_TARGET_S,
+                )
+                for p in (small, large)
+            ),
             target(
                 f"peak rss growth <= {RSS_GROWTH_TARGET_MB:g} MB",
                 growth,

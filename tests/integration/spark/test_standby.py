@@ -16,7 +16,13 @@ from typing import Any
 from duality import kafka, workload
 from duality.config import Settings
 from duality.stream import control, heartbeat
-from tests.harness import assert_eventually, duality_json, make_pipeline, run_duality
+from tests.harness import (
+    assert_eventually,
+    duality_json,
+    first_commit_after,
+    make_pipeline,
+    run_duality,
+)
 from tests.integration.spark.test_stream import _verify
 
 EVENTS, LOAD_EVENTS, KEYS = 3_000, 4_000, 200
@@ -26,23 +32,6 @@ def _beats(settings: Settings, name: str) -> tuple[dict[str, Any], dict[str, Any
     """The active driver's latest heartbeat and the standby's."""
     beats = heartbeat.latest(settings)
     return beats.get(name, {}), beats.get(control.standby_key(name), {})
-
-
-def _first_commit_after(settings: Settings, topic: str, since: float) -> float:
-    """Seconds from `since` (monotonic) until a read_committed consumer, placed at the topic's
-    stable end now, reads a record: the next transaction committed."""
-    ends = kafka.end_offsets(settings, topic)
-    reader = kafka.consumer(settings, f"failover-{os.getpid()}", enable_partition_eof=False)
-    try:
-        reader.assign([kafka.TopicPartition(topic, p, o) for p, o in ends.items()])
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            message = reader.poll(0.05)
-            if message is not None and message.error() is None:
-                return time.monotonic() - since
-        raise AssertionError(f"no transaction committed to {topic} within 120 s of the kill")
-    finally:
-        reader.close()
 
 
 def test_a_warm_standby_takes_over_from_a_killed_driver(settings: Settings, tmp_path: Path):
@@ -104,7 +93,7 @@ def test_a_warm_standby_takes_over_from_a_killed_driver(settings: Settings, tmp_
         )
         os.kill(active["pid"], signal.SIGKILL)  # the active driver alone; its supervisor lives
         killed = time.monotonic()
-        failover = _first_commit_after(settings, spec.changelog_topic, killed)
+        failover = first_commit_after(settings, spec.changelog_topic, killed)
         print(f"failover: first commit {failover:.1f} s after the kill")
         taken, _ = _beats(settings, name)
         assert taken["pid"] == standby["pid"], "the standby did not take over"
