@@ -39,6 +39,7 @@ SCREENSHOT = ROOT / "docs" / "images" / "pipelines-page.png"
 @dataclass
 class Pipelines:
     running: PipelineSpec  # its stream runs, records keep coming, a snapshot is validated
+    stopped: PipelineSpec  # its stream ran, and was stopped
     never_ran: PipelineSpec
 
 
@@ -47,8 +48,15 @@ def pipelines(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     folder = stack.root / "pipelines"
     running = make_pipeline(stack.settings, folder, "product_sales")
     never_ran = make_pipeline(stack.settings, folder, "product_sales")
-    produced = stack.duality("produce", running.name, "--events", "3000", "--seed", "3")
-    assert produced.returncode == 0, produced.stderr[-3000:]
+    stopped = make_pipeline(stack.settings, folder, "product_sales")
+    for spec, seed in ((stopped, "2"), (running, "3")):
+        produced = stack.duality("produce", spec.name, "--events", "3000", "--seed", seed)
+        assert produced.returncode == 0, produced.stderr[-3000:]
+    # `start` returns once the stream reports running; `stop` stops it gracefully.
+    for step in ("start", "stop"):
+        done = stack.duality("stream", step, stopped.name)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert _beat(stack, stopped).get("state") == "stopped"
     started = stack.duality("stream", "start", running.name)
     assert started.returncode == 0, started.stderr[-3000:]
     load = None
@@ -80,7 +88,7 @@ def pipelines(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
         assert_eventually(batches_with_input, lambda n: n >= 3, timeout=180, interval=1.0)
         assert (_beat(stack, running).get("input_rows_per_second") or 0) > 0
-        yield Pipelines(running, never_ran)
+        yield Pipelines(running, stopped, never_ran)
     finally:
         if load is not None:
             process.kill_group(load.pid, reap=load)
@@ -155,6 +163,7 @@ def test_the_pipelines_page_through_the_navigation(
     stack: Stack, pipelines: Pipelines, ui: Browser, tmp_path: Path
 ) -> None:
     running, never_ran = pipelines.running.name, pipelines.never_ran.name
+    stopped = pipelines.stopped.name
 
     with ui.step("the page sends a visitor to the login, and back"):
         ui.log_in("admin", stack.password, path=PAGE)
@@ -166,7 +175,7 @@ def test_the_pipelines_page_through_the_navigation(
         frame = ui.visible(By.TAG_NAME, "iframe")
         assert (frame.get_attribute("src") or "").endswith(PAGE)
         ui.driver.switch_to.frame(frame)
-        ui.wait(_rows_shown([running, never_ran]))
+        ui.wait(_rows_shown([running, stopped, never_ran]))
 
     with ui.step("the running pipeline's row"):
         driver = ui.driver
@@ -182,7 +191,10 @@ def test_the_pipelines_page_through_the_navigation(
         dags = [a.get_attribute("href") for a in row.find_elements(By.CSS_SELECTOR, ".dags a")]
         assert any((href or "").endswith(f"/dags/duality_{running}_stream") for href in dags)
 
-    with ui.step("the pipeline that never ran"):
+    with ui.step("the pipeline that was stopped, and the one that never ran"):
+        assert _cell(driver, stopped, "state").startswith("stopped")
+        assert int(_cell(driver, stopped, "dead-letters").replace(",", "")) > 0
+        assert _cell(driver, stopped, "snapshot") == "no snapshot yet"
         assert _cell(driver, never_ran, "state") == "never ran"
         assert _cell(driver, never_ran, "snapshot") == "no snapshot yet"
 
