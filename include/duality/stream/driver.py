@@ -171,14 +171,16 @@ class StreamDriver:
         try:
             while not self.stopping.is_set():
                 try:
+                    # A query is (re)started only by the active driver (after a failure, the
+                    # election may have moved on while this one was out of touch).
+                    if not self.election.active.is_set() and not self._wait_active():
+                        break
                     self._run_query(spark, heartbeat)
                     backoff = 1.0
                 except ElectionLost as lost:
                     log.warning("%s: %s; waiting as the standby", spec.name, lost)
                     heartbeat.publish("standby", error=str(lost))
-                    self.election.lost.clear()
-                    if not self._wait_active():
-                        break
+                    self.election.lost.clear()  # the loop waits for the partition again
                 except DualityError:
                     raise
                 except Exception as error:
