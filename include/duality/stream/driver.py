@@ -150,7 +150,9 @@ class StreamDriver:
             "spark.driver.memory": settings.stream_driver_memory,
             "spark.sql.shuffle.partitions": str(self.partitions),
         }
-        if settings.metrics_port >= 0:
+        if settings.metrics_port >= 0 and settings.prometheus_url is not None:
+            # Spark's own metrics need the driver's UI, which costs a stream CPU: only where a
+            # Prometheus runs to scrape them (`duality up --monitoring` records its address).
             extra |= spark_ui_config()
         spark = session(settings, f"duality-stream-{spec.name}", extra)
         # Warm (its JVM and Spark session up), it waits for its turn: one active driver per
@@ -243,7 +245,7 @@ class StreamDriver:
             settings,
             metrics,
             lambda: kafka.end_offsets(asking, spec.source.topic),
-            spark.sparkContext.uiWebUrl,
+            spark.sparkContext.uiWebUrl if settings.prometheus_url is not None else None,
         )
         log.info("%s: metrics on port %d (/metrics)", spec.name, endpoint.port)
         return metrics, endpoint
