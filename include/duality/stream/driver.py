@@ -150,7 +150,9 @@ class StreamDriver:
             "spark.driver.memory": settings.stream_driver_memory,
             "spark.sql.shuffle.partitions": str(self.partitions),
         }
-        if settings.metrics_port >= 0:
+        if settings.metrics_port >= 0 and settings.prometheus_url is not None:
+            # Spark's own metrics need the driver's UI, which costs a stream CPU: only where a
+            # Prometheus runs to scrape them (`duality up --monitoring` records its address).
             extra |= spark_ui_config()
         spark = session(settings, f"duality-stream-{spec.name}", extra)
         # Warm (its JVM and Spark session up), it waits for its turn: one active driver per
@@ -171,14 +173,16 @@ class StreamDriver:
         try:
             while not self.stopping.is_set():
                 try:
+                    # A query is (re)started only by the active driver (after a failure, the
+                    # election may have moved on while this one was out of touch).
+                    if not self.election.active.is_set() and not self._wait_active(spark):
+                        break
                     self._run_query(spark, heartbeat)
                     backoff = 1.0
                 except ElectionLost as lost:
                     log.warning("%s: %s; waiting as the standby", spec.name, lost)
                     heartbeat.publish("standby", error=str(lost))
-                    self.election.lost.clear()
-                    if not self._wait_active(spark):
-                        break
+                    self.election.lost.clear()  # the loop waits for the partition again
                 except DualityError:
                     raise
                 except Exception as error:
@@ -270,7 +274,7 @@ class StreamDriver:
             settings,
             metrics,
             lambda: kafka.end_offsets(asking, spec.source.topic),
-            spark.sparkContext.uiWebUrl,
+            spark.sparkContext.uiWebUrl if settings.prometheus_url is not None else None,
         )
         log.info("%s: metrics on port %d (/metrics)", spec.name, endpoint.port)
         return metrics, endpoint

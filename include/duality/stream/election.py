@@ -27,8 +27,8 @@ def ensure_topic(settings: Settings) -> None:
 
 
 class Election:
-    """This driver's membership: `active` is set while it holds the partition, `lost` once it
-    held it and no longer does (another driver may be active then: this one must stop)."""
+    """This driver's membership: `active` is set while it holds the partition, `lost` once the
+    coordinator took the partition from it for another driver (this one must stop)."""
 
     def __init__(self, settings: Settings, pipeline: str):
         ensure_topic(settings)
@@ -73,7 +73,17 @@ class Election:
             self.lost.set()
 
     def _lost(self, consumer: Any, partitions: list[Any]) -> None:
-        self._revoked(consumer, partitions)
+        # No answer from the group's coordinator for a session (a broker's loss moves it): the
+        # query goes on, and the driver rejoins. Given the partition back, nothing happened;
+        # if another driver got it meanwhile, its transactional producer fences this one's
+        # commits, and this driver, not active, waits instead of restarting its query.
+        if partitions:
+            log.warning(
+                "%s: lost touch with the group coordinator; the query goes on, and the driver "
+                "rejoins the election",
+                self.pipeline,
+            )
+            self.active.clear()
 
     def wait_active(self, stopping: threading.Event, waiting: Any = None) -> bool:
         """Block until this driver is the active one (True) or `stopping` is set (False);

@@ -185,9 +185,10 @@ def test_prometheus_watches_a_stream_and_alerts_when_it_dies(
 ):
     with ephemeral_broker(base_settings) as on_broker:
         broker = LocalBroker(on_broker)  # found in its own folder, under the session's
-        settings = on_broker.replace(local_dir=tmp_path / "local")
-        monitoring = LocalMonitoring(settings)
+        monitoring = LocalMonitoring(on_broker.replace(local_dir=tmp_path / "local"))
         monitoring.start()
+        # As `duality up --monitoring` records it: streams then serve Spark's metrics too.
+        settings = monitoring.settings.replace(prometheus_url=monitoring.prometheus_url)
         api = monitoring
         pipelines = tmp_path / "pipelines"
         spec = make_pipeline(settings, pipelines, "product_sales")

@@ -271,7 +271,7 @@ def test_rescale_under_load_4_to_8_then_8_to_2(
     load = threading.Thread(
         target=workload.produce,
         args=(settings, spec),
-        kwargs={"events": MORE_EVENTS, "keys": KEYS, "bad_fraction": 0.06, "rate": 60, "seed": 62},
+        kwargs={"events": MORE_EVENTS, "keys": KEYS, "bad_fraction": 0.06, "rate": 120, "seed": 62},
     )
     watch = _OffsetsWatch(settings, spec.consumer_group, spec.source.topic)
 
