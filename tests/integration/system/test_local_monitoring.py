@@ -244,7 +244,27 @@ def test_prometheus_watches_a_stream_and_alerts_when_it_dies(
                 "Prometheus found no Spark driver target"
             )
 
-            # The batch steps as users run them push their figures where Prometheus finds them.
+            # The broker away: the endpoint still answers, and says so.
+            broker.stop()
+            try:
+                assert_eventually(
+                    lambda: f'duality_kafka_up{{pipeline="{name}"}} 0.0' in _scrape(settings, name),
+                    timeout=60,
+                    message="duality_kafka_up did not fall to 0 while the broker was down",
+                )
+            finally:
+                broker.start()
+            assert_eventually(
+                lambda: f'duality_kafka_up{{pipeline="{name}"}} 1.0' in _scrape(settings, name),
+                timeout=60,
+            )
+
+            # The stream SIGKILLed: its target stays and does not answer.
+            stream.kill()
+            killed = time.monotonic()
+
+            # Meanwhile (the alert waits out its minute), the batch steps as users run them push
+            # their figures where Prometheus finds them.
             steps = settings.replace(
                 pushgateway=monitoring.pushgateway_address,
                 pipelines=pipelines,
@@ -273,24 +293,6 @@ def test_prometheus_watches_a_stream_and_alerts_when_it_dies(
                 == (built["version"])
             )
 
-            # The broker away: the endpoint still answers, and says so.
-            broker.stop()
-            try:
-                assert_eventually(
-                    lambda: f'duality_kafka_up{{pipeline="{name}"}} 0.0' in _scrape(settings, name),
-                    timeout=60,
-                    message="duality_kafka_up did not fall to 0 while the broker was down",
-                )
-            finally:
-                broker.start()
-            assert_eventually(
-                lambda: f'duality_kafka_up{{pipeline="{name}"}} 1.0' in _scrape(settings, name),
-                timeout=60,
-            )
-
-            # The stream SIGKILLed: its target stays and does not answer.
-            stream.kill()
-            killed = time.monotonic()
             assert_eventually(
                 lambda: _alerts(api, "DualityStreamDown"),
                 [(name, "firing")],
