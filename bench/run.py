@@ -38,6 +38,7 @@ from duality.local.broker import ephemeral_broker
 from repartition import repartition_scenarios
 from snapshots import snapshot_scenarios, validation_scenarios
 from streaming import (
+    STATE_SCALE_FACTOR,
     Bench,
     StreamFigure,
     bench_spec,
@@ -158,12 +159,21 @@ def main(argv: list[str] | None = None) -> int:
         default=TRIGGER_SECONDS,
         help="trigger interval of the latency scenario's stream (default %(default)g)",
     )
+    parser.add_argument(
+        "--state-scale-factor",
+        type=int,
+        default=STATE_SCALE_FACTOR,
+        help="the larger state of state-scale (and failover) has this many times --keys "
+        "(default %(default)s)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.snapshot_keys is None:
         args.snapshot_keys = 1_000_000 if args.records >= FULL_RECORDS else args.keys
-    if args.records < 1 or args.keys < 1 or args.snapshot_keys < 1:
-        parser.error("--records, --keys and --snapshot-keys must be at least 1")
+    if min(args.records, args.keys, args.snapshot_keys, args.state_scale_factor) < 1:
+        parser.error(
+            "--records, --keys, --snapshot-keys and --state-scale-factor must be at least 1"
+        )
     if args.latency_rate <= 0 or args.trigger_seconds <= 0:
         parser.error("--latency-rate and --trigger-seconds must be positive")
     if args.latency_seconds is None:
@@ -224,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             latency_rate=args.latency_rate,
             latency_seconds=args.latency_seconds,
             trigger_seconds=args.trigger_seconds,
+            state_scale_factor=args.state_scale_factor,
         )
         by_name = {f.scenario: f for f in [*figures, *streams]}
         cold, warm = by_name["stream-throughput"], by_name["stream-throughput-warm"]
@@ -266,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             "latency_rate": args.latency_rate,
             "latency_seconds": args.latency_seconds,
             "trigger_seconds": args.trigger_seconds,
+            "state_scale_factor": args.state_scale_factor,
         },
         "baselines": ["kafka-consumer-perf", "python-copy", "spark-aggregation"],
         "scenarios": [figure.as_dict() for figure in figures],

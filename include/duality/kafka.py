@@ -538,6 +538,25 @@ def _configs(settings: Settings, topic: str) -> dict[str, Any]:
     return _result(futures[resource], settings, f"describe the configs of topic {topic!r}")
 
 
+def broker_setting(settings: Settings, name: str) -> str | None:
+    """A broker's value of `name` (the lowest-numbered broker's), or None where the cluster
+    does not tell (no right to describe its configs)."""
+    broker = min(_metadata(settings, "list its brokers").brokers)
+    resource = ConfigResource(ConfigResource.Type.BROKER, str(broker))
+    try:
+        futures = admin(settings).describe_configs(
+            [resource], request_timeout=settings.connect_timeout_s
+        )
+        entries = _result(futures[resource], settings, f"describe broker {broker}'s configs")
+    except BrokerUnavailable:
+        raise
+    except (DualityError, KafkaException) as error:
+        log.info("broker %s's %s unknown: %s", broker, name, error)
+        return None
+    entry = entries.get(name)
+    return None if entry is None or entry.value is None else str(entry.value)
+
+
 @dataclasses.dataclass(frozen=True)
 class TopicReplication:
     topic: str

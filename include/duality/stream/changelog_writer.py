@@ -119,7 +119,7 @@ class ChangelogWriter:
             # Spark drops a windowed row whose window ended at or before the batch's watermark:
             # a record late for its last window is late for all, and dead-lettered.
             wanted = wanted | (F.col("_first_window_end") <= F.lit(planned.watermark_ms))
-        rows = _rows(batch.where(wanted))
+        rows = output_rows(batch.where(wanted))
         spec, producer = self.spec, self.producer
         result = BatchResult(batch_id, records)
         source = spec.source.topic.encode()
@@ -212,7 +212,7 @@ class ChangelogWriter:
         self.producer.flush(10)
 
 
-def _rows(output: DataFrame) -> Iterator[dict[str, Any]]:
+def output_rows(output: DataFrame) -> Iterator[dict[str, Any]]:
     """The output's rows one Arrow batch at a time, as Spark sends them: the calls `toArrow()`
     makes (pinned PySpark), without keeping every batch and their order, which a micro-batch's
     output, each key once, does not need. The driver's memory does not grow with the keys."""

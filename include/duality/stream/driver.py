@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from duality import kafka
@@ -18,7 +21,7 @@ from duality.errors import DualityError
 from duality.metrics import MetricsEndpoint, StreamMetrics, spark_ui_config
 from duality.spec import PipelineSpec
 from duality.stream import control, seeding
-from duality.stream.changelog_writer import ChangelogWriter
+from duality.stream.changelog_writer import ChangelogWriter, output_rows
 from duality.stream.election import Election
 from duality.stream.heartbeat import Heartbeat
 from duality.stream.options import StreamOptions
@@ -33,6 +36,8 @@ STALLED_EXIT = 75
 # The driver's JVM is gone (killed, or ended by an OutOfMemoryError): no query can run in this
 # process again, so it exits and the supervisor starts a driver with a new JVM.
 JVM_EXITED = 76
+# A standby warms up on this many of each source partition's last records.
+WARM_UP_RECORDS = 20
 
 
 class ElectionLost(Exception):
@@ -149,6 +154,8 @@ class StreamDriver:
         extra = {
             "spark.driver.memory": settings.stream_driver_memory,
             "spark.sql.shuffle.partitions": str(self.partitions),
+            # One global watermark for late rows and eviction: the one Spark records per batch.
+            "spark.sql.streaming.statefulOperator.allowMultiple": "false",
         }
         if settings.metrics_port >= 0 and settings.prometheus_url is not None:
             # Spark's own metrics need the driver's UI, which costs a stream CPU: only where a
@@ -235,32 +242,44 @@ class StreamDriver:
         return taken
 
     def _warm_up(self, spark: Any) -> None:
-        """Run the query's plan once, as a batch job over one record, so that a takeover's
-        first micro-batch finds Spark's planner loaded and compiled and most of the query's
-        generated code in Spark's cache (decision 29)."""
-        from duality.stream.query import rows_schema
-
+        """Run the query itself once over the source's last few records, with a checkpoint of
+        its own and a batch function that only reads the output: a takeover's first
+        micro-batch then finds the Kafka source's and the state store's classes loaded,
+        RocksDB's library open and the plan's generated code in Spark's cache (decision 29)."""
+        spec, settings = self.spec, self.settings
         started = time.monotonic()
-        kafka_row = "key binary, value binary, topic string, partition int, offset bigint, "
-        kafka_row += "timestamp timestamp, timestampType int"
-        record = [(b"k", b'{"warm": "up"}', self.spec.source.topic, 0, 0, None, 0)]
-        source = spark.createDataFrame(record, kafka_row).selectExpr(
-            "key",
-            "value",
-            "topic",
-            "partition",
-            "offset",
-            "current_timestamp() AS timestamp",
-            "timestampType",
-        )
-        seeds = spark.createDataFrame([], rows_schema(self.spec))
-        frame = build_query_frame(self.spec, source, seeds)
+        topic = spec.source.topic
+        ends = kafka.end_offsets(settings, topic)
+        begins = kafka.beginning_offsets(settings, topic)
+        offsets = {str(p): max(begins.get(p, 0), end - WARM_UP_RECORDS) for p, end in ends.items()}
+        root = seeding.checkpoint_dir(settings, spec).parent
+        root.mkdir(parents=True, exist_ok=True)
+        # Beside the pipeline's checkpoint, on the storage its executors share.
+        scratch = Path(tempfile.mkdtemp(prefix=f".{spec.name}-warm-up-", dir=root))
         try:
-            frame.write.format("noop").mode("overwrite").save()
+            source = (
+                spark.readStream.format("kafka")
+                .options(**settings.spark_kafka_source_options())
+                .option("subscribe", topic)
+                .option("startingOffsets", json.dumps({topic: offsets}))
+                .option("kafka.isolation.level", "read_committed")
+                .load()
+            )
+            frame = build_query_frame(spec, source, seeding.seeds_stream(spark, spec, scratch))
+            query = (
+                frame.writeStream.outputMode("update")
+                .foreachBatch(lambda batch, _: sum(1 for _ in output_rows(batch)))
+                .option("checkpointLocation", str(scratch / "checkpoint"))
+                .trigger(availableNow=True)
+                .start()
+            )
+            query.awaitTermination()
         except Exception as error:  # only time is lost: the takeover compiles what it needs
-            log.warning("%s: warming up failed: %s", self.spec.name, str(error)[:300])
+            log.warning("%s: warming up failed: %s", spec.name, str(error)[:300])
             return
-        log.info("%s: warmed up in %.1fs", self.spec.name, time.monotonic() - started)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        log.info("%s: warmed up in %.1fs", spec.name, time.monotonic() - started)
 
     def _metrics(self, spark: Any) -> tuple[StreamMetrics | None, MetricsEndpoint | None]:
         """The stream's metrics and their endpoint, unless `DUALITY_METRICS_PORT=-1`."""
@@ -306,8 +325,6 @@ class StreamDriver:
                 time.monotonic() - started,
                 writer.committed or "the beginning",
             )
-        # One global watermark for late rows and eviction: the one Spark records per batch.
-        spark.conf.set("spark.sql.streaming.statefulOperator.allowMultiple", "false")
         listener = _heartbeat_listener(heartbeat, writer, self.metrics)
         if self.metrics is not None:
             self.metrics.committed(writer.committed)

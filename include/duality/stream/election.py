@@ -15,11 +15,17 @@ from duality.config import Settings
 log = logging.getLogger("duality.stream")
 
 DRIVERS_TOPIC = "_duality-drivers"
-# The coordinator takes a driver for dead after this long without a heartbeat (the broker's
-# smallest allowed by default, group.min.session.timeout.ms); a standby is assigned then.
-SESSION_TIMEOUT_MS = 6_000
+# The coordinator takes a silent driver for dead after its session, and a standby is assigned:
+# this long, or the brokers' group.min.session.timeout.ms where that is longer (Kafka's default
+# is 6 s; duality's local brokers allow this). Shorter would fail over on a busy host's pauses.
+SESSION_TIMEOUT_MS = 3_000
 # A standby hears of the rebalance with its next heartbeat.
 HEARTBEAT_INTERVAL_MS = 500
+
+
+def session_timeout_ms(settings: Settings) -> int:
+    floor = kafka.broker_setting(settings, "group.min.session.timeout.ms")
+    return max(SESSION_TIMEOUT_MS, int(floor) if floor else 6_000)
 
 
 def ensure_topic(settings: Settings) -> None:
@@ -37,10 +43,11 @@ class Election:
         self.lost = threading.Event()
         self._closing = threading.Event()
         # Sticky assignment: a standby that joins never takes the partition from the active.
+        self.session_timeout_ms = session_timeout_ms(settings)
         self._consumer = kafka.consumer(
             settings,
             f"duality-{pipeline}-active",
-            session_timeout_ms=SESSION_TIMEOUT_MS,
+            session_timeout_ms=self.session_timeout_ms,
             heartbeat_interval_ms=HEARTBEAT_INTERVAL_MS,
             partition_assignment_strategy="cooperative-sticky",
             enable_partition_eof=False,

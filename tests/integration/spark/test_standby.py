@@ -1,6 +1,7 @@
 """A warm standby (`duality stream start --standby`): one driver is active at a time, however
 many try; the active one SIGKILLed under load, the standby's first micro-batch commits soon
-after, its supervisor's new driver becomes the standby, and the changelog stays exact."""
+after, its supervisor's new driver becomes the standby, which takes over in turn when the whole
+process group of the active one is killed; the changelog stays exact."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from tests.harness import (
 )
 from tests.integration.spark.test_stream import _verify
 
-EVENTS, LOAD_EVENTS, KEYS = 3_000, 4_000, 200
+EVENTS, LOAD_EVENTS, KEYS = 3_000, 10_000, 200
 
 
 def _beats(settings: Settings, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -104,6 +105,15 @@ def test_a_warm_standby_takes_over_from_a_killed_driver(settings: Settings, tmp_
             timeout=120,
             message="no new standby after the failover",
         )
+        # Now the whole process group of the active driver (its supervisor, the driver, its JVM
+        # and so its local executors): the new standby takes over; no supervisor of that slot
+        # is left to start another.
+        replacement = _beats(settings, name)[1]["pid"]
+        os.killpg(os.getpgid(taken["pid"]), signal.SIGKILL)
+        killed = time.monotonic()
+        failover = first_commit_after(settings, spec.changelog_topic, killed)
+        print(f"failover after a process group's kill: first commit {failover:.1f} s after it")
+        assert _beats(settings, name)[0]["pid"] == replacement, "the new standby did not take over"
         load.join(timeout=120)
         assert not load.is_alive()
         produced = EVENTS + LOAD_EVENTS
