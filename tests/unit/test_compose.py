@@ -22,7 +22,9 @@ import yaml
 
 from duality.config import PREFIX, Settings
 from duality.local.airflow import AIRFLOW_COMPONENTS, AIRFLOW_MIGRATE
+from duality.local.broker import _DEV_BROKER_CONFIG
 from duality.local.postgres import AIRFLOW_DB_DRIVER, AIRFLOW_DB_NAME, AIRFLOW_DB_USER
+from duality.stream import election
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -381,6 +383,10 @@ def test_kafka_cluster_settings():
         for prefix in ("KAFKA_OFFSETS_TOPIC", "KAFKA_TRANSACTION_STATE_LOG"):
             assert env.get(f"{prefix}_REPLICATION_FACTOR") == str(len(KAFKA)), name
         assert env.get("KAFKA_TRANSACTION_STATE_LOG_MIN_ISR") == "2", name
+        # The brokers let a standby's election use its own session timeout, as local ones do.
+        session = int(env.get("KAFKA_GROUP_MIN_SESSION_TIMEOUT_MS", 6_000))
+        assert session <= election.SESSION_TIMEOUT_MS, name
+    assert int(_DEV_BROKER_CONFIG["group.min.session.timeout.ms"]) <= election.SESSION_TIMEOUT_MS
     data = {name: _volume_mounts(name) for name in KAFKA}
     for name, mounts in data.items():
         log_dir = _env(name)["KAFKA_LOG_DIRS"]
