@@ -273,7 +273,15 @@ class StreamDriver:
                 .trigger(availableNow=True)
                 .start()
             )
-            query.awaitTermination()
+            # Made active meanwhile (a driver restarted after a kill waits out the dead one's
+            # session here), it stops warming up at once.
+            while query.isActive and not self.stopping.is_set():
+                if self.election.active.wait(0.2):
+                    break
+            if query.isActive:
+                query.stop()
+                log.info("%s: warming up cut short", spec.name)
+                return
         except Exception as error:  # only time is lost: the takeover compiles what it needs
             log.warning("%s: warming up failed: %s", spec.name, str(error)[:300])
             return
