@@ -2,7 +2,8 @@
 
 - `duality_<name>_stream`: the stream supervisor, every minute. It starts the stream when it
   should run and does not, restarts it when it is dead or stalled (with backoff), and never
-  starts a second copy. Trigger it by hand with `action` start, stop or restart.
+  starts a second copy. Trigger it by hand with `action` start, stop, restart or rescale, and
+  `replicas` 2 for a warm standby.
 - `duality_<name>_snapshot`: incremental snapshot -> validate -> publish, on the spec's
   `snapshot.schedule` (hourly by default). Publishing updates the snapshot's Asset.
 - `duality_<name>_reset`: the application reset tool, by hand only, after a confirmation.
@@ -52,12 +53,31 @@ def stream_dag(spec: PipelineSpec) -> DAG:
             "action": Param(
                 "ensure",
                 type="string",
-                enum=["ensure", "start", "stop", "restart"],
+                enum=["ensure", "start", "stop", "restart", "rescale"],
                 title="Action",
                 description="ensure: start it if it should run and does not, restart it when "
                 "stalled (what the schedule does). start / stop / restart: do it now; a "
-                "stopped stream stays stopped until started.",
-            )
+                "stopped stream stays stopped until started. rescale: rebuild its state in "
+                "the partitions its spec asks for (`parallelism`) from the changelog; refused "
+                "while a snapshot of the pipeline runs.",
+            ),
+            "replicas": Param(
+                None,
+                type=["null", "integer"],
+                enum=[None, 1, 2],
+                title="Drivers on this host",
+                description="2: keep a warm standby beside the stream, which takes over within "
+                "seconds when the active driver dies; 1: no standby. Kept for the runs that "
+                "follow; empty: as before.",
+            ),
+            "partitions": Param(
+                None,
+                type=["null", "integer"],
+                minimum=1,
+                title="State partitions (rescale)",
+                description="With rescale: the number of state partitions, which must be the "
+                "spec's `parallelism` (else DUALITY_STREAM_PARTITIONS); empty: that number.",
+            ),
         },
     ) as dag:
         supervise = SuperviseStreamOperator(

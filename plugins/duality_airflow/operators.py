@@ -117,8 +117,10 @@ class PublishOperator(DualityTask):
 
 
 class SuperviseStreamOperator(DualityTask):
-    """One look of the stream supervisor: ensure (the schedule), or a person's start, stop or
-    restart. Starts the stream detached and returns at once."""
+    """One look of the stream supervisor: ensure (the schedule), or a person's start, stop,
+    restart or rescale. Starts the stream detached and returns at once (a rescale waits for the
+    stream it restarts). The run's `replicas` and `partitions` Params, when set, say how many
+    drivers this host keeps (2: a warm standby) and the state partitions a rescale builds."""
 
     template_fields: Sequence[str] = ("action",)
     timeout_kind = "supervise"
@@ -135,9 +137,24 @@ class SuperviseStreamOperator(DualityTask):
         from duality.stream import health
 
         settings = self.hook.settings()
+        params = context["params"]
         try:
             spec = find_spec(settings, self.pipeline)
-            result = health.supervise_once(settings, spec, self.action)  # type: ignore[arg-type]
+            if self.action == "rescale":
+                snapshot = spec.dag_id("snapshot")
+                if context["ti"].get_dr_count(dag_id=snapshot, states=["running"]):
+                    raise UsageError(
+                        f"a run of {snapshot} is running: rescale {spec.name} after it ends "
+                        "(a snapshot reads the changelog the rescale rebuilds from); nothing "
+                        "was changed"
+                    )
+            result = health.supervise_once(
+                settings,
+                spec,
+                self.action,  # type: ignore[arg-type]
+                replicas=params.get("replicas"),
+                partitions=params.get("partitions"),
+            )
         except UsageError as error:
             raise AirflowFailException(str(error)) from None
         except DualityError as error:

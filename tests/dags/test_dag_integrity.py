@@ -80,8 +80,15 @@ def test_param_schemas_are_valid_json_schema_and_defaults_conform(dags):
 
 def test_supervisor_and_repartition_params_offer_the_documented_choices(dags):
     stream = next(d for d in dags.values() if "stream" in d.tags)
-    actions = ["ensure", "start", "stop", "restart"]
+    actions = ["ensure", "start", "stop", "restart", "rescale"]
     assert stream.params.get_param("action").schema["enum"] == actions
+    for name, good, bad in (("replicas", [None, 1, 2], [0, 3]), ("partitions", [None, 8], [0])):
+        schema = stream.params.get_param(name).schema
+        for value in good:
+            jsonschema.validate(value, schema)
+        for value in bad:
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate(value, schema)
     repartition = dags["duality_repartition"]
     assert set(repartition.params) == {"topic", "partitions", "strategy", "dry_run"}
     strategy = repartition.params.get_param("strategy").schema

@@ -62,6 +62,75 @@ def test_unknown_action_is_a_usage_error(tmp_path):
         supervise_once(settings, find_spec(settings, "product_sales"), "reboot")  # type: ignore[arg-type]
 
 
+class FakeSlots:
+    """This host's two stream slots as `control` sees them, without processes."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, primary: bool, standby: bool):
+        from duality.stream import control, health
+
+        self.running = {False: primary, True: standby}
+        self.started: list[list[str]] = []
+        self.stopped = 0
+        monkeypatch.setattr(
+            control,
+            "running_pid",
+            lambda settings, spec, standby=False: 10 + standby if self.running[standby] else None,
+        )
+        monkeypatch.setattr(health, "start", self.start)
+        monkeypatch.setattr(control, "stop_standby", self.stop_standby)
+
+    def start(self, settings, spec, *, wait=True, job_args=()):  # type: ignore[no-untyped-def]
+        self.started.append(list(job_args))
+        self.running["--standby" in job_args] = True
+
+    def stop_standby(self, settings, spec) -> bool:  # type: ignore[no-untyped-def]
+        self.stopped += 1
+        self.running[True] = False
+        return True
+
+
+@pytest.mark.parametrize(
+    ("desired", "replicas", "primary", "standby", "expected", "started", "stopped"),
+    [
+        ("running", 2, True, False, "started", [["--standby"]], 0),
+        ("running", 2, True, True, None, [], 0),
+        ("running", 2, False, False, None, [], 0),  # no stream: no standby on its own
+        ("running", 1, True, True, "stopped", [], 1),
+        ("stopped", 2, False, True, "stopped", [], 1),
+        ("running", 1, True, False, None, [], 0),
+    ],
+)
+def test_the_standby_follows_the_wanted_replicas(  # type: ignore[no-untyped-def]
+    monkeypatch, tmp_path, desired, replicas, primary, standby, expected, started, stopped
+):
+    from duality.config import Settings
+    from duality.spec import find_spec
+    from duality.stream import control, health
+
+    settings = Settings.from_env().replace(local_dir=tmp_path)
+    spec = find_spec(settings, "product_sales")
+    control.Wanted(desired, [], replicas).save(settings, spec)
+    slots = FakeSlots(monkeypatch, primary, standby)
+    assert health._match_replicas(settings, spec) == expected
+    assert slots.started == started and slots.stopped == stopped
+
+
+def test_replicas_are_kept_and_checked(tmp_path):  # type: ignore[no-untyped-def]
+    from duality.config import Settings
+    from duality.errors import UsageError
+    from duality.spec import find_spec
+    from duality.stream import control, health
+
+    settings = Settings.from_env().replace(local_dir=tmp_path)
+    spec = find_spec(settings, "product_sales")
+    with pytest.raises(UsageError, match="replicas 3"):
+        health.supervise_once(settings, spec, "stop", replicas=3)
+    assert control.Wanted.load(settings, spec).replicas == 1
+    control.set_desired(settings, spec, "running", replicas=2)
+    control.set_desired(settings, spec, "stopped")
+    assert control.Wanted.load(settings, spec) == control.Wanted("stopped", [], 2)
+
+
 @pytest.fixture
 def hooks():  # type: ignore[no-untyped-def]
     sys.path.insert(0, str(ROOT / "plugins"))
@@ -90,3 +159,27 @@ def test_connections_take_over_kafka_and_spark(hooks):  # type: ignore[no-untype
     assert settings.spark_master == "spark://master:7077"
     assert hooks.overrides(None, ("local[2]", None)) == {"spark_master": "local[2]"}
     assert hooks.overrides({}, None) == {}
+
+
+def test_a_rescale_waits_for_a_running_snapshot(hooks, monkeypatch, tmp_path):  # type: ignore[no-untyped-def]
+    """Asked while a run of the pipeline's snapshot DAG runs, the supervisor's task fails
+    with the reason and changes nothing (the rescale is never planned)."""
+    from airflow.sdk.exceptions import AirflowFailException
+    from duality_airflow.operators import SuperviseStreamOperator
+
+    from duality.stream import health
+
+    asked: list[tuple[str, list[str]]] = []
+
+    class TaskInstance:
+        @staticmethod
+        def get_dr_count(dag_id: str, states: list[str]) -> int:
+            asked.append((dag_id, states))
+            return 1
+
+    monkeypatch.setenv("DUALITY_LOCAL_DIR", str(tmp_path))
+    monkeypatch.setattr(health, "supervise_once", lambda *a, **k: pytest.fail("it went ahead"))
+    task = SuperviseStreamOperator(task_id="supervise", pipeline="product_sales", action="rescale")
+    with pytest.raises(AirflowFailException, match="duality_product_sales_snapshot is running"):
+        task.execute({"params": {"replicas": None, "partitions": 8}, "ti": TaskInstance()})  # type: ignore[arg-type]
+    assert asked == [("duality_product_sales_snapshot", ["running"])]

@@ -59,12 +59,14 @@ class Wanted:
 
     desired: str = "running"  # or stopped
     restarts: list[float] = dataclasses.field(default_factory=list)  # epoch seconds
+    replicas: int = 1  # 2: a warm standby beside the stream on this host
 
     @classmethod
     def load(cls, settings: Settings, spec: PipelineSpec) -> Wanted:
         try:
             data = json.loads(_wanted_file(settings, spec).read_text())
-            return cls(str(data["desired"]), [float(t) for t in data["restarts"]])
+            restarts = [float(t) for t in data["restarts"]]
+            return cls(str(data["desired"]), restarts, int(data.get("replicas", 1)))
         except (FileNotFoundError, ValueError, TypeError, KeyError):
             return cls()
 
@@ -80,11 +82,15 @@ def desired(settings: Settings, spec: PipelineSpec) -> str:
     return Wanted.load(settings, spec).desired
 
 
-def set_desired(settings: Settings, spec: PipelineSpec, value: str) -> None:
+def set_desired(
+    settings: Settings, spec: PipelineSpec, value: str, replicas: int | None = None
+) -> None:
     wanted = Wanted.load(settings, spec)
     wanted.desired = value
     if value == "running":
         wanted.restarts = []  # a person's start resets the backoff
+    if replicas is not None:
+        wanted.replicas = replicas
     wanted.save(settings, spec)
 
 
@@ -158,7 +164,8 @@ def start(
     `StreamOptions.to_args` writes them; with `--standby`, the second instance); wait until it
     reports `running` (a standby: until its driver waits to take over)."""
     standby = "--standby" in job_args
-    set_desired(settings, spec, "running")
+    # A standby started by hand is kept by the Airflow supervisor too.
+    set_desired(settings, spec, "running", replicas=2 if standby else None)
     pid = running_pid(settings, spec, standby)
     if pid is not None:
         return dataclasses.replace(describe(settings, spec), already_running=True)
@@ -240,6 +247,15 @@ def stop(settings: Settings, spec: PipelineSpec, *, hold: bool = True) -> Stoppe
     metrics.forget_targets(settings, spec.name)
     pid = pids[1] if pids[1] is not None else pids[0]
     return StoppedStream(spec.name, was_running=pid is not None, pid=pid)
+
+
+def stop_standby(settings: Settings, spec: PipelineSpec) -> bool:
+    """Stop this host's standby alone (whichever driver is active goes on); whether it ran."""
+    pid = running_pid(settings, spec, standby=True)
+    if pid is not None:
+        _terminate(pid)
+    pid_file(settings, spec, standby=True).unlink(missing_ok=True)
+    return pid is not None
 
 
 def describe(settings: Settings, spec: PipelineSpec) -> StreamState:

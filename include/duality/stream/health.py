@@ -12,6 +12,7 @@ import psutil
 from duality.config import Settings
 from duality.errors import UsageError
 from duality.spec import PipelineSpec
+from duality.stream import control, rescale
 from duality.stream.control import StreamState, Wanted, describe, log_file, start, stop
 
 # A running stream beats on every batch and while idle; silence this long, with records
@@ -22,8 +23,8 @@ _BACKOFF_WINDOW_S = 3600.0
 _BACKOFF_BASE_S = 60.0
 _BACKOFF_MAX_S = 900.0
 
-Action = Literal["ensure", "start", "stop", "restart"]
-ACTIONS: tuple[str, ...] = ("ensure", "start", "stop", "restart")
+Action = Literal["ensure", "start", "stop", "restart", "rescale"]
+ACTIONS: tuple[str, ...] = ("ensure", "start", "stop", "restart", "rescale")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -35,6 +36,8 @@ class Supervision(StreamState):
     reason: str | None = None
     desired: str | None = None
     retry_in_s: int | None = None  # with action backoff
+    standby_action: str | None = None  # started or stopped: this host's standby, as wanted
+    rescale: dict[str, Any] | None = None  # action rescale: its plan (`RescalePlan.as_dict`)
 
 
 def backoff_s(restarts: list[float], now: float) -> float:
@@ -93,13 +96,52 @@ def check(
 
 
 def supervise_once(
-    settings: Settings, spec: PipelineSpec, action: Action = "ensure"
+    settings: Settings,
+    spec: PipelineSpec,
+    action: Action = "ensure",
+    *,
+    replicas: int | None = None,
+    partitions: int | None = None,
 ) -> Supervision:
     """`ensure` starts the stream when it should run and does not, and restarts it when stalled,
     with backoff; `start`, `stop` and `restart` are a person's orders and also set what the
-    stream should be from now on. Never waits for the stream to come up."""
+    stream should be from now on; `rescale` rebuilds its state in `partitions` (default: what
+    its spec asks for). `replicas` (1, or 2 for a warm standby on this host) is kept for the
+    looks that follow; a running stream gets or loses its standby to match. Never waits for
+    the stream to come up."""
     if action not in ACTIONS:
         raise UsageError(f"action {action!r} is unknown: use one of {', '.join(ACTIONS)}")
+    if replicas is not None and replicas not in (1, 2):
+        raise UsageError(
+            f"replicas {replicas} is not supported: 1 (the stream) or 2 (and a warm standby)"
+        )
+    if action == "rescale":
+        plan = rescale.plan(settings, spec, partitions)  # a bad number stops before any work
+        rescale.execute(settings, spec, plan)
+        done = "rescaled" if plan.steps() else "none"
+        return Supervision(**vars(describe(settings, spec)), action=done, rescale=plan.as_dict())
+    if replicas is not None:
+        wanted = Wanted.load(settings, spec)
+        wanted.replicas = replicas
+        wanted.save(settings, spec)
+    looked = _look(settings, spec, action)
+    looked.standby_action = _match_replicas(settings, spec)
+    return looked
+
+
+def _match_replicas(settings: Settings, spec: PipelineSpec) -> str | None:
+    """Start or stop this host's standby as the wanted replicas say, while the stream runs."""
+    wanted = Wanted.load(settings, spec)
+    running = control.running_pid(settings, spec, standby=True) is not None
+    if wanted.desired != "running" or wanted.replicas < 2:
+        return "stopped" if running and control.stop_standby(settings, spec) else None
+    if running or control.running_pid(settings, spec) is None:
+        return None  # a standby joins a running stream
+    start(settings, spec, wait=False, job_args=["--standby"])
+    return "started"
+
+
+def _look(settings: Settings, spec: PipelineSpec, action: Action) -> Supervision:
     if action == "stop":
         stopped = stop(settings, spec)
         return Supervision(

@@ -23,6 +23,8 @@ class RescalePlan:
     checkpoint: str
     stop_pid: int | None  # the running stream's supervisor, restarted afterwards
     job_args: list[str]  # its options, which the restarted stream gets again
+    standby_pid: int | None  # this host's standby, stopped first and restarted last
+    standby_args: list[str]  # its options
     changelog_topic: str
     committed: dict[int, int]  # the source offsets the stream resumes at
 
@@ -30,6 +32,8 @@ class RescalePlan:
         if self.partitions == self.partitions_before:
             return []
         steps = []
+        if self.standby_pid is not None:
+            steps.append(f"stop this host's standby (pid {self.standby_pid})")
         if self.stop_pid is not None:
             steps.append(f"stop the running stream (pid {self.stop_pid}); its last batch commits")
         steps.append(
@@ -43,6 +47,8 @@ class RescalePlan:
         steps.append(f"resume the source at its committed offsets ({offsets})")
         if self.stop_pid is not None:
             steps.append("start the stream again")
+        if self.standby_pid is not None:
+            steps.append("start the standby again")
         return steps
 
     def as_dict(self) -> dict[str, Any]:
@@ -68,6 +74,7 @@ def plan(settings: Settings, spec: PipelineSpec, partitions: int | None) -> Resc
         )
     kafka.ensure_reachable(settings)
     pid = control.running_pid(settings, spec)
+    standby = control.running_pid(settings, spec, standby=True)
     committed = kafka.committed_offsets(settings, spec.consumer_group, spec.source.topic)
     return RescalePlan(
         pipeline=spec.name,
@@ -76,6 +83,8 @@ def plan(settings: Settings, spec: PipelineSpec, partitions: int | None) -> Resc
         checkpoint=str(checkpoint),
         stop_pid=pid,
         job_args=control.stream_options(pid) if pid is not None else [],
+        standby_pid=standby,
+        standby_args=control.stream_options(standby) if standby is not None else [],
         changelog_topic=spec.changelog_topic,
         committed={p: offset for p, (offset, _) in committed.items()},
     )
@@ -95,3 +104,5 @@ def execute(settings: Settings, spec: PipelineSpec, rescale: RescalePlan) -> Non
         shutil.rmtree(rescale.checkpoint, ignore_errors=True)
     if rescale.stop_pid is not None:
         control.start(settings, spec, job_args=rescale.job_args)
+    if rescale.standby_pid is not None:
+        control.start(settings, spec, job_args=rescale.standby_args, wait=False)
