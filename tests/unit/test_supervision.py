@@ -76,6 +76,7 @@ class FakeSlots:
             "running_pid",
             lambda settings, spec, standby=False: 10 + standby if self.running[standby] else None,
         )
+        monkeypatch.setattr(control, "stream_options", lambda pid: ["--trigger-seconds", "2"])
         monkeypatch.setattr(health, "start", self.start)
         monkeypatch.setattr(control, "stop_standby", self.stop_standby)
 
@@ -92,7 +93,7 @@ class FakeSlots:
 @pytest.mark.parametrize(
     ("desired", "replicas", "primary", "standby", "expected", "started", "stopped"),
     [
-        ("running", 2, True, False, "started", [["--standby"]], 0),
+        ("running", 2, True, False, "started", [["--trigger-seconds", "2", "--standby"]], 0),
         ("running", 2, True, True, None, [], 0),
         ("running", 2, False, False, None, [], 0),  # no stream: no standby on its own
         ("running", 1, True, True, "stopped", [], 1),

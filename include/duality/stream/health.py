@@ -135,9 +135,10 @@ def _match_replicas(settings: Settings, spec: PipelineSpec) -> str | None:
     running = control.running_pid(settings, spec, standby=True) is not None
     if wanted.desired != "running" or wanted.replicas < 2:
         return "stopped" if running and control.stop_standby(settings, spec) else None
-    if running or control.running_pid(settings, spec) is None:
-        return None  # a standby joins a running stream
-    start(settings, spec, wait=False, job_args=["--standby"])
+    primary = control.running_pid(settings, spec)
+    if running or primary is None:
+        return None  # a standby joins a running stream, with its options
+    start(settings, spec, wait=False, job_args=[*control.stream_options(primary), "--standby"])
     return "started"
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from duality import kafka, workload
 from duality.config import Settings
-from duality.stream import control, heartbeat
+from duality.stream import control, health, heartbeat
 from tests.harness import (
     assert_eventually,
     duality_json,
@@ -52,7 +52,10 @@ def test_a_warm_standby_takes_over_from_a_killed_driver(settings: Settings, tmp_
     try:
         first = duality_json(scoped, "stream", "start", name, *options)
         assert first["heartbeat"]["state"] == "running"
-        duality_json(scoped, "stream", "start", name, *options, "--standby")
+        # What the supervisor DAG does when triggered with replicas 2: a standby with the
+        # stream's options.
+        look = health.supervise_once(scoped, spec, replicas=2)
+        assert look.standby_action == "started"
         active, standby = assert_eventually(
             lambda: _beats(settings, name),
             lambda beats: beats[1].get("state") == "standby",
