@@ -1180,6 +1180,32 @@ def latency_scenario(
     return figure
 
 
+def same_backlog(
+    bench: Bench,
+    scenario: str,
+    tag: str,
+    records: int,
+    keys: int,
+    megabytes: float,
+    rich: bool = False,
+) -> StreamFigure:
+    """`scenario`: stream-throughput's backlog (the same events) preloaded to a topic of its
+    own and consumed by a pipeline of its own (`rich`: the rich spec)."""
+    settings = bench.settings
+    topic = f"bench-{tag}-{bench.stamp}"
+    kafka.create_topic(settings, topic, PARTITIONS)
+    preload(settings, topic, order_events(records, keys), bench.progress)
+    spec = bench_spec(f"bench_{tag}_{bench.stamp}", topic, bench.pipelines, rich=rich)
+    point = consume_backlog(bench, spec, keys, megabytes, scenario, 0)
+    return StreamFigure(
+        scenario,
+        point.events,
+        point.seconds,
+        megabytes,
+        details={"keys": keys, "max_offsets_per_trigger": MAX_OFFSETS_PER_TRIGGER},
+    )
+
+
 def stream_scenarios(
     bench: Bench,
     source: str,
@@ -1237,35 +1263,13 @@ def stream_scenarios(
     progress.console.print(
         "the same backlog through a filter, a computed key, count_distinct, latest and stddev"
     )
-    rich_topic = f"bench-rich-{bench.stamp}"
-    kafka.create_topic(settings, rich_topic, PARTITIONS)
-    preload(settings, rich_topic, order_events(records, keys), progress)
-    rich_spec = bench_spec(f"bench_rich_{bench.stamp}", rich_topic, bench.pipelines, rich=True)
-    rich_point = consume_backlog(bench, rich_spec, keys, megabytes, "rich stream", 0)
-    rich = StreamFigure(
-        "stream-rich",
-        rich_point.events,
-        rich_point.seconds,
-        megabytes,
-        details={"keys": keys, "max_offsets_per_trigger": MAX_OFFSETS_PER_TRIGGER},
-    )
+    rich = same_backlog(bench, "stream-rich", "rich", records, keys, megabytes, rich=True)
     set_rich_ratio(rich, throughput)
 
     # The same backlog again, by the same stream without its metrics endpoint.
     progress.console.print("the same backlog by the same stream without metrics")
-    plain_topic = f"bench-nometrics-{bench.stamp}"
-    kafka.create_topic(settings, plain_topic, PARTITIONS)
-    preload(settings, plain_topic, order_events(records, keys), progress)
-    plain_spec = bench_spec(f"bench_nometrics_{bench.stamp}", plain_topic, bench.pipelines)
     without = replace(bench, settings=settings.replace(metrics_port=-1))
-    plain_point = consume_backlog(without, plain_spec, keys, megabytes, "stream, no metrics", 0)
-    plain = StreamFigure(
-        "stream-metrics-off",
-        plain_point.events,
-        plain_point.seconds,
-        megabytes,
-        details={"keys": keys, "max_offsets_per_trigger": MAX_OFFSETS_PER_TRIGGER},
-    )
+    plain = same_backlog(without, "stream-metrics-off", "nometrics", records, keys, megabytes)
     set_metrics_ratio(plain, throughput)
 
     large_keys = keys * state_scale_factor

@@ -187,8 +187,9 @@ class StreamDriver:
                     self._run_query(spark, heartbeat)
                     backoff = 1.0
                 except ElectionLost as lost:
+                    # The pipeline's heartbeat key is the new active driver's now: this one
+                    # says it waits on the standby key (`_wait_active`).
                     log.warning("%s: %s; waiting as the standby", spec.name, lost)
-                    heartbeat.publish("standby", error=str(lost))
                     self.election.lost.clear()  # the loop waits for the partition again
                 except DualityError:
                     raise
