@@ -71,13 +71,44 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+# The longest units of `make test` (a module, or a folder sharing a stack), longest first, from
+# `--durations=0` of a CI run (docs/testing.md). They start first, so that the two workers end
+# together instead of one running the last long unit alone; the rest follow in their order.
+_LONGEST_FIRST = (
+    "tests/integration/system/test_bench.py",
+    "tests/integration/spark/test_stream.py",
+    "tests/e2e",
+    "tests/integration/airflow/test_batch_server.py",
+    "tests/integration/system/test_spark_cluster.py",
+    "tests/integration/system/test_local_topology.py",
+    "tests/integration/snapshot/test_snapshot.py",
+    "tests/integration/system/three_nodes",
+    "tests/integration/spark/test_rich_pipeline.py",
+    "tests/integration/airflow/test_airflow_task_processes.py",
+    "tests/integration/spark/test_repartition.py",
+    "tests/integration/system/test_local_monitoring.py",
+    "tests/integration/airflow/test_airflow_dags.py",
+    "tests/integration/spark/test_standby.py",
+)
+
+
+def _unit(nodeid: str) -> str:
+    """The unit of `make test`'s scheduling a test belongs to (see StackScheduling)."""
+    module = nodeid.split("::", 1)[0]
+    folder = module.rpartition("/")[0]
+    return folder if folder in _SHARED_STACKS else module
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test is marked by its folder under tests/ (tests/integration/kafka/ is
-    `integration`), so `-m unit` and `-m integration` select by kind."""
+    `integration`), so `-m unit` and `-m integration` select by kind; the longest units go
+    first."""
     for item in items:
         folder = Path(str(item.fspath)).relative_to(Path(__file__).parent).parts[0]
         if folder in _MARK_BY_FOLDER:
             item.add_marker(_MARK_BY_FOLDER[folder])
+    rank = {unit: n for n, unit in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_unit(item.nodeid), len(rank)))  # stable: in order
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -86,11 +117,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     folder whose conftest.py starts a package-scoped stack its modules share."""
     from xdist.scheduler import LoadScopeScheduling
 
+    # xdist would send the units with the most tests first; ours go in _LONGEST_FIRST's order.
+    config.option.loadscopereorder = False
+
     class StackScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            folder = module.rpartition("/")[0]
-            return folder if folder in _SHARED_STACKS else module
+            return _unit(nodeid)
 
     return StackScheduling(config, log)
 
