@@ -197,7 +197,7 @@ class StreamDriver:
                     # A refused login does not heal by itself: end with it, no restart loop.
                     refused = kafka.refused_login_in(settings, error)
                     if refused is not None:
-                        heartbeat.publish("failed", error=str(refused))
+                        heartbeat.end("failed", error=str(refused))
                         raise refused from None
                     jvm = getattr(spark.sparkContext._gateway, "proc", None)
                     jvm_code = jvm.poll() if jvm is not None else None
@@ -214,7 +214,7 @@ class StreamDriver:
                         metrics.restarts.labels(spec.name).inc()
                     self.stopping.wait(backoff)
                     backoff = min(backoff * 2, 30.0)
-            heartbeat.publish("stopped")
+            heartbeat.end("stopped")
         finally:
             heartbeat.close()
             if endpoint is not None:
@@ -415,7 +415,7 @@ class StreamDriver:
         """Say why on the status topic and end the process at once: PySpark's exit handlers
         would wait on a JVM that hangs or is gone. The supervisor starts a new driver."""
         log.error("%s: %s; exiting for a new driver", self.spec.name, message)
-        heartbeat.publish(state, error=message)
+        heartbeat.end(state, error=message)
         heartbeat.close()
         logging.shutdown()
         os._exit(code)

@@ -34,6 +34,7 @@ class Heartbeat:
         state_partitions: int | None = None,
     ):
         self.pipeline = pipeline
+        self.ended = False
         self.producer = kafka.producer(settings, linger_ms=0)
         # ppid: the supervisor that `duality stream start` launched (`supervisor.supervise`).
         self.base = dict(
@@ -46,6 +47,8 @@ class Heartbeat:
         )
 
     def publish(self, state: str, **details: Any) -> None:
+        if self.ended:  # a listener's late beat never follows the driver's last word
+            return
         now_ms = int(time.time() * 1000)
         document = {**self.base, "state": state, "last_progress_ms": now_ms, **details}
         try:
@@ -59,6 +62,12 @@ class Heartbeat:
                 "%s: heartbeat %r dropped, the producer's queue is full", self.pipeline, state
             )
         self.producer.poll(0)
+
+    def end(self, state: str, **details: Any) -> None:
+        """Publish the driver's last state (stopped, say): later beats are dropped, such as
+        the query listener's progress for a batch that ended as the query stopped."""
+        self.publish(state, **details)
+        self.ended = True
 
     def close(self) -> None:
         self.producer.flush(5)
