@@ -675,6 +675,8 @@ def restart(
             )
             point.restart_seconds = time.perf_counter() - stream.started
             memory.sample()
+            memory.close()
+            failover(bench, point, spec, label, stream)
             stream.stop()
     finally:
         if memory is not None:
@@ -683,15 +685,16 @@ def restart(
     point.restart_peak_rss_mb = memory.peak / 1e6
 
 
-def failover(bench: Bench, point: Point, spec: PipelineSpec, label: str) -> None:
-    """With the checkpoint intact and a trickle of events: the lone driver SIGKILLed, which its
-    supervisor replaces with a new driver (`failover_cold_seconds`); then a warm standby
-    (`--standby`) beside it, and the active driver SIGKILLed again
+def failover(
+    bench: Bench, point: Point, spec: PipelineSpec, label: str, first: StreamProcess
+) -> None:
+    """With the stream `first` running and a trickle of events: its lone driver SIGKILLed,
+    which its supervisor replaces with a new driver (`failover_cold_seconds`); then a warm
+    standby (`--standby`) beside it, and the active driver SIGKILLed again
     (`failover_standby_seconds`). Each timed from the kill until a read_committed reader sees
     the next changelog transaction."""
     settings = bench.settings
     bench.progress.console.print(f"{label}: failover, without a standby and with one")
-    first = stream_process(bench, spec)
     second = StreamProcess(
         settings,
         spec,
@@ -729,8 +732,7 @@ def failover(bench: Bench, point: Point, spec: PipelineSpec, label: str) -> None
         return first_commit_after(settings, spec.changelog_topic, time.monotonic())
 
     producer = threading.Thread(target=trickle, daemon=True)
-    with first, second:
-        first.start()
+    with second:
         until(lambda: beats()[0].get("state") == "running", "the stream running")
         producer.start()
         try:
@@ -741,7 +743,6 @@ def failover(bench: Bench, point: Point, spec: PipelineSpec, label: str) -> None
         finally:
             stop.set()
             producer.join(timeout=30)
-        first.stop()
 
 
 # -- scenarios -------------------------------------------------------------------------------
@@ -758,8 +759,7 @@ def state_scale_point(
 ) -> Point:
     label = f"stream over {keys:,} keys"
     point = consume_backlog(bench, spec, keys, megabytes, label, distinct_keys, warm_events)
-    restart(bench, point, spec, new_events, label)
-    failover(bench, point, spec, label)
+    restart(bench, point, spec, new_events, label)  # and failover, from the restarted stream
     parts = ", ".join(f"{name} {mb:,.0f}" for name, mb in point.peak_rss_parts.items())
     bench.progress.console.print(
         f"{label}: {point.events:,} records in {point.seconds:.1f}s, peak RSS "

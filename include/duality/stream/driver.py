@@ -226,7 +226,10 @@ class StreamDriver:
     def _wait_active(self, spark: Any) -> bool:
         """Wait, as a standby, until the election makes this driver active (True), or until
         it is asked to stop (False). A standby says so on its own heartbeat key."""
-        if self.election.active.wait(1.0):  # the first driver of a pipeline: at once
+        # The first driver of a pipeline is made active at once; one restarted after a kill,
+        # once the dead driver's session ends. Only a driver still waiting is a standby, and
+        # warms up (on two cores a warm-up would slow a restart's restore).
+        if self.election.active.wait(2 * self.election.session_timeout_ms / 1000):
             return True
         spec = self.spec
         self._warm_up(spark)
