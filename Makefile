@@ -103,7 +103,7 @@ test-integration: setup browser postgres monitoring
 	$(PY) -m pytest $(PARALLEL) -m "integration or e2e" $(PYTEST_ARGS)
 
 bench: setup
-	$(PY) bench/run.py
+	$(PY) bench/run.py $(BENCH_ARGS)
 
 up: setup
 	$(VENV)/bin/duality up
