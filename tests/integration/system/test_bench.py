@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 
 from duality import process
 from duality.config import Settings
@@ -43,6 +44,9 @@ SCENARIOS = {
 }
 
 
+# The whole small run: about 35 process starts (streams, failovers, commands, a batch server and
+# Airflow), some 10 minutes here beside the other worker's tests: more than the suite's default.
+@pytest.mark.timeout(1500)
 def test_bench_writes_its_figures_and_every_event_is_seen_once(settings: Settings, tmp_path: Path):
     result = subprocess.run(
         [
@@ -52,7 +56,7 @@ def test_bench_writes_its_figures_and_every_event_is_seen_once(settings: Setting
         env={**os.environ, "DUALITY_BOOTSTRAP_SERVERS": settings.bootstrap_servers},
         capture_output=True,
         text=True,
-        timeout=1200,
+        timeout=1400,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     document = json.loads((tmp_path / "latest.json").read_text())
