@@ -253,14 +253,16 @@ class StreamDriver:
         spec, settings = self.spec, self.settings
         started = time.monotonic()
         topic = spec.source.topic
-        ends = kafka.end_offsets(settings, topic)
-        begins = kafka.beginning_offsets(settings, topic)
-        offsets = {str(p): max(begins.get(p, 0), end - WARM_UP_RECORDS) for p, end in ends.items()}
         root = seeding.checkpoint_dir(settings, spec).parent
         root.mkdir(parents=True, exist_ok=True)
         # Beside the pipeline's checkpoint, on the storage its executors share.
         scratch = Path(tempfile.mkdtemp(prefix=f".{spec.name}-warm-up-", dir=root))
         try:
+            ends = kafka.end_offsets(settings, topic)
+            begins = kafka.beginning_offsets(settings, topic)
+            offsets = {
+                str(p): max(begins.get(p, 0), end - WARM_UP_RECORDS) for p, end in ends.items()
+            }
             source = (
                 spark.readStream.format("kafka")
                 .options(**settings.spark_kafka_source_options())
