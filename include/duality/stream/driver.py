@@ -267,7 +267,7 @@ class StreamDriver:
                 spark.readStream.format("kafka")
                 .options(**settings.spark_kafka_source_options())
                 .option("subscribe", topic)
-                .option("startingOffsets", json.dumps({topic: {str(p): o for p, o in last.items()}}))
+                .option("startingOffsets", json.dumps({topic: offsets}))
                 .option("kafka.isolation.level", "read_committed")
                 .load()
             )
