@@ -384,7 +384,9 @@ def test_kafka_cluster_settings():
             assert env.get(f"{prefix}_REPLICATION_FACTOR") == str(len(KAFKA)), name
         assert env.get("KAFKA_TRANSACTION_STATE_LOG_MIN_ISR") == "2", name
         # The brokers let a standby's election use its own session timeout, as local ones do.
-        session = int(env.get("KAFKA_GROUP_MIN_SESSION_TIMEOUT_MS", 6_000))
+        session = int(
+            env.get("KAFKA_GROUP_MIN_SESSION_TIMEOUT_MS", election.KAFKA_MIN_SESSION_TIMEOUT_MS)
+        )
         assert session <= election.SESSION_TIMEOUT_MS, name
     assert int(_DEV_BROKER_CONFIG["group.min.session.timeout.ms"]) <= election.SESSION_TIMEOUT_MS
     data = {name: _volume_mounts(name) for name in KAFKA}

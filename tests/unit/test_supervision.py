@@ -127,7 +127,8 @@ def test_replicas_are_kept_and_checked(tmp_path):  # type: ignore[no-untyped-def
     with pytest.raises(UsageError, match="replicas 3"):
         health.supervise_once(settings, spec, "stop", replicas=3)
     assert control.Wanted.load(settings, spec).replicas == 1
-    control.set_desired(settings, spec, "running", replicas=2)
+    control.set_desired(settings, spec, "running")
+    control.set_replicas(settings, spec, 2)
     control.set_desired(settings, spec, "stopped")
     assert control.Wanted.load(settings, spec) == control.Wanted("stopped", [], 2)
 

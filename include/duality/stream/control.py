@@ -82,15 +82,18 @@ def desired(settings: Settings, spec: PipelineSpec) -> str:
     return Wanted.load(settings, spec).desired
 
 
-def set_desired(
-    settings: Settings, spec: PipelineSpec, value: str, replicas: int | None = None
-) -> None:
+def set_desired(settings: Settings, spec: PipelineSpec, value: str) -> None:
     wanted = Wanted.load(settings, spec)
     wanted.desired = value
     if value == "running":
         wanted.restarts = []  # a person's start resets the backoff
-    if replicas is not None:
-        wanted.replicas = replicas
+    wanted.save(settings, spec)
+
+
+def set_replicas(settings: Settings, spec: PipelineSpec, replicas: int) -> None:
+    """How many drivers this host keeps for the stream (2: a warm standby), for the supervisor."""
+    wanted = Wanted.load(settings, spec)
+    wanted.replicas = replicas
     wanted.save(settings, spec)
 
 
@@ -164,8 +167,9 @@ def start(
     `StreamOptions.to_args` writes them; with `--standby`, the second instance); wait until it
     reports `running` (a standby: until its driver waits to take over)."""
     standby = "--standby" in job_args
-    # A standby started by hand is kept by the Airflow supervisor too.
-    set_desired(settings, spec, "running", replicas=2 if standby else None)
+    set_desired(settings, spec, "running")
+    if standby:  # a standby started by hand is kept by the Airflow supervisor too
+        set_replicas(settings, spec, 2)
     pid = running_pid(settings, spec, standby)
     if pid is not None:
         return dataclasses.replace(describe(settings, spec), already_running=True)

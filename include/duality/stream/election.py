@@ -19,13 +19,15 @@ DRIVERS_TOPIC = "_duality-drivers"
 # this long, or the brokers' group.min.session.timeout.ms where that is longer (Kafka's default
 # is 6 s; duality's local brokers allow this). Shorter would fail over on a busy host's pauses.
 SESSION_TIMEOUT_MS = 3_000
+# Kafka's default group.min.session.timeout.ms, assumed where the cluster does not tell.
+KAFKA_MIN_SESSION_TIMEOUT_MS = 6_000
 # A standby hears of the rebalance with its next heartbeat.
 HEARTBEAT_INTERVAL_MS = 500
 
 
 def session_timeout_ms(settings: Settings) -> int:
     floor = kafka.broker_setting(settings, "group.min.session.timeout.ms")
-    return max(SESSION_TIMEOUT_MS, int(floor) if floor else 6_000)
+    return max(SESSION_TIMEOUT_MS, int(floor) if floor else KAFKA_MIN_SESSION_TIMEOUT_MS)
 
 
 def ensure_topic(settings: Settings) -> None:

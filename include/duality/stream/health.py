@@ -121,9 +121,7 @@ def supervise_once(
         done = "rescaled" if plan.steps() else "none"
         return Supervision(**vars(describe(settings, spec)), action=done, rescale=plan.as_dict())
     if replicas is not None:
-        wanted = Wanted.load(settings, spec)
-        wanted.replicas = replicas
-        wanted.save(settings, spec)
+        control.set_replicas(settings, spec, replicas)
     looked = _look(settings, spec, action)
     looked.standby_action = _match_replicas(settings, spec)
     return looked
