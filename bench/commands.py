@@ -215,7 +215,7 @@ def _assert_published(settings: Settings, spec: PipelineSpec, version: int) -> N
 
     path = spec.snapshot_path(settings)
     state = delta_log.table_state(path, delta_log.history(path)[0].version)
-    assert state is not None, f"{path} has no checksum file"
+    assert state is not None, f"the log of {path} cannot be replayed"
     assert state.properties.get(PUBLISHED_VERSION) == str(version), state.properties
     spark = session(settings, "duality-bench-snapshots")
     _assert_equal(spark, settings, spec, _changelog_truth(settings, spec), "published")

@@ -133,7 +133,7 @@ def test_a_silent_or_failed_stream_is_said(settings, specs):
 
 def _write_delta_log(path: Path, spec: PipelineSpec, *, passed: bool = True) -> None:
     """A snapshot's Delta log as duality leaves it: version 0 written, version 1 the validation
-    of version 0 (publishing it when it passed); commit info and checksum files only."""
+    of version 0 (publishing it when it passed); the commit files only."""
     log = path / "_delta_log"
     log.mkdir(parents=True)
     coverage = {
@@ -156,25 +156,27 @@ def _write_delta_log(path: Path, spec: PipelineSpec, *, passed: bool = True) -> 
         ("WRITE", NOW - 7200, {"kind": "snapshot", "mode": "full", "coverage": coverage}),
         ("SET TBLPROPERTIES", NOW - 3600, {"kind": "validation", "validation": verdict}),
     ]
+    schema = {"type": "struct", "fields": [{"name": "product"}, {"name": "orders"}]}
     for version, (operation, at, metadata) in enumerate(commits):
         info = {
             "timestamp": int(at * 1000),
             "operation": operation,
             "userMetadata": json.dumps({"duality": metadata}),
         }
-        (log / f"{version:020d}.json").write_text(json.dumps({"commitInfo": info}) + "\n")
         properties = {}
         if passed and version == 1:
             properties = {
                 "duality.published.version": "0",
                 "duality.published.coverage": json.dumps(coverage),
             }
-        schema = {"type": "struct", "fields": [{"name": "product"}, {"name": "orders"}]}
-        checksum = {
-            "metadata": {"schemaString": json.dumps(schema), "configuration": properties},
-            "allFiles": [{"stats": json.dumps({"numRecords": 951})}],
-        }
-        (log / f"{version:020d}.crc").write_text(json.dumps(checksum))
+        actions: list[dict[str, Any]] = [
+            {"commitInfo": info},
+            {"metaData": {"schemaString": json.dumps(schema), "configuration": properties}},
+        ]
+        if version == 0:
+            add = {"path": "part-0.parquet", "stats": json.dumps({"numRecords": 951})}
+            actions += [{"protocol": {"minReaderVersion": 1}}, {"add": add}]
+        (log / f"{version:020d}.json").write_text("".join(json.dumps(a) + "\n" for a in actions))
 
 
 def test_kafka_down_still_shows_the_published_snapshot(settings, specs):

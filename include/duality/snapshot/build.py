@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from duality import kafka
 from duality.config import Settings
 from duality.errors import UsageError
-from duality.snapshot import delta_log
+from duality.snapshot import delta_log, dv_commit
 from duality.snapshot.coverage import Coverage, capture_coverage
 from duality.spark import session
 from duality.spec import SQL_TYPES, PipelineSpec
@@ -160,6 +160,9 @@ class SnapshotResult:
     version: int | None  # the new version; None when nothing changed
     previous_version: int | None
     coverage: Coverage
+    # Who wrote an incremental version's commit: "duality" (deletion vectors and an appended
+    # file, docs/snapshots.md#write) or "delta" (its MERGE); None for a full or no rebuild.
+    merged_by: str | None
     read_ranges: dict[str, list[int]]  # changelog partition -> [first offset read, end]
     records_read: int
     keys_read: int
@@ -235,6 +238,7 @@ def build(
             None,
             previous,
             base,
+            None,
             {},
             0,
             0,
@@ -248,6 +252,7 @@ def build(
     spark = spark_session()
     start = base.changelog if base is not None else None
     ran = "incremental" if base is not None else "full"
+    merged_by = "delta" if base is not None else None
     metadata = {
         "kind": "snapshot",
         "mode": ran,
@@ -268,9 +273,17 @@ def build(
         )
         keys_read = changes.num_rows
         records_read = sum(changes.column("_records").to_pylist())
-        # Typed once here: the MERGE then reads a plain local relation in each of its passes.
         typed = _changelog_rows(spec, spark.createDataFrame(changes)).toArrow()
-        _merge(spark, spec, path, spark.createDataFrame(typed), metadata, local=True)
+        why = dv_commit.blocker(state) if state is not None else "its log cannot be replayed"
+        if state is not None and why is None:
+            if dv_commit.write(path, state, typed, list(spec.key_columns), metadata) is None:
+                why = f"version {state.version + 1} was committed by another writer meanwhile"
+            else:
+                merged_by = "duality"
+        if why is not None:
+            progress(f"duality cannot write this commit itself ({why}): Delta's MERGE writes it")
+            # A local relation: the MERGE reads it in each of its passes without recomputing it.
+            _merge(spark, spec, path, spark.createDataFrame(typed), metadata, local=True)
     else:
         raw = read_changelog(spark, settings, spec.changelog_topic, start, coverage.changelog)
         latest = _latest_per_key(raw).persist()
@@ -305,6 +318,7 @@ def build(
         version=written.version,
         previous_version=previous,
         coverage=coverage,
+        merged_by=merged_by,
         read_ranges=ranges,
         records_read=int(records_read),
         keys_read=int(keys_read),

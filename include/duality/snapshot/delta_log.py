@@ -1,11 +1,12 @@
 """The table's Delta log as duality reads and writes it: commits and the records duality keeps
-in their userMetadata, versions' checksum files read without Spark, a version by time travel."""
+in their userMetadata, a version's state replayed without Spark, a version by time travel."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import json
+import re
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -63,34 +64,122 @@ def history(path: Path) -> list[Version]:
 
 @dataclasses.dataclass(frozen=True)
 class TableState:
-    """What a version's checksum file (Delta's `_delta_log/<version>.crc`) says of it."""
+    """A version of the table as its log defines it (Delta's PROTOCOL.md, action
+    reconciliation): the protocol, the metadata and the live data files."""
 
     version: int
-    columns: list[str]
-    properties: dict[str, str]
-    rows: int | None  # None when the checksum does not list the table's files
+    protocol: dict[str, Any]
+    metadata: dict[str, Any]
+    files: dict[str, dict[str, Any]]  # the live `add` actions, by path
+
+    @property
+    def fields(self) -> list[dict[str, Any]]:
+        return list(json.loads(self.metadata["schemaString"])["fields"])
+
+    @property
+    def columns(self) -> list[str]:
+        return [field["name"] for field in self.fields]
+
+    @property
+    def properties(self) -> dict[str, str]:
+        return dict(self.metadata.get("configuration") or {})
+
+    @property
+    def rows(self) -> int | None:
+        """Live rows: each file's records less its deletion vector's; None when a file's
+        statistics do not say."""
+        try:
+            return sum(
+                json.loads(add["stats"])["numRecords"]
+                - (add.get("deletionVector") or {}).get("cardinality", 0)
+                for add in self.files.values()
+            )
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+_CHECKPOINT = re.compile(r"^(\d{20})\.checkpoint(?:\.(\d{10})\.(\d{10}))?\.parquet$")
 
 
 def table_state(path: Path, version: int) -> TableState | None:
-    """A version's columns, table properties and row count from its checksum file, or None
-    when Delta wrote none (the callers then ask Spark)."""
+    """`version` replayed from the newest classic checkpoint at or before it and the JSON
+    commits after that, without Spark; None when the log cannot be read that way (a commit
+    missing, a V2 checkpoint only): the callers then ask Spark."""
+    log = path / "_delta_log"
     try:
-        checksum = json.loads((path / "_delta_log" / f"{version:020d}.crc").read_text())
-        metadata = checksum["metadata"]
-        columns = [field["name"] for field in json.loads(metadata["schemaString"])["fields"]]
+        names = [entry.name for entry in log.iterdir()]
+        start, protocol, metadata, files = _checkpoint_state(log, names, version)
+        for commit in range(start, version + 1):
+            actions = [json.loads(line) for line in (log / f"{commit:020d}.json").open()]
+            for action in actions:
+                protocol = action.get("protocol", protocol)
+                metadata = action.get("metaData", metadata)
+            # One commit never adds and removes the same logical file: removes, then adds.
+            for action in actions:
+                removed = action.get("remove")
+                live = files.get(removed["path"]) if removed else None
+                if live is not None and deletion_vector_id(live) == deletion_vector_id(removed):
+                    del files[removed["path"]]
+            for action in actions:
+                if "add" in action:
+                    files[action["add"]["path"]] = action["add"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    rows: int | None = None
-    if isinstance(checksum.get("allFiles"), list):
-        try:
-            rows = sum(
-                json.loads(entry["stats"])["numRecords"]
-                - (entry.get("deletionVector") or {}).get("cardinality", 0)
-                for entry in checksum["allFiles"]
-            )
-        except (ValueError, KeyError, TypeError):
-            rows = None
-    return TableState(version, columns, dict(metadata.get("configuration") or {}), rows)
+    if protocol is None or metadata is None:
+        return None
+    return TableState(version, protocol, metadata, files)
+
+
+def deletion_vector_id(action: dict[str, Any]) -> str | None:
+    """The unique id of a file action's deletion vector (PROTOCOL.md), None without one."""
+    vector = action.get("deletionVector")
+    if not vector:
+        return None
+    offset = vector.get("offset")
+    return (
+        vector["storageType"] + vector["pathOrInlineDv"] + ("" if offset is None else f"@{offset}")
+    )
+
+
+def _checkpoint_state(
+    log: Path, names: list[str], version: int
+) -> tuple[int, dict[str, Any] | None, dict[str, Any] | None, dict[str, dict[str, Any]]]:
+    """The newest complete classic (single or multi-part) checkpoint at or before `version`:
+    the first commit after it, its protocol, metadata and live files; else from commit 0."""
+    parts: dict[int, list[str]] = {}
+    for name in names:
+        match = _CHECKPOINT.match(name)
+        if match and int(match[1]) <= version:
+            parts.setdefault(int(match[1]), []).append(name)
+    complete = [
+        at
+        for at, found in parts.items()
+        if len(found) == 1 or len(found) == int(_CHECKPOINT.match(found[0])[3])  # type: ignore[index]
+    ]
+    if not complete:
+        return 0, None, None, {}
+    at = max(complete)
+    import pyarrow.parquet as pq
+
+    table = pq.read_table([str(log / name) for name in sorted(parts[at])])
+    wanted = [c for c in ("protocol", "metaData", "add") if c in table.column_names]
+    rows = table.select(wanted).to_pylist(maps_as_pydicts="strict")
+    protocol = next((row["protocol"] for row in rows if row.get("protocol")), None)
+    metadata = next((row["metaData"] for row in rows if row.get("metaData")), None)
+    files = {row["add"]["path"]: _present(row["add"]) for row in rows if row.get("add")}
+    return at + 1, _present(protocol), _present(metadata), files
+
+
+def _present(value: Any) -> Any:
+    """A checkpoint's struct as its JSON commit would hold it: absent fields and the parsed
+    copies of statistics and partition values left out."""
+    if isinstance(value, dict):
+        return {
+            key: _present(item)
+            for key, item in value.items()
+            if item is not None and not key.endswith("_parsed")
+        }
+    return value
 
 
 def is_table(path: Path) -> bool:
@@ -146,8 +235,13 @@ def session_conf(spark: SparkSession, values: dict[str, str]) -> Iterator[None]:
 def commit_metadata(spark: SparkSession, metadata: dict[str, Any]) -> AbstractContextManager[None]:
     """Every Delta commit made inside carries `metadata` as its userMetadata (`history()` reads
     it back)."""
-    text = json.dumps({METADATA_KEY: metadata}, separators=(",", ":"))
+    text = user_metadata(metadata)
     return session_conf(spark, {"spark.databricks.delta.commitInfo.userMetadata": text})
+
+
+def user_metadata(metadata: dict[str, Any]) -> str:
+    """`metadata` as a commit's userMetadata holds it (`history()` reads it back)."""
+    return json.dumps({METADATA_KEY: metadata}, separators=(",", ":"))
 
 
 def sql_name(path: Path) -> str:

@@ -57,7 +57,7 @@ class Publication:
 
 def published(spark: SparkSession, path: Path) -> Published | None:
     """The published version and what it covers, from the table's properties (read from the
-    latest version's checksum file; from Spark when there is none)."""
+    latest version's log; from Spark when it cannot be replayed)."""
     state = delta_log.table_state(path, delta_log.history(path)[0].version)
     if state is not None:
         return _published_in(state.properties)
@@ -67,15 +67,15 @@ def published(spark: SparkSession, path: Path) -> Published | None:
 
 
 def published_in_log(path: Path) -> Published | None:
-    """The published version from the latest version's checksum file alone, without Spark; None
-    when none is published or Delta wrote no checksum."""
+    """The published version from the latest version's log alone, without Spark; None when
+    none is published or the log cannot be replayed."""
     latest = delta_log.table_state(path, delta_log.history(path)[0].version)
     return _published_in(latest.properties) if latest is not None else None
 
 
 def published_size(spec: PipelineSpec, path: Path) -> tuple[Published, int] | None:
-    """The published version and its row count from the checksum files alone, without Spark;
-    None when they do not say (no checksum, none published: `read` then asks)."""
+    """The published version and its row count from the table's log alone, without Spark;
+    None when it does not say (none published, no statistics: `read` then asks)."""
     delta_log.require_table(spec, path)
     found = published_in_log(path)
     state = delta_log.table_state(path, found.version) if found is not None else None

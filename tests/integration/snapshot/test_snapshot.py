@@ -16,6 +16,7 @@ from duality import changelog, kafka, validate
 from duality.config import Settings
 from duality.snapshot import build, delta_log, publish
 from duality.snapshot.coverage import Coverage
+from duality.snapshot.maintain import maintain
 from duality.spec import PipelineSpec
 from tests.harness import ROOT, StreamProcess, make_pipeline, read_latest, read_topic, run_duality
 
@@ -96,6 +97,19 @@ def _table(frame: Any, spec: PipelineSpec) -> dict[str, dict[str, Any]]:
     return rows
 
 
+def _second_engine(path: Path, spec: PipelineSpec) -> dict[str, dict[str, Any]]:
+    """The table's newest version as delta-rs reads it: a second Delta engine, which applies
+    the deletion vectors itself."""
+    import pyarrow as pa
+    from deltalake import DeltaTable, QueryBuilder
+
+    reader = QueryBuilder().register("snapshot", DeltaTable(str(path)))
+    rows = pa.table(reader.execute("SELECT * FROM snapshot").read_all()).to_pylist()
+    table = {row["product"]: {c: row[c] for c in spec.aggregates} for row in rows}
+    assert len(table) == len(rows), "a key appears twice in the snapshot"
+    return table
+
+
 def _records_between(settings: Settings, spec: PipelineSpec, start: dict[int, int]) -> int:
     return sum(1 for p, o, _, _ in read_topic(settings, spec.changelog_topic) if o >= start[p])
 
@@ -140,9 +154,11 @@ def test_full_then_incremental_equal_the_changelog(spark, pipeline) -> None:  # 
     _write(settings, spec, {f"p{i:04d}": None for i in range(200, 300)}, abort=True)
     incremental = build.build(settings, spec, "incremental", spark=spark)
     assert incremental.mode == "incremental" and incremental.fallback_reason is None
+    # duality's own commit (deletion vectors, an appended file): Spark and delta-rs read it so.
+    assert incremental.merged_by == "duality"
     truth = _truth(settings, spec)
     incremental_rows = _table(delta_log.load(spark, path, incremental.version), spec)
-    assert incremental_rows == truth
+    assert incremental_rows == truth == _second_engine(path, spec)
     # It read only the records after the recorded offsets (the job's own figures).
     assert {int(p): r[0] for p, r in incremental.read_ranges.items()} == {
         p: ends[p] for p in map(int, incremental.read_ranges)
@@ -151,8 +167,22 @@ def test_full_then_incremental_equal_the_changelog(spark, pipeline) -> None:  # 
     assert incremental.records_read < full.records_read
     assert incremental.deleted == 20 and incremental.inserted == 51  # 400..449 and p0000
 
+    # Again over the same files: keys whose rows already sit in the appended file, keys of rows
+    # already marked, keys deleted and back. Each file's new deletion vector keeps the old rows.
+    _write(settings, spec, _history(rng, range(0, 450, 7)))
+    _write(settings, spec, {f"p{i:04d}": None for i in range(400, 420)})
+    _write(settings, spec, _history(rng, range(100, 105)))
+    again = build.build(settings, spec, "incremental", spark=spark)
+    assert again.merged_by == "duality" and (again.inserted, again.deleted) == (12, 20)
+    truth = _truth(settings, spec)
+    assert _table(delta_log.load(spark, path), spec) == truth == _second_engine(path, spec)
+    # Delta's own OPTIMIZE and VACUUM over them: the rows stay, the replaced files go.
+    maintain(settings, spec, retain_hours=0, spark=spark)
+    assert _table(delta_log.load(spark, path), spec) == truth == _second_engine(path, spec)
+    assert not list(path.glob("deletion_vector_*.bin"))
+
     rebuilt = build.build(settings, spec, "full", spark=spark)
-    assert _table(delta_log.load(spark, path, rebuilt.version), spec) == incremental_rows
+    assert _table(delta_log.load(spark, path, rebuilt.version), spec) == truth
 
     # Nothing new: no new version.
     assert build.build(settings, spec, "incremental", spark=spark).version is None
