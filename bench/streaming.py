@@ -20,9 +20,12 @@ and the memory of its process tree.
   the same pipeline plus a filter, a computed field in the key, `count_distinct`, `latest` and
   `stddev`, cold, from the query's start until the committed offsets cover the topic; compared
   with `stream-throughput` (target: at least 0.8x).
-- `stream-metrics-off`: the same backlog (a topic of its own) through the same pipeline without
-  its Prometheus endpoint (`DUALITY_METRICS_PORT=-1`; every other stream scenario runs with it,
-  the default); target: `stream-throughput` at least 0.97x this.
+- `stream-metrics-on`, `stream-metrics-off`: the same backlog (each in a topic of its own)
+  through the same pipeline with its Prometheus endpoint (the default, as every other stream
+  scenario runs) and without it (`DUALITY_METRICS_PORT=-1`), one after the other, both measured
+  as `stream-rich` is; target: `stream-metrics-on` at least 0.97x `stream-metrics-off`. Not
+  `stream-throughput` against it: the first stream of a run was the slower in ad hoc runs
+  (docs/benchmarks.md).
 - `state-scale`: the same backlog run (100k keys) and a backlog of one event per key over 20
   times as many keys (2M); for each, the peak RSS of the stream's whole process tree (the
   supervisor, the driver, its JVM and Python workers, sampled every 0.25 s) and the RSS once the
@@ -98,7 +101,7 @@ POLL_S = 0.2
 THROUGHPUT_TARGET = 0.8  # stream-throughput records/s over python-copy's
 RICH_TARGET = 0.8  # stream-rich records/s over stream-throughput's
 FAILOVER_TARGET_S = 10.0  # the active driver's SIGKILL -> the standby's first commit
-METRICS_TARGET = 0.97  # stream-throughput (metrics on) over stream-metrics-off
+METRICS_TARGET = 0.97  # stream-metrics-on over stream-metrics-off
 RSS_GROWTH_TARGET_MB = 500.0
 RESTART_RATIO_TARGET = 1.5
 LATENCY_P99_TARGET_S = 2.0
@@ -285,13 +288,13 @@ def set_rich_ratio(rich: StreamFigure, cold: Figure) -> None:
 
 
 def set_metrics_ratio(off: StreamFigure, on: Figure) -> None:
-    """`stream-throughput` (metrics on, the default) against the same stream without them."""
+    """`stream-metrics-on` (the default) against the same stream without its metrics."""
     ratio = on.records_per_s / off.records_per_s if off.records_per_s else 0.0
     off.details["metrics_on_vs_off"] = round(ratio, 3)
-    goal = f"stream-throughput (metrics on) >= {METRICS_TARGET}x this"
+    goal = f"stream-metrics-on >= {METRICS_TARGET}x this"
     off.targets = [target(goal, ratio, ratio >= METRICS_TARGET)]
     off.note = (
-        f"stream-throughput, with its metrics endpoint, is {ratio:.2f}x this (target "
+        f"stream-metrics-on, with its metrics endpoint, is {ratio:.2f}x this (target "
         f"{METRICS_TARGET}x): the same backlog, DUALITY_METRICS_PORT=-1"
     )
 
@@ -1266,11 +1269,12 @@ def stream_scenarios(
     rich = same_backlog(bench, "stream-rich", "rich", records, keys, megabytes, rich=True)
     set_rich_ratio(rich, throughput)
 
-    # The same backlog again, by the same stream without its metrics endpoint.
-    progress.console.print("the same backlog by the same stream without metrics")
+    # The same backlog again, by the same stream with its metrics endpoint, then without it.
+    progress.console.print("the same backlog by the same stream with metrics, then without")
+    measured = same_backlog(bench, "stream-metrics-on", "metrics", records, keys, megabytes)
     without = replace(bench, settings=settings.replace(metrics_port=-1))
     plain = same_backlog(without, "stream-metrics-off", "nometrics", records, keys, megabytes)
-    set_metrics_ratio(plain, throughput)
+    set_metrics_ratio(plain, measured)
 
     large_keys = keys * state_scale_factor
     large_topic = f"bench-state-{bench.stamp}"
@@ -1292,6 +1296,7 @@ def stream_scenarios(
         throughput,
         warm,
         rich,
+        measured,
         plain,
         state_scale_figure(small, large),
     ]

@@ -343,10 +343,15 @@ def run(
         )
 
     progress(f"reading version {version} of {path}")
-    table = delta_log.load(spark, path, version).persist()
+    # Read once, scanned by every check: cached uncompressed, which takes more memory (about
+    # 100 MB a million rows of the demo's pipelines) and saves the CPU of compressing it, a
+    # tenth of a validation here (docs/decisions/0030-small-changes-committed-by-duality.md).
+    uncompressed = {"spark.sql.inMemoryColumnarStorage.compressed": "false"}
+    table = delta_log.load(spark, path, version)
     diff = None
     try:
-        rows = table.count()
+        with delta_log.session_conf(spark, uncompressed):  # read when the cache is built
+            rows = table.persist().count()
         if reconcile:
             assert coverage is not None
             progress(f"recomputing the aggregates from {spec.source.topic}")

@@ -108,9 +108,10 @@ def write(
     actions: list[dict[str, Any]] = []
     now = int(time.time() * 1000)
     vectors: dict[str, BitMap64] = {}
+    records: dict[str, int] = {}  # each touched file's rows, as the file has them
     updated = deleted = 0
     for path, add in state.files.items():
-        hits = _rows_of(root / unquote(path), changed, key_columns)
+        hits, records[path] = _rows_of(root / unquote(path), changed, key_columns)
         if hits.num_rows == 0:
             continue
         before = _read_vector(root, add.get("deletionVector"))
@@ -125,10 +126,11 @@ def write(
     for path, descriptor in files.items():
         old = state.files[path]
         actions.append({"remove": _removal(old, now)})
-        records = json.loads(old["stats"])["numRecords"]
-        if descriptor["cardinality"] < records:
+        if descriptor["cardinality"] < records[path]:
             # Min and max may now be wider than the live rows': the bounds are no longer tight.
-            stats = {**json.loads(old["stats"]), "tightBounds": False}
+            # A file with a deletion vector must say how many rows it has.
+            stats = json.loads(old.get("stats") or "{}")
+            stats.update(numRecords=records[path], tightBounds=False)
             actions.append(
                 {"add": {**old, "stats": json.dumps(stats), "deletionVector": descriptor}}
             )
@@ -161,9 +163,10 @@ def write(
     return Written(version, inserted, updated, deleted)
 
 
-def _rows_of(file: Path, changed: pa.Table, key_columns: list[str]) -> pa.Table:
+def _rows_of(file: Path, changed: pa.Table, key_columns: list[str]) -> tuple[pa.Table, int]:
     """The rows of a data file whose key is one of `changed`'s: their positions in the file
-    (`_row`, as deletion vectors count them) and whether the key was deleted (`_deleted`)."""
+    (`_row`, as deletion vectors count them) and whether the key was deleted (`_deleted`); and
+    how many rows the file has."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -173,7 +176,8 @@ def _rows_of(file: Path, changed: pa.Table, key_columns: list[str]) -> pa.Table:
     wanted = changed.cast(
         pa.schema([*(keys.schema.field(c) for c in key_columns), changed.schema.field("_deleted")])
     )
-    return keys.join(wanted, key_columns, join_type="inner", use_threads=False)
+    joined = keys.join(wanted, key_columns, join_type="inner", use_threads=False)
+    return joined, keys.num_rows
 
 
 def _read_vector(root: Path, descriptor: dict[str, Any] | None) -> BitMap64:

@@ -27,7 +27,7 @@ COPIES = [  # the scenarios that read or copy every record once
 ]
 SCENARIOS = {
     *COPIES,
-    *["stream-rich", "stream-metrics-off", "state-scale"],
+    *["stream-rich", "stream-metrics-on", "stream-metrics-off", "state-scale"],
     *["restore-from-changelog", "recompute-from-source"],
     *["snapshot-full", "latency"],
     *["snapshot-incremental", "snapshot-full-after", "snapshot-nothing-new", "validate"],
@@ -93,6 +93,13 @@ def _check_streams(figures: dict[str, dict[str, Any]]) -> None:
     rich = figures["stream-rich"]
     assert rich["records"] == RECORDS and rich["vs_stream_throughput"] > 0
     assert [t["target"] for t in rich["targets"]] == ["records/s >= 0.8x stream-throughput"]
+    # Metrics on against off: the same backlog, the same way, one after the other.
+    on, off = figures["stream-metrics-on"], figures["stream-metrics-off"]
+    assert on["records"] == off["records"] == RECORDS
+    assert [t["target"] for t in off["targets"]] == ["stream-metrics-on >= 0.97x this"]
+    assert off["metrics_on_vs_off"] == pytest.approx(
+        on["records_per_s"] / off["records_per_s"], abs=1e-3
+    )
 
     scale = figures["state-scale"]
     assert scale["keys"] == [KEYS, 20 * KEYS]
