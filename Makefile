@@ -87,10 +87,10 @@ demo: setup
 	$(VENV)/bin/duality up
 	$(VENV)/bin/duality demo
 
-# Two workers (pytest-xdist), each running whole groups of tests that share a stack
-# (docs/testing.md): on two cores, one worker's waits for brokers, Airflow and faults leave room
-# for the other's work.
-TEST_WORKERS ?= 2
+# Three workers (pytest-xdist), each running whole groups of tests that share a stack
+# (docs/testing.md): on two cores, the workers' waits for brokers, Airflow and faults leave room
+# for the others' work.
+TEST_WORKERS ?= 3
 PARALLEL := -n $(TEST_WORKERS) --dist loadscope
 
 test: setup browser postgres monitoring

@@ -72,7 +72,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 # The longest units of `make test` (a module, or a folder sharing a stack), longest first, from
-# `--durations=0` of a CI run (docs/testing.md). They start first, so that the two workers end
+# `--durations=0` of a CI run (docs/testing.md). They start first, so that the workers end
 # together instead of one running the last long unit alone; the rest follow in their order.
 _LONGEST_FIRST = (
     "tests/integration/system/test_bench.py",
