@@ -343,9 +343,8 @@ def run(
         )
 
     progress(f"reading version {version} of {path}")
-    # Read once, scanned by every check: cached uncompressed, which takes more memory (about
-    # 100 MB a million rows of the demo's pipelines) and saves the CPU of compressing it, a
-    # tenth of a validation here (docs/decisions/0030-small-changes-committed-by-duality.md).
+    # Read once, scanned by every check: cached uncompressed, which takes more memory and saves
+    # the CPU of compressing it, a tenth of a validation here (docs/benchmarks.md, 2026-11-26).
     uncompressed = {"spark.sql.inMemoryColumnarStorage.compressed": "false"}
     table = delta_log.load(spark, path, version)
     diff = None

@@ -155,6 +155,9 @@ def test_a_commit_replayed_as_delta_reconciles_it(tmp_path: Path):
         {"k": "e", "n": 50},
     ]
     assert delta_log.history(tmp_path)[0].metrics["numTargetRowsDeleted"] == 2
+    # One part of a two-part checkpoint (another writer still writing it) is not a checkpoint.
+    (log / f"{1:020d}.checkpoint.{1:010d}.{2:010d}.parquet").write_bytes(b"partial")
+    assert delta_log.table_state(tmp_path, 2) == state
 
     # Version 3 taken meanwhile by another writer: no commit, and no file of this attempt left.
     before = set(tmp_path.iterdir())

@@ -147,27 +147,26 @@ def _checkpoint_state(
     """The newest complete classic (single or multi-part) checkpoint at or before `version`:
     the first commit after it, its protocol, metadata and live files; else from commit 0."""
     parts: dict[int, list[str]] = {}
+    expected: dict[int, int] = {}  # how many parts each checkpoint has (a single file: 1)
     for name in names:
         match = _CHECKPOINT.match(name)
         if match and int(match[1]) <= version:
             parts.setdefault(int(match[1]), []).append(name)
-    complete = [
-        at
-        for at, found in parts.items()
-        if len(found) == 1 or len(found) == int(_CHECKPOINT.match(found[0])[3])  # type: ignore[index]
-    ]
+            expected[int(match[1])] = int(match[3] or 1)
+    complete = [at for at, found in parts.items() if len(found) == expected[at]]
     if not complete:
         return 0, None, None, {}
     at = max(complete)
     import pyarrow.parquet as pq
 
-    table = pq.read_table([str(log / name) for name in sorted(parts[at])])
-    wanted = [c for c in ("protocol", "metaData", "add") if c in table.column_names]
-    rows = table.select(wanted).to_pylist(maps_as_pydicts="strict")
+    files = [str(log / name) for name in sorted(parts[at])]
+    present = pq.read_schema(files[0]).names
+    wanted = [c for c in ("protocol", "metaData", "add") if c in present]
+    rows = pq.read_table(files, columns=wanted).to_pylist(maps_as_pydicts="strict")
     protocol = next((row["protocol"] for row in rows if row.get("protocol")), None)
     metadata = next((row["metaData"] for row in rows if row.get("metaData")), None)
-    files = {row["add"]["path"]: _present(row["add"]) for row in rows if row.get("add")}
-    return at + 1, _present(protocol), _present(metadata), files
+    live = {row["add"]["path"]: _present(row["add"]) for row in rows if row.get("add")}
+    return at + 1, _present(protocol), _present(metadata), live
 
 
 def _present(value: Any) -> Any:
