@@ -39,7 +39,20 @@ def wait_started(
 
 
 def _tails(logs: Sequence[Path]) -> str:
-    return "\n".join(f"--- {log}:\n{tail(log)}" for log in logs)
+    """Each log's first error lines (the cause; a daemon logs pages while it shuts down after
+    it), then its last lines."""
+    return "\n".join(f"--- {log}:\n{_first_errors(log)}{tail(log)}" for log in logs)
+
+
+def _first_errors(log: Path, lines: int = 5) -> str:
+    if not log.is_file():
+        return ""
+    errors = [
+        line
+        for line in log.read_text(errors="replace").splitlines()
+        if " ERROR " in line or " FATAL " in line
+    ][:lines]
+    return "first errors:\n" + "\n".join(errors) + "\nlast lines:\n" if errors else ""
 
 
 def tail(log: Path, lines: int = 25) -> str:

@@ -24,8 +24,7 @@ from duality.airflow_api import AirflowClient
 from duality.config import SHIPPED_PIPELINES, Settings
 from duality.errors import LocalStackError
 from duality.local.airflow import AIRFLOW_COMPONENTS, LocalAirflow
-from duality.local.ports import free_port
-from duality.local.ports import port_in_use as _port_in_use
+from duality.local.ports import free_ports
 from duality.local.spark_cluster import local_spark
 from duality.snapshot import delta_log
 from duality.snapshot.publish import PUBLISHED_VERSION
@@ -51,18 +50,11 @@ def _duality(env: dict[str, str], *args: str, timeout: float = 600) -> subproces
 
 def _ok(env: dict[str, str], *args: str) -> dict:
     done = _duality(env, *args)
-    assert done.returncode == 0, f"duality {' '.join(args)}:\n{done.stderr[-3000:]}"
+    said = done.stderr
+    if len(said) > 6000:  # the cause is at the start, the stop's messages at the end
+        said = f"{said[:3000]}\n[…]\n{said[-3000:]}"
+    assert done.returncode == 0, f"duality {' '.join(args)}:\n{said}"
     return dict(json.loads(done.stdout))
-
-
-def _free_ports(count: int) -> int:
-    """The first of `count` consecutive free ports (node i listens on base + 2(i-1))."""
-    while True:
-        base = free_port()
-        if base + count < 65536 and not any(
-            _port_in_use("localhost", base + i) for i in range(count)
-        ):
-            return base
 
 
 def _ours(root: Path) -> list[psutil.Process]:
@@ -89,7 +81,7 @@ def topology() -> Iterator[Stack]:
     root = Path(tempfile.mkdtemp(prefix="duality-topology-"))
     root.chmod(0o755)
     env = stack_env(root)
-    base = _free_ports(2 * BROKERS)
+    base = free_ports(2 * BROKERS)  # node i listens on base + 2(i-1)
     env["DUALITY_BOOTSTRAP_SERVERS"] = f"localhost:{base}"
     env["DUALITY_CONTROLLER_PORT"] = str(base + 1)
     env.update(
