@@ -24,7 +24,7 @@ from duality.config import Settings
 from duality.errors import UsageError
 
 if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
+    from pyspark.sql import DataFrame, SparkSession
 
 # Every jar the Spark sessions need must be in the cache; these name the essential ones.
 REQUIRED_JARS = ("spark-sql-kafka-0-10_2.13-", "delta-spark_4.1_2.13-", "kafka-clients-")
@@ -35,6 +35,12 @@ _ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBState
 _LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 # Zips of sources older than this, not used by a session since, are deleted when a new one is made.
 _PACKAGE_ZIP_KEEP_S = 7 * 24 * 3600.0
+# The classes a driver JVM loads, archived for class-data sharing by `make setup` (`python -m
+# duality.spark`, decision 31): a driver maps them at start instead of reading, verifying and
+# linking each from its jar, about half of a session start's CPU. A JVM that cannot use the
+# archive (another JDK, jars changed since) starts as it would without it.
+CLASS_ARCHIVE = Path(sys.prefix) / "share" / "duality" / "spark-driver.jsa"
+_QUIET_CDS = "-Xlog:cds=off -Xlog:cds+dynamic=off"
 
 
 def spark_jars(settings: Settings) -> list[Path]:
@@ -224,7 +230,10 @@ def scratch_config(folder: Path) -> dict[str, str]:
     """The driver JVM's temporary files (the native libraries it unpacks at start) and Spark's
     shuffle and spill files (`spark.local.dir` defaults to `java.io.tmpdir`) in `folder`."""
     folder.mkdir(parents=True, exist_ok=True)
-    return {"spark.driver.extraJavaOptions": f"-Djava.io.tmpdir={folder}"}
+    options = f"-Djava.io.tmpdir={folder}"
+    if CLASS_ARCHIVE.is_file():
+        options += f" -XX:SharedArchiveFile={CLASS_ARCHIVE} {_QUIET_CDS}"
+    return {"spark.driver.extraJavaOptions": options}
 
 
 def scratch_folder(settings: Settings) -> Path:
@@ -290,3 +299,62 @@ def _with_stdout_to_stderr(start: Callable[[], T]) -> T:
     finally:
         os.dup2(saved, 1)
         os.close(saved)
+
+
+def write_class_archive(archive: Path = CLASS_ARCHIVE) -> None:
+    """Run a driver through what duality's drivers do (SQL, a shuffle, Delta writes, a MERGE and
+    reads, a stateful streaming query on RocksDB) and archive the classes it loaded when its JVM
+    exits. In a process of its own: the JVM writes the archive as it ends."""
+    from pyspark.sql import functions as F
+
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    partial = archive.with_name(f".{archive.name}.{os.getpid()}")
+    root = Path(tempfile.mkdtemp(prefix="duality-class-archive-"))
+    settings = Settings.from_env().replace(
+        local_dir=root / "local", warehouse=root / "warehouse", spark_master="local[2]"
+    )
+    folder = scratch_folder(settings)
+    options = f"-Djava.io.tmpdir={folder} -XX:ArchiveClassesAtExit={partial} {_QUIET_CDS}"
+    spark = session(settings, "duality-class-archive", {"spark.driver.extraJavaOptions": options})
+    try:
+        table = str(root / "table")
+        rows = spark.range(1000).select((F.col("id") % 10).alias("k"), F.col("id").alias("v"))
+        rows.groupBy("k").agg(F.sum("v").alias("v")).write.format("delta").save(table)
+        from delta.tables import DeltaTable
+
+        target = DeltaTable.forPath(spark, table).alias("t")
+        target.merge(rows.limit(5).alias("s"), "t.k = s.k").whenMatchedUpdateAll().execute()
+        spark.read.format("delta").load(table).orderBy("k").collect()
+        rows.write.parquet(str(root / "source"))
+        stream = (
+            spark.readStream.schema(rows.schema)
+            .parquet(str(root / "source"))
+            .groupBy("k")
+            .agg(F.count("v"))
+            .writeStream.outputMode("update")
+            .foreachBatch(_collect)
+            .option("checkpointLocation", str(root / "checkpoint"))
+            .trigger(availableNow=True)
+            .start()
+        )
+        stream.awaitTermination()
+    finally:
+        spark.stop()
+        gateway = spark.sparkContext._gateway
+        jvm = getattr(gateway, "proc", None) if gateway is not None else None
+        if jvm is not None:  # the JVM writes the archive as it exits: once its input closes
+            jvm.stdin.close()
+            jvm.wait(timeout=300)
+        shutil.rmtree(root, ignore_errors=True)
+    if not partial.is_file():
+        raise UsageError(f"the JVM wrote no class archive at {partial}")
+    partial.replace(archive)
+
+
+def _collect(frame: DataFrame, _batch: int) -> None:
+    frame.collect()
+
+
+if __name__ == "__main__":
+    write_class_archive()
+    print(f"wrote {CLASS_ARCHIVE}")

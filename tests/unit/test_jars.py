@@ -12,7 +12,7 @@ import pytest
 
 from duality.config import Settings
 from duality.errors import UsageError
-from duality.spark import scratch_folder, session_config, spark_jars
+from duality.spark import scratch_config, scratch_folder, session_config, spark_jars
 from tests.harness import ended_pid
 from tests.unit.test_compose import NS, _pom
 from tests.unit.test_compose import _lock_pins as _lock
@@ -61,6 +61,22 @@ def test_session_config_uses_local_jars_delta_and_rocksdb():
     assert config["spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled"] == "true"
     # More than a MERGE generates, so a warm snapshot run compiles none (decision 20).
     assert int(config["spark.sql.codegen.cache.maxEntries"]) >= 1_000
+
+
+def test_a_driver_maps_the_class_archive_when_setup_wrote_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    from duality import spark
+
+    archive = tmp_path / "spark-driver.jsa"
+    monkeypatch.setattr(spark, "CLASS_ARCHIVE", archive)
+    options = scratch_config(tmp_path / "jvm")["spark.driver.extraJavaOptions"].split()
+    assert options == [f"-Djava.io.tmpdir={tmp_path / 'jvm'}"]  # none yet: a plain start
+    archive.write_bytes(b"")
+    options = scratch_config(tmp_path / "jvm")["spark.driver.extraJavaOptions"].split()
+    assert f"-XX:SharedArchiveFile={archive}" in options
+    # An archive this JVM cannot use (another JDK, changed jars) is passed over in silence.
+    assert {"-Xlog:cds=off", "-Xlog:cds+dynamic=off"} <= set(options)
 
 
 def test_a_cluster_session_ships_duality_as_a_zip(tmp_path: Path):

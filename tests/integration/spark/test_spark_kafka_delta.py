@@ -138,3 +138,15 @@ def test_python_and_spark_agree_on_partitions(settings: Settings, spark: SparkSe
     assert len(by_python) == len(by_spark) == 200
     assert by_python == by_spark
     assert len(set(by_python.values())) == 7  # the keys spread over every partition
+
+
+def test_the_driver_jvm_maps_the_class_archive(spark: SparkSession):
+    """`make setup` archived a driver's classes for this installation, and duality's session
+    starts its JVM on them: the archive is mapped into the driver's memory (a JVM that rejects
+    an archive, for another JDK or changed jars, does not map it)."""
+    from duality.spark import CLASS_ARCHIVE
+
+    assert CLASS_ARCHIVE.is_file(), "no class archive: `make setup` writes it"
+    jvm = spark.sparkContext._gateway.proc  # type: ignore[union-attr]
+    maps = Path(f"/proc/{jvm.pid}/maps").read_text()
+    assert str(CLASS_ARCHIVE) in maps

@@ -26,7 +26,7 @@ from tests.harness import (
 )
 from tests.integration.spark.test_stream import _verify
 
-EVENTS, LOAD_EVENTS, KEYS = 3_000, 10_000, 200
+EVENTS, LOAD_EVENTS, SECOND_LOAD_EVENTS, KEYS = 3_000, 10_000, 2_000, 200
 
 
 def _beats(settings: Settings, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -44,11 +44,20 @@ def test_a_warm_standby_takes_over_from_a_killed_driver(settings: Settings, tmp_
     workload.produce(settings, spec, events=EVENTS, keys=KEYS, bad_fraction=0.05, seed=71)
     options = ("--max-offsets-per-trigger", "1000", "--trigger-seconds", "0.5")
     extra: subprocess.Popen[bytes] | None = None
-    load = threading.Thread(
-        target=workload.produce,
-        args=(settings, spec),
-        kwargs={"events": LOAD_EVENTS, "keys": KEYS, "bad_fraction": 0.05, "rate": 200, "seed": 72},
-    )
+    loads = [
+        threading.Thread(
+            target=workload.produce,
+            args=(settings, spec),
+            kwargs={
+                "events": n,
+                "keys": KEYS,
+                "bad_fraction": 0.05,
+                "rate": 200,
+                "seed": seed,
+            },
+        )
+        for n, seed in ((LOAD_EVENTS, 72), (SECOND_LOAD_EVENTS, 73))
+    ]
     try:
         first = duality_json(scoped, "stream", "start", name, *options)
         assert first["heartbeat"]["state"] == "running"
@@ -82,7 +91,7 @@ def test_a_warm_standby_takes_over_from_a_killed_driver(settings: Settings, tmp_
         assert _beats(settings, name)[0]["pid"] == active["pid"]
         assert "taking over" not in (tmp_path / "extra.log").read_text()
 
-        load.start()
+        loads[0].start()
         assert_eventually(
             lambda: (
                 sum(
@@ -112,14 +121,18 @@ def test_a_warm_standby_takes_over_from_a_killed_driver(settings: Settings, tmp_
         # and so its local executors): the new standby takes over; no supervisor of that slot
         # is left to start another.
         replacement = _beats(settings, name)[1]["pid"]
+        # Under load again: on a busy machine the first load may have ended by now, and with no
+        # new record there would be no transaction to see.
+        loads[1].start()
         os.killpg(os.getpgid(taken["pid"]), signal.SIGKILL)
         killed = time.monotonic()
         failover = first_commit_after(settings, spec.changelog_topic, killed)
         print(f"failover after a process group's kill: first commit {failover:.1f} s after it")
         assert _beats(settings, name)[0]["pid"] == replacement, "the new standby did not take over"
-        load.join(timeout=120)
-        assert not load.is_alive()
-        produced = EVENTS + LOAD_EVENTS
+        for load in loads:
+            load.join(timeout=120)
+            assert not load.is_alive()
+        produced = EVENTS + LOAD_EVENTS + SECOND_LOAD_EVENTS
         assert_eventually(
             lambda: sum(
                 o
