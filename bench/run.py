@@ -166,6 +166,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the larger state of state-scale (and failover) has this many times --keys "
         "(default %(default)s)",
     )
+    parser.add_argument(
+        "--failover",
+        choices=("both", "larger"),
+        default="both",
+        help="measure failover at both states of state-scale (default), or at the larger only "
+        "(the test suite's short run)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.snapshot_keys is None:
@@ -235,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             latency_seconds=args.latency_seconds,
             trigger_seconds=args.trigger_seconds,
             state_scale_factor=args.state_scale_factor,
+            failover_at_both=args.failover == "both",
         )
         by_name = {f.scenario: f for f in [*figures, *streams]}
         cold, warm = by_name["stream-throughput"], by_name["stream-throughput-warm"]
@@ -278,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             "latency_seconds": args.latency_seconds,
             "trigger_seconds": args.trigger_seconds,
             "state_scale_factor": args.state_scale_factor,
+            "failover": args.failover,
         },
         "baselines": ["kafka-consumer-perf", "python-copy", "spark-aggregation"],
         "scenarios": [figure.as_dict() for figure in figures],

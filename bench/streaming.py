@@ -191,8 +191,9 @@ class Point:
     restart_peak_rss_mb: float = 0.0
     # The active driver SIGKILLed under a trickle of events: seconds until the next changelog
     # transaction commits, with a warm standby and without one (its supervisor's new driver).
-    failover_standby_seconds: float = 0.0
-    failover_cold_seconds: float = 0.0
+    # None: not measured at this point (`--failover larger`).
+    failover_standby_seconds: float | None = None
+    failover_cold_seconds: float | None = None
     # A second backlog given to the running stream at once (stream-throughput-warm), if any.
     warm_events: int = 0
     warm_seconds: float = 0.0
@@ -214,9 +215,22 @@ class Point:
             "restart_seconds": round(self.restart_seconds, 3),
             "restart_events": self.restart_events,
             "restart_peak_rss_mb": round(self.restart_peak_rss_mb, 1),
-            "failover_standby_seconds": round(self.failover_standby_seconds, 3),
-            "failover_cold_seconds": round(self.failover_cold_seconds, 3),
+            "failover_standby_seconds": _rounded(self.failover_standby_seconds),
+            "failover_cold_seconds": _rounded(self.failover_cold_seconds),
         }
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 3)
+
+
+def _failover_notes(point: Point) -> str:
+    if point.failover_standby_seconds is None or point.failover_cold_seconds is None:
+        return "failover not measured"
+    return (
+        f"failover {point.failover_standby_seconds:.1f} s with a standby, "
+        f"{point.failover_cold_seconds:.1f} s without"
+    )
 
 
 @dataclass
@@ -232,8 +246,7 @@ class StateScaleFigure(StreamFigure):
                 Figure(f"state-scale ({p.keys:,} keys)", p.events, p.seconds, p.megabytes),
                 f"peak RSS {p.peak_rss_mb:,.0f} MB, {p.covered_rss_mb:,.0f} MB when covered; "
                 f"restart {p.restart_seconds:.1f} s, peak {p.restart_peak_rss_mb:,.0f} MB; "
-                f"failover {p.failover_standby_seconds:.1f} s with a standby, "
-                f"{p.failover_cold_seconds:.1f} s without",
+                + _failover_notes(p),
             )
             for p in self.points
         ]
@@ -655,10 +668,12 @@ def restart(
     spec: PipelineSpec,
     events: Iterable[tuple[bytes, bytes]],
     label: str,
+    with_failover: bool = True,
 ) -> None:
     """With the stream stopped and its checkpoint intact: produce `events`, start the stream and
     time from the process start until its committed offsets cover them. Its memory is sampled
-    too: with the state loaded and small batches, it tells the state's share from the batches'."""
+    too: with the state loaded and small batches, it tells the state's share from the batches'.
+    Then, unless `with_failover` is false, the failovers."""
     settings = bench.settings
     count = produce(settings, spec.source.topic, events)
     ends = kafka.end_offsets(settings, spec.source.topic)
@@ -679,7 +694,8 @@ def restart(
             point.restart_seconds = time.perf_counter() - stream.started
             memory.sample()
             memory.close()
-            failover(bench, point, spec, label, stream)
+            if with_failover:
+                failover(bench, point, spec, label, stream)
             stream.stop()
     finally:
         if memory is not None:
@@ -759,10 +775,12 @@ def state_scale_point(
     new_events: Iterable[tuple[bytes, bytes]],
     distinct_keys: int | None = None,
     warm_events: Iterable[tuple[bytes, bytes]] | None = None,
+    with_failover: bool = True,
 ) -> Point:
     label = f"stream over {keys:,} keys"
     point = consume_backlog(bench, spec, keys, megabytes, label, distinct_keys, warm_events)
-    restart(bench, point, spec, new_events, label)  # and failover, from the restarted stream
+    # And failover, from the restarted stream.
+    restart(bench, point, spec, new_events, label, with_failover)
     parts = ", ".join(f"{name} {mb:,.0f}" for name, mb in point.peak_rss_parts.items())
     bench.progress.console.print(
         f"{label}: {point.events:,} records in {point.seconds:.1f}s, peak RSS "
@@ -801,6 +819,7 @@ def state_scale_figure(small: Point, large: Point) -> StateScaleFigure:
                     p.failover_standby_seconds <= FAILOVER_TARGET_S,
                 )
                 for p in (small, large)
+                if p.failover_standby_seconds is not None
             ),
             target(
                 f"peak rss growth <= {RSS_GROWTH_TARGET_MB:g} MB",
@@ -1221,10 +1240,12 @@ def stream_scenarios(
     latency_seconds: float,
     trigger_seconds: float,
     state_scale_factor: int = STATE_SCALE_FACTOR,
+    failover_at_both: bool = True,
 ) -> list[Figure]:
     """Every stream scenario, in order: throughput (which is also state-scale's smaller state),
     the larger state, restore versus recompute, latency. `distinct_keys`: of the backlog's
-    `keys`, how many occur (random draws may miss a few)."""
+    `keys`, how many occur (random draws may miss a few). `failover_at_both`: failovers at both
+    states, or at the larger one only."""
     settings, progress = bench.settings, bench.progress
 
     spec = bench_spec(f"bench_sales_{bench.stamp}", source, bench.pipelines)
@@ -1239,6 +1260,7 @@ def stream_scenarios(
         order_events(RESTART_EVENTS, keys, seed=13),
         distinct_keys,
         warm_events=order_events(records, keys, seed=15),
+        with_failover=failover_at_both,
     )
     throughput = StreamFigure(
         "stream-throughput",

@@ -108,11 +108,16 @@ class LocalBatchServer:
         (self.root / "log4j2.properties").write_text(_LOGGING)
         command = [sys.executable, "-m", "duality.cli", "batch-server"]
         command += ["--host", "127.0.0.1", "--port", str(port)]
+        # Its log4j2.properties, named to its driver's JVM, and pyspark's own configuration
+        # folder, nothing of the caller's: the driver's class path is then the one its class
+        # archive was made with (decision 31), which a folder of its own would not be.
+        logging = f"-Dlog4j2.configurationFile={self.root / 'log4j2.properties'}"
         environment = {
             **os.environ,
             **self.settings.as_env(),
-            "SPARK_CONF_DIR": str(self.root),  # its log4j2.properties, nothing of the caller's
+            "SPARK_SUBMIT_OPTS": f"{os.environ.get('SPARK_SUBMIT_OPTS', '')} {logging}".strip(),
         }
+        environment.pop("SPARK_CONF_DIR", None)
         environment.pop(f"{PREFIX}BATCH_SERVER", None)
         process = start_daemon(command, self.log, self.pid_file, cwd=self.root, env=environment)
         wait_started(

@@ -44,7 +44,7 @@ SCENARIOS = {
 }
 
 
-# The whole small run: about 35 process starts (streams, failovers, commands, a batch server and
+# The whole small run: about 30 process starts (streams, failovers, commands, a batch server and
 # Airflow), some 10 minutes here beside the other worker's tests: more than the suite's default.
 @pytest.mark.timeout(1500)
 def test_bench_writes_its_figures_and_every_event_is_seen_once(settings: Settings, tmp_path: Path):
@@ -52,6 +52,7 @@ def test_bench_writes_its_figures_and_every_event_is_seen_once(settings: Setting
         [
             *_bench_command(records=RECORDS, keys=KEYS, out=tmp_path),
             *("--latency-rate", str(LATENCY_RATE), "--latency-seconds", str(LATENCY_SECONDS)),
+            *("--failover", "larger"),  # the two failovers once, not at both states
         ],
         env={**os.environ, "DUALITY_BOOTSTRAP_SERVERS": settings.bootstrap_servers},
         stdout=subprocess.PIPE,
@@ -109,6 +110,15 @@ def _check_streams(figures: dict[str, dict[str, Any]]) -> None:
         assert point["state_rows"] >= point["distinct_keys"] == point["keys"]
         assert 0 < point["covered_rss_mb"] <= point["peak_rss_mb"]
         assert point["restart_seconds"] > 0 and point["restart_events"] == 1000
+    # Failover at the larger state only (`--failover larger`): a kill to the next commit, with
+    # the warm standby and with the supervisor's new driver; its target names that state.
+    assert small["failover_standby_seconds"] is small["failover_cold_seconds"] is None
+    assert large["failover_standby_seconds"] > 0 and large["failover_cold_seconds"] > 0
+    failover = [t for t in scale["targets"] if t["target"].startswith("failover")]
+    assert [t["target"] for t in failover] == [
+        f"failover with a warm standby at {20 * KEYS:,} keys <= 10 s"
+    ]
+    assert failover[0]["value"] == large["failover_standby_seconds"]
 
     # Both timed from a process start (a Python and a JVM start each), one event per key.
     restore, recompute = figures["restore-from-changelog"], figures["recompute-from-source"]
