@@ -226,13 +226,16 @@ def session(
     return spark
 
 
-def scratch_config(folder: Path) -> dict[str, str]:
+def scratch_config(folder: Path, sharing: str | None = None) -> dict[str, str]:
     """The driver JVM's temporary files (the native libraries it unpacks at start) and Spark's
-    shuffle and spill files (`spark.local.dir` defaults to `java.io.tmpdir`) in `folder`."""
+    shuffle and spill files (`spark.local.dir` defaults to `java.io.tmpdir`) in `folder`; its
+    class-data sharing option: `sharing`, or the class archive when setup wrote one."""
     folder.mkdir(parents=True, exist_ok=True)
+    if sharing is None and CLASS_ARCHIVE.is_file():
+        sharing = f"-XX:SharedArchiveFile={CLASS_ARCHIVE}"
     options = f"-Djava.io.tmpdir={folder}"
-    if CLASS_ARCHIVE.is_file():
-        options += f" -XX:SharedArchiveFile={CLASS_ARCHIVE} {_QUIET_CDS}"
+    if sharing is not None:
+        options += f" {sharing} {_QUIET_CDS}"
     return {"spark.driver.extraJavaOptions": options}
 
 
@@ -313,9 +316,8 @@ def write_class_archive(archive: Path = CLASS_ARCHIVE) -> None:
     settings = Settings.from_env().replace(
         local_dir=root / "local", warehouse=root / "warehouse", spark_master="local[2]"
     )
-    folder = scratch_folder(settings)
-    options = f"-Djava.io.tmpdir={folder} -XX:ArchiveClassesAtExit={partial} {_QUIET_CDS}"
-    spark = session(settings, "duality-class-archive", {"spark.driver.extraJavaOptions": options})
+    dumping = scratch_config(scratch_folder(settings), f"-XX:ArchiveClassesAtExit={partial}")
+    spark = session(settings, "duality-class-archive", dumping)
     try:
         table = str(root / "table")
         rows = spark.range(1000).select((F.col("id") % 10).alias("k"), F.col("id").alias("v"))

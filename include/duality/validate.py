@@ -434,9 +434,9 @@ def _run_ge(
                     "base_directory": str(site),
                 },
                 "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
-                # The validation pages only: each shows every expectation with its result, and the
-                # suites' own pages (the same expectations without results) took as long to render
-                # again as the validation itself on a million rows (docs/benchmarks.md).
+                # The validation pages only: each shows every expectation with its result; the
+                # suites' own pages (the same expectations without results) were a third of the
+                # rendering's CPU (docs/benchmarks.md).
                 "site_section_builders": {"expectations": "0", "profiling": "0"},
             },
         ),
