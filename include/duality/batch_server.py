@@ -18,6 +18,7 @@ import ctypes
 import io
 import json
 import logging
+import os
 import socket
 import socketserver
 import sys
@@ -44,7 +45,9 @@ _STEP = threading.local()  # on a step's thread: `sink`, where its output goes
 # The pool every job goes to, fair between jobs (Spark's default pool is first in, first out).
 _FAIR_POOL = """<?xml version="1.0"?>
 <allocations>
-  <pool name="default"><schedulingMode>FAIR</schedulingMode><weight>1</weight></pool>
+  <pool name="default">
+    <schedulingMode>FAIR</schedulingMode><weight>1</weight><minShare>0</minShare>
+  </pool>
 </allocations>
 """
 
@@ -264,6 +267,11 @@ def serve(settings: Settings, host: str, port: int, command: Command) -> int:
     # Steps of different pipelines run side by side: their jobs share the executors fairly.
     pools = scratch_folder(settings) / "fairscheduler.xml"
     pools.write_text(_FAIR_POOL)
+    # The driver's heap at its full size from the start: a JVM that shrinks its heap between
+    # steps grows it again, collection after collection, while a large step caches its table
+    # (the first validation of 1,000,000 rows took about 1 s longer, docs/benchmarks.md).
+    heap = f"-Xms{settings.spark_driver_memory}"
+    os.environ["SPARK_SUBMIT_OPTS"] = f"{os.environ.get('SPARK_SUBMIT_OPTS', '')} {heap}".strip()
     spark = session(
         settings,
         "duality-batch-server",

@@ -1,6 +1,7 @@
 """A small change committed by duality itself, as Delta's PROTOCOL.md defines the commit: the
 changed keys' rows marked deleted in deletion vectors, their new rows appended in one Parquet
-file, one JSON commit created only if absent (decision 30).
+file, one JSON commit created only if absent (decision 30); and a commit that only sets table
+properties (a validation's verdict, a publication).
 
 Delta's own statements must scan every touched file two or three times to find the rows a few
 keys hit; here the key columns are read once with Arrow, without Spark. A table whose protocol
@@ -161,6 +162,30 @@ def write(
             file.unlink(missing_ok=True)
         return None
     return Written(version, inserted, updated, deleted)
+
+
+def set_properties(
+    root: Path, state: TableState, properties: dict[str, str], metadata: dict[str, Any]
+) -> int | None:
+    """Version `state.version + 1`: a commit that only sets table properties (what Delta's SET
+    TBLPROPERTIES commits: the whole `metaData` again, its configuration updated), with
+    `metadata` as its userMetadata. None when another writer committed that version first."""
+    version = state.version + 1
+    configuration = {**(state.metadata.get("configuration") or {}), **properties}
+    info = {
+        "timestamp": int(time.time() * 1000),
+        "operation": "SET TBLPROPERTIES",
+        "operationParameters": {"properties": json.dumps(properties)},
+        "readVersion": state.version,
+        "isolationLevel": "Serializable",
+        "isBlindAppend": True,
+        "userMetadata": user_metadata(metadata),
+        "engineInfo": "duality",
+        "txnId": str(uuid.uuid4()),
+    }
+    meta = {**state.metadata, "configuration": configuration}
+    actions = [{"commitInfo": info}, {"metaData": meta}]
+    return version if _create(root / "_delta_log", version, actions) else None
 
 
 def _rows_of(file: Path, changed: pa.Table, key_columns: list[str]) -> tuple[pa.Table, int]:

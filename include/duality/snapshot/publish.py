@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from duality.config import Settings
 from duality.errors import CheckFailed
-from duality.snapshot import delta_log
+from duality.snapshot import delta_log, dv_commit
 from duality.snapshot.coverage import Coverage
 from duality.spark import session
 from duality.spec import PipelineSpec
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 PUBLISHED_VERSION = "duality.published.version"
 PUBLISHED_COVERAGE = "duality.published.coverage"
 VALIDATION = "duality.validation"  # the latest verdict, for people reading the properties
+_COMMIT_ATTEMPTS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +184,16 @@ def _metadata_commit(
     spark: SparkSession, path: Path, properties: dict[str, str], metadata: dict[str, Any]
 ) -> int:
     """One commit that sets table properties (no data change) with `metadata` as its
-    userMetadata; returns its version."""
+    userMetadata; returns its version. Written by duality from the log (decision 30) when its
+    writer can write the table, which a Spark statement's transaction makes cost a Spark job;
+    by Delta's ALTER TABLE otherwise."""
+    for _ in range(_COMMIT_ATTEMPTS):  # another writer may take the next version first
+        state = delta_log.table_state(path, delta_log.history(path)[0].version)
+        if state is None or dv_commit.blocker(state) is not None:
+            break
+        version = dv_commit.set_properties(path, state, properties, metadata)
+        if version is not None:
+            return version
 
     def literal(text: str) -> str:
         return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"

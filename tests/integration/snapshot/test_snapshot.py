@@ -239,11 +239,21 @@ def test_failed_validation_keeps_the_published_version(spark, pipeline) -> None:
     assert report.success and report.published and report.published_version == first.version
     assert Path(report.data_docs).is_file() and Path(report.json_report).is_file()
     good = _truth(settings, spec)
+    # duality wrote the verdict and the publication as one commit of its own (decision 30):
+    # Delta in Spark and a second engine read the properties it set.
+    from deltalake import DeltaTable
+
+    path = spec.snapshot_path(settings)
+    commit = path / "_delta_log" / f"{report.validation_commit:020d}.json"
+    assert json.loads(commit.read_text().splitlines()[0])["commitInfo"]["engineInfo"] == "duality"
+    configuration = DeltaTable(str(path)).metadata().configuration
+    detail = spark.sql(f"DESCRIBE DETAIL {delta_log.sql_name(path)}").first()["properties"]
+    for properties in (configuration, detail):
+        assert properties[publish.PUBLISHED_VERSION] == str(first.version)
 
     # A new version with a bad row: a duplicate key with a negative count.
     _write(settings, spec, _history(rng, range(200, 220)))
     second = build.build(settings, spec, spark=spark)
-    path = spec.snapshot_path(settings)
     bad = delta_log.load(spark, path, second.version).where("product = 'p0003'")
     columns = [
         "CAST(-5 AS BIGINT) AS orders" if c == "orders" else f"`{c}`" for c in spec.snapshot_columns
