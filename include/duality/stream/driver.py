@@ -156,11 +156,6 @@ class StreamDriver:
             "spark.sql.shuffle.partitions": str(self.partitions),
             # One global watermark for late rows and eviction: the one Spark records per batch.
             "spark.sql.streaming.statefulOperator.allowMultiple": "false",
-            # A snapshot of the state every 5 micro-batches, uploaded within 10 s (Spark: 10
-            # and 60 s): a driver taking over replays fewer changelog files of the state
-            # (a standby's takeover at 100,000 keys, docs/benchmarks.md).
-            "spark.sql.streaming.stateStore.minDeltasForSnapshot": "5",
-            "spark.sql.streaming.stateStore.maintenanceInterval": "10s",
         }
         if settings.metrics_port >= 0 and settings.prometheus_url is not None:
             # Spark's own metrics need the driver's UI, which costs a stream CPU: only where a
