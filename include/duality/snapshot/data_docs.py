@@ -14,7 +14,15 @@ from typing import Any
 from great_expectations.render.view import DefaultJinjaIndexPageView, DefaultJinjaPageView
 from jinja2 import FileSystemBytecodeCache
 
-_COMPILED = FileSystemBytecodeCache()
+
+def _cache() -> FileSystemBytecodeCache | None:
+    try:
+        return FileSystemBytecodeCache()
+    except (RuntimeError, OSError):  # no private folder of this user's in the temporary folder
+        return None
+
+
+_COMPILED = _cache()
 
 
 class PageView(DefaultJinjaPageView):
