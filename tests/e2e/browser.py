@@ -13,6 +13,7 @@ from typing import TypeVar
 
 import pytest
 from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
@@ -130,12 +131,24 @@ class Browser:
                 f"\n  screenshot: {png}\n  page source: {html}"
             ) from error
 
+    def _typed(self, name: str, text: str) -> bool:
+        try:
+            field = self.visible(By.NAME, name)
+            if field.get_attribute("value") != text:
+                field.clear()
+                field.send_keys(text)
+            return field.get_attribute("value") == text
+        except StaleElementReferenceException:  # rendered again meanwhile: the next poll types
+            return False
+
     def log_in(self, user: str, password: str, path: str = "/") -> None:
         """Open `path`, which sends a visitor without a login to Airflow's login page, and log
         in there; Airflow then shows `path`."""
         self.open(path)
         self.wait(lambda d: "/auth/login" in d.current_url)
-        self.visible(By.NAME, "username").send_keys(user)
-        self.visible(By.NAME, "password").send_keys(password)
+        # The login page may render its form again after it shows (it then comes back empty,
+        # with Sign in disabled): type until each field holds its text.
+        for name, text in (("username", user), ("password", password)):
+            self.wait(lambda d, name=name, text=text: self._typed(name, text))
         self.click(By.XPATH, "//button[@type='submit' and normalize-space()='Sign in']")
         self.wait(lambda d: "/auth/login" not in d.current_url)
