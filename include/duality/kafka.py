@@ -23,7 +23,14 @@ from confluent_kafka import (
     TopicCollection,
     TopicPartition,
 )
-from confluent_kafka.admin import AdminClient, ConfigResource, ConfigSource, NewTopic
+from confluent_kafka.admin import (
+    AdminClient,
+    AlterConfigOpType,
+    ConfigEntry,
+    ConfigResource,
+    ConfigSource,
+    NewTopic,
+)
 
 from duality.config import Settings
 from duality.errors import BrokerUnavailable, DualityError, TopicMissing, UsageError
@@ -612,6 +619,19 @@ def topic_overrides(settings: Settings, name: str) -> dict[str, str]:
         for key, entry in _configs(settings, name).items()
         if _source(entry) == ConfigSource.DYNAMIC_TOPIC_CONFIG.value and entry.value is not None
     }
+
+
+def set_topic_config(settings: Settings, name: str, config: Mapping[str, str]) -> None:
+    """Set `config` on an existing topic (only those keys; the others stay as they are)."""
+    entries = [
+        ConfigEntry(key, value, incremental_operation=AlterConfigOpType.SET)
+        for key, value in config.items()
+    ]
+    resource = ConfigResource(ConfigResource.Type.TOPIC, name, incremental_configs=entries)
+    futures = admin(settings).incremental_alter_configs(
+        [resource], request_timeout=settings.connect_timeout_s
+    )
+    _result(futures[resource], settings, f"set the configs of topic {name!r}")
 
 
 def max_message_bytes(settings: Settings, topic: str) -> int:

@@ -24,17 +24,14 @@ from duality.stream.health import STALL_AFTER_S
 # The page answers within a few seconds when Kafka is down: it waits this long for a broker.
 KAFKA_TIMEOUT_S = 2.0
 PROMETHEUS_TIMEOUT_S = 3.0
-WINDOW_S = 3600.0  # the charts' span
+WINDOW_S = float(heartbeat.HISTORY_S)  # the charts' span: the heartbeats kept whole
 _STEP_S = 30.0  # Prometheus' resolution over that span: 120 points
 # PromQL of the two charted series, per pipeline (the streams' metrics, duality.metrics).
 RATE_QUERY = "sum by (pipeline) (rate(duality_records_read_total[1m]))"
 LAG_QUERY = "sum by (pipeline) (duality_consumer_lag_records)"
 
 HistorySource = Literal["prometheus", "heartbeats", "none"]
-_FROM_HEARTBEATS = (
-    "from the heartbeats on _duality-status: a compacted topic, so only the records its cleaner "
-    "has not reached yet are left; gaps are not idleness"
-)
+_FROM_HEARTBEATS = "from the heartbeats on _duality-status, which keeps the last hour of them whole"
 _NO_HISTORY = "no history: Kafka does not answer"
 
 

@@ -255,7 +255,7 @@ def test_history_from_the_heartbeats(settings, specs):
         _beat(last_progress_ms=int((NOW - 60) * 1000), input_rows_per_second=20.0),
     ]
     found = overview.overview(settings, _sources(history={running.name: beats}))
-    assert found.history_source == "heartbeats" and "compacted" in found.history_note
+    assert found.history_source == "heartbeats" and "last hour" in found.history_note
     row = _row(found, running)
     assert row.rate == [Point(NOW - 600, 100.0), Point(NOW - 300, 0.0), Point(NOW - 60, 20.0)]
     # 15 records in the batch, 35 past its end: 50 waited when it was planned.

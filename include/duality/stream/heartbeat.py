@@ -17,10 +17,18 @@ from duality.config import Settings
 log = logging.getLogger("duality.stream")
 
 STATUS_TOPIC = "_duality-status"
+# The last hour of heartbeats stays whole (the pipelines page charts it); the cleaner compacts
+# older ones to each pipeline's latest.
+HISTORY_S = 3600
+_KEPT = {"min.compaction.lag.ms": str(HISTORY_S * 1000)}
 
 
 def ensure_topic(settings: Settings) -> None:
-    kafka.create_topic(settings, STATUS_TOPIC, 1, config=kafka.FAST_COMPACTION, exist_ok=True)
+    """Create the topic, or give one created before the hour was kept that setting."""
+    config = {**kafka.FAST_COMPACTION, **_KEPT}
+    created = kafka.create_topic(settings, STATUS_TOPIC, 1, config=config, exist_ok=True)
+    if not created and _KEPT.items() - kafka.topic_overrides(settings, STATUS_TOPIC).items():
+        kafka.set_topic_config(settings, STATUS_TOPIC, _KEPT)
 
 
 class Heartbeat:
@@ -81,9 +89,8 @@ def latest(settings: Settings) -> dict[str, dict[str, Any]]:
 
 
 def history(settings: Settings, since_ms: int) -> dict[str, list[dict[str, Any]]]:
-    """Every pipeline's heartbeats written since `since_ms` (epoch ms), oldest first. The topic
-    is compacted: besides each pipeline's latest, only the records its cleaner has not reached
-    yet are left."""
+    """Every pipeline's heartbeats written since `since_ms` (epoch ms), oldest first: all of
+    the last `HISTORY_S`; of older ones, only those the topic's cleaner has not compacted yet."""
     if not kafka.topic_exists(settings, STATUS_TOPIC):
         return {}
     beats: dict[str, list[dict[str, Any]]] = {}

@@ -1,9 +1,11 @@
-"""The dev broker compacts within seconds: a compacted topic keeps the latest value per key."""
+"""The dev broker compacts within seconds: a compacted topic keeps the latest value per key;
+the status topic keeps its last hour whole."""
 
 from __future__ import annotations
 
 from duality import kafka
 from duality.config import Settings
+from duality.stream import heartbeat
 from tests.harness import assert_eventually, read_topic
 
 
@@ -43,3 +45,16 @@ def test_compacted_topic_keeps_latest_value_per_key(settings: Settings, topic: s
     assert latest.pop("k0", None) is None  # the tombstone or nothing at all
     assert latest == {key: f"{key}=v4" for key in keys[1:]}
     assert counts.keys() - {"k0"} == set(keys[1:])
+
+
+def test_the_status_topic_keeps_the_last_hour_of_heartbeats(settings: Settings):
+    """Created or found without it, `_duality-status` gets the compaction lag that keeps the
+    pipelines page's hour of heartbeats whole."""
+    kept = {"min.compaction.lag.ms": str(heartbeat.HISTORY_S * 1000)}
+    heartbeat.ensure_topic(settings)
+    assert kafka.topic_overrides(settings, heartbeat.STATUS_TOPIC).items() >= kept.items()
+    # As a topic created by an earlier version was: compacted with no lag.
+    kafka.set_topic_config(settings, heartbeat.STATUS_TOPIC, {"min.compaction.lag.ms": "0"})
+    assert kafka.topic_overrides(settings, heartbeat.STATUS_TOPIC)["min.compaction.lag.ms"] == "0"
+    heartbeat.ensure_topic(settings)
+    assert kafka.topic_overrides(settings, heartbeat.STATUS_TOPIC).items() >= kept.items()
