@@ -36,6 +36,10 @@ $(PY_STAMP): requirements.lock pyproject.toml
 	@# Exactly the lock, less pyspark-client: the Spark provider's thin client would overwrite part
 	@# of pyspark's own package, which has all of its modules.
 	@grep -v '^pyspark-client==' requirements.lock > $(VENV)/requirements.txt
+	@# A venv set up before (with pip) has it: uninstalling it takes files of pyspark's along,
+	@# so pyspark goes too and the sync installs it whole.
+	@if $(UV) pip show --quiet --python $(PY) pyspark-client >/dev/null 2>&1; then \
+	  $(UV) pip uninstall --quiet --python $(PY) pyspark-client pyspark; fi
 	@$(UV) pip sync --quiet --python $(PY) $(VENV)/requirements.txt
 	@$(UV) pip install --quiet --python $(PY) --no-deps -e .
 	@# Importing Airflow logs at INFO to stdout, which shows about 200 import-time messages of
