@@ -53,6 +53,19 @@ FULL_RECORDS = 1_000_000
 LATENCY_RATE = 5_000.0
 LATENCY_SECONDS = 60.0
 TRIGGER_SECONDS = 0.5
+# Scenario groups beside the baselines, which always run (everything is compared with them).
+GROUPS = ("repartition", "streams", "snapshots", "commands")
+
+
+def scenario_groups(text: str) -> tuple[str, ...]:
+    """`--groups`: a comma-separated subset of GROUPS."""
+    chosen = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    unknown = [group for group in chosen if group not in GROUPS]
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: name groups among {', '.join(GROUPS)}, separated by commas"
+        )
+    return chosen
 
 
 @contextlib.contextmanager
@@ -173,6 +186,13 @@ def main(argv: list[str] | None = None) -> int:
         help="measure failover at both states of state-scale (default), or at the larger only "
         "(the test suite's short run)",
     )
+    parser.add_argument(
+        "--groups",
+        type=scenario_groups,
+        default=GROUPS,
+        help=f"the scenario groups to run, of {','.join(GROUPS)} (default all); the baselines "
+        "always run",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.snapshot_keys is None:
@@ -224,51 +244,58 @@ def main(argv: list[str] | None = None) -> int:
         figures.append(consumer_perf(scoped, source, args.records))
         figures.append(python_copy(scoped, source, copy, args.records, progress))
 
-        # Repartitioning reads the backlog as preloaded; the stream scenarios append to it.
-        progress.console.print("repartitioning the backlog, and a topic with a 30% key")
-        repartitioned = repartition_scenarios(
-            scoped, source, args.records, args.keys, megabytes, progress
-        )
-
-        bench = Bench(scoped, scratch / "pipelines", scratch / "logs", progress, stamp)
-        streams = stream_scenarios(
-            bench,
-            source,
-            args.records,
-            args.keys,
-            megabytes,
-            distinct_keys=distinct_keys,
-            latency_rate=args.latency_rate,
-            latency_seconds=args.latency_seconds,
-            trigger_seconds=args.trigger_seconds,
-            state_scale_factor=args.state_scale_factor,
-            failover_at_both=args.failover == "both",
-        )
-        by_name = {f.scenario: f for f in [*figures, *streams]}
-        cold, warm = by_name["stream-throughput"], by_name["stream-throughput-warm"]
-        assert isinstance(cold, StreamFigure) and isinstance(warm, StreamFigure)
-        set_throughput_target(cold, by_name["python-copy"], by_name["spark-aggregation"])
-        set_warm_ratio(warm, cold)
-        figures.extend(streams)
+        groups = args.groups
+        repartitioned: list[Figure] = []
+        if "repartition" in groups:
+            # Repartitioning reads the backlog as preloaded; the stream scenarios append to it.
+            progress.console.print("repartitioning the backlog, and a topic with a 30% key")
+            repartitioned = repartition_scenarios(
+                scoped, source, args.records, args.keys, megabytes, progress
+            )
+        if "streams" in groups:
+            bench = Bench(scoped, scratch / "pipelines", scratch / "logs", progress, stamp)
+            streams = stream_scenarios(
+                bench,
+                source,
+                args.records,
+                args.keys,
+                megabytes,
+                distinct_keys=distinct_keys,
+                latency_rate=args.latency_rate,
+                latency_seconds=args.latency_seconds,
+                trigger_seconds=args.trigger_seconds,
+                state_scale_factor=args.state_scale_factor,
+                failover_at_both=args.failover == "both",
+            )
+            by_name = {f.scenario: f for f in [*figures, *streams]}
+            cold, warm = by_name["stream-throughput"], by_name["stream-throughput-warm"]
+            assert isinstance(cold, StreamFigure) and isinstance(warm, StreamFigure)
+            set_throughput_target(cold, by_name["python-copy"], by_name["spark-aggregation"])
+            set_warm_ratio(warm, cold)
+            figures.extend(streams)
         figures.extend(repartitioned)
 
-        progress.console.print(
-            f"snapshots of {args.snapshot_keys:,} keys: full, then 1% changed, then nothing new"
-        )
         pipelines = scratch / "pipelines"
-        snapshots = bench_spec(f"bench_snapshot_{stamp}", source, pipelines)
-        figures.extend(snapshot_scenarios(scoped, snapshots, args.snapshot_keys, pipelines))
-        progress.console.print(
-            f"validating snapshots of {args.records:,} and {3 * args.records:,} rows"
-        )
-        checked = bench_spec(f"bench_validate_{stamp}", source)
-        figures.extend(validation_scenarios(scoped, checked, args.records))
-        progress.console.print(
-            f"the snapshot DAG's steps as whole commands, {args.snapshot_keys:,} keys: each "
-            "with a Spark of its own, then on a batch server"
-        )
-        say = progress.console.print
-        figures.extend(command_scenarios(scoped, source, args.snapshot_keys, pipelines, stamp, say))
+        if "snapshots" in groups:
+            progress.console.print(
+                f"snapshots of {args.snapshot_keys:,} keys: full, then 1% changed, then nothing new"
+            )
+            snapshots = bench_spec(f"bench_snapshot_{stamp}", source, pipelines)
+            figures.extend(snapshot_scenarios(scoped, snapshots, args.snapshot_keys, pipelines))
+            progress.console.print(
+                f"validating snapshots of {args.records:,} and {3 * args.records:,} rows"
+            )
+            checked = bench_spec(f"bench_validate_{stamp}", source)
+            figures.extend(validation_scenarios(scoped, checked, args.records))
+        if "commands" in groups:
+            progress.console.print(
+                f"the snapshot DAG's steps as whole commands, {args.snapshot_keys:,} keys: each "
+                "with a Spark of its own, then on a batch server"
+            )
+            say = progress.console.print
+            figures.extend(
+                command_scenarios(scoped, source, args.snapshot_keys, pipelines, stamp, say)
+            )
     document = {
         "started": started.isoformat(),
         "machine": {
@@ -287,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             "trigger_seconds": args.trigger_seconds,
             "state_scale_factor": args.state_scale_factor,
             "failover": args.failover,
+            "groups": list(args.groups),
         },
         "baselines": ["kafka-consumer-perf", "python-copy", "spark-aggregation"],
         "scenarios": [figure.as_dict() for figure in figures],

@@ -1,5 +1,7 @@
-"""A small benchmark run: every scenario in its JSON, every event seen once, the snapshot tables
-equal to the changelog; no timing thresholds (a benchmark reports, it does not fail)."""
+"""A small benchmark run: every scenario of its groups in its JSON, the snapshot tables equal to
+the changelog; no timing thresholds (a benchmark reports, it does not fail). The stream
+scenarios' group is left to `make bench` (docs/testing.md): about 20 process starts, half of
+this run's time and more CPU than the suite can spend on it."""
 
 from __future__ import annotations
 
@@ -20,18 +22,14 @@ from duality.config import Settings
 from tests.harness import ROOT, assert_eventually, java_processes
 
 RECORDS, KEYS = 2_000, 100
-LATENCY_RATE, LATENCY_SECONDS = 500, 2
+GROUPS = ["repartition", "snapshots", "commands"]
 COPIES = [  # the scenarios that read or copy every record once
-    *["kafka-consumer-perf", "python-copy", "spark-aggregation", "stream-throughput"],
-    *["stream-throughput-warm", "repartition-key-hash", "repartition-salted"],
+    *["kafka-consumer-perf", "python-copy", "repartition-key-hash", "repartition-salted"],
 ]
 SCENARIOS = {
     *COPIES,
-    *["stream-rich", "stream-metrics-on", "stream-metrics-off", "state-scale"],
-    *["restore-from-changelog", "recompute-from-source"],
-    *["snapshot-full", "latency"],
-    *["snapshot-incremental", "snapshot-full-after", "snapshot-nothing-new", "validate"],
-    "validate-3x",
+    *["snapshot-full", "snapshot-incremental", "snapshot-full-after", "snapshot-nothing-new"],
+    *["validate", "validate-3x"],
     # The snapshot DAG's steps as whole commands, each with a Spark of its own and on a server.
     *[
         f"cmd-{step}{warm}"
@@ -44,15 +42,16 @@ SCENARIOS = {
 }
 
 
-# The whole small run: about 30 process starts (streams, failovers, commands, a batch server and
-# Airflow), some 10 minutes here beside the other worker's tests: more than the suite's default.
-@pytest.mark.timeout(1500)
-def test_bench_writes_its_figures_and_every_event_is_seen_once(settings: Settings, tmp_path: Path):
+# About 10 process starts (commands, a batch server and Airflow): some 5 minutes here beside the
+# other workers' tests, more than the suite's default.
+@pytest.mark.timeout(900)
+def test_bench_writes_its_figures_and_its_snapshots_equal_the_changelog(
+    settings: Settings, tmp_path: Path
+):
     bench = subprocess.Popen(
         [
             *_bench_command(records=RECORDS, keys=KEYS, out=tmp_path),
-            *("--latency-rate", str(LATENCY_RATE), "--latency-seconds", str(LATENCY_SECONDS)),
-            *("--failover", "larger"),  # the two failovers once, not at both states
+            *("--groups", ",".join(GROUPS)),
         ],
         env={**os.environ, "DUALITY_BOOTSTRAP_SERVERS": settings.bootstrap_servers},
         stdout=subprocess.PIPE,
@@ -61,12 +60,13 @@ def test_bench_writes_its_figures_and_every_event_is_seen_once(settings: Setting
         start_new_session=True,
     )
     try:
-        stdout, stderr = bench.communicate(timeout=1400)
-    finally:  # however the test ends: its streams, batch server and Airflow go too
+        stdout, stderr = bench.communicate(timeout=800)
+    finally:  # however the test ends: its commands, batch server and Airflow go too
         process.kill_group(bench.pid, reap=bench)
     assert bench.returncode == 0, stdout[-3000:] + stderr[-3000:]
     document = json.loads((tmp_path / "latest.json").read_text())
     assert document["workload"]["records"] == RECORDS and document["workload"]["keys"] == KEYS
+    assert document["workload"]["groups"] == GROUPS
     assert document["machine"]["cpus"] > 0
     figures = {s["scenario"]: s for s in document["scenarios"]}
     assert set(figures) == SCENARIOS
@@ -79,61 +79,8 @@ def test_bench_writes_its_figures_and_every_event_is_seen_once(settings: Setting
 
     for name in COPIES:  # each covers exactly the records produced
         assert figures[name]["records"] == RECORDS, name
-    _check_streams(figures)
     _check_snapshots(figures)
     assert "records/s" in stdout and "python-copy" in stdout
-
-
-def _check_streams(figures: dict[str, dict[str, Any]]) -> None:
-    cold, warm = figures["stream-throughput"], figures["stream-throughput-warm"]
-    assert cold["vs_python_copy"] > 0 and cold["vs_spark_aggregation"] > 0
-    # Like with like: the warm stream against the same stream cold, never a cold baseline.
-    assert warm["vs_stream_throughput"] > 0
-    assert not {"vs_python_copy", "vs_spark_aggregation", "targets"} & set(warm)
-    # The rich pipeline over the same backlog as stream-throughput's.
-    rich = figures["stream-rich"]
-    assert rich["records"] == RECORDS and rich["vs_stream_throughput"] > 0
-    assert [t["target"] for t in rich["targets"]] == ["records/s >= 0.8x stream-throughput"]
-    # Metrics on against off: the same backlog, the same way, one after the other.
-    on, off = figures["stream-metrics-on"], figures["stream-metrics-off"]
-    assert on["records"] == off["records"] == RECORDS
-    assert [t["target"] for t in off["targets"]] == ["stream-metrics-on >= 0.97x this"]
-    assert off["metrics_on_vs_off"] == pytest.approx(
-        on["records_per_s"] / off["records_per_s"], abs=1e-3
-    )
-
-    scale = figures["state-scale"]
-    assert scale["keys"] == [KEYS, 20 * KEYS]
-    small, large = scale["points"]
-    assert (small["events"], large["events"]) == (RECORDS, 20 * KEYS)
-    for point in (small, large):
-        assert point["state_rows"] >= point["distinct_keys"] == point["keys"]
-        assert 0 < point["covered_rss_mb"] <= point["peak_rss_mb"]
-        assert point["restart_seconds"] > 0 and point["restart_events"] == 1000
-    # Failover at the larger state only (`--failover larger`): a kill to the next commit, with
-    # the warm standby and with the supervisor's new driver; its target names that state.
-    assert small["failover_standby_seconds"] is small["failover_cold_seconds"] is None
-    assert large["failover_standby_seconds"] > 0 and large["failover_cold_seconds"] > 0
-    failover = [t for t in scale["targets"] if t["target"].startswith("failover")]
-    assert [t["target"] for t in failover] == [
-        f"failover with a warm standby at {20 * KEYS:,} keys <= 10 s"
-    ]
-    assert failover[0]["value"] == large["failover_standby_seconds"]
-
-    # Both timed from a process start (a Python and a JVM start each), one event per key.
-    restore, recompute = figures["restore-from-changelog"], figures["recompute-from-source"]
-    assert restore["timed_from"] == recompute["timed_from"] == "process start"
-    assert 0 < recompute["session_seconds"] < recompute["seconds"]
-    assert restore["records"] == restore["keys"] == RECORDS <= restore["state_rows"]
-    assert recompute["records"] == recompute["keys"] == RECORDS
-
-    # Every event produced to the running stream visible once in its changelog.
-    latency = figures["latency"]
-    measured, warmup = LATENCY_RATE * LATENCY_SECONDS, LATENCY_RATE * 5
-    assert latency["records"] == latency["measured_events"] == measured
-    assert latency["warmup_events"] == warmup
-    assert latency["unseen_events"] == 0 and latency["overcounted_records"] == 0
-    assert 0 < latency["p50_s"] <= latency["p99_s"] <= latency["max_s"]
 
 
 def _check_snapshots(figures: dict[str, dict[str, Any]]) -> None:
