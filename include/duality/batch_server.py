@@ -30,6 +30,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
+import tenacity
+
 from duality.config import Settings
 from duality.errors import CheckFailed, UsageError
 from duality.spark import scratch_folder, session, set_step_session
@@ -64,15 +66,7 @@ def run_remote(settings: Settings, argv: Sequence[str], command: str) -> int:
     """Run `duality ARGV` on the server `settings.batch_server`, relaying its output; its exit
     code. Connection refused: a UsageError naming the fix; lost mid-step: a CheckFailed."""
     assert settings.batch_server is not None
-    host, _, port = settings.batch_server.rpartition(":")
-    try:
-        connection = socket.create_connection((host, int(port)), timeout=10.0)
-    except OSError as error:
-        raise UsageError(
-            f"the batch server DUALITY_BATCH_SERVER={settings.batch_server} does not answer "
-            f"({error.strerror or error}): start it with `duality up`, or unset "
-            "DUALITY_BATCH_SERVER to run the step in a Spark of its own"
-        ) from None
+    connection = _connect(settings)
     connection.settimeout(None)  # a step takes as long as it takes
     with connection, connection.makefile("rb") as replies:
         request = {"argv": list(argv), "env": settings.as_env()}
@@ -89,6 +83,41 @@ def run_remote(settings: Settings, argv: Sequence[str], command: str) -> int:
         f"{command}` ended (it was stopped or restarted): the step did not finish and committed "
         "nothing after what its output shows; run it again (Airflow retries it)"
     )
+
+
+def _connect(settings: Settings) -> socket.socket:
+    """A connection to the server; one that is being started or restarted (its Spark starts
+    before it listens) is waited for up to `batch_server_wait_s`, saying so."""
+    assert settings.batch_server is not None
+    host, _, port = settings.batch_server.rpartition(":")
+
+    def said(state: tenacity.RetryCallState) -> None:
+        if state.attempt_number == 1:
+            print(
+                f"the batch server {settings.batch_server} does not answer yet; waiting up to "
+                f"{settings.batch_server_wait_s:g} s (DUALITY_BATCH_SERVER_WAIT_S)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    try:
+        for attempt in tenacity.Retrying(
+            retry=tenacity.retry_if_exception_type(OSError),
+            stop=tenacity.stop_after_delay(settings.batch_server_wait_s),
+            wait=tenacity.wait_fixed(1.0),
+            before_sleep=said,
+            reraise=True,
+        ):
+            with attempt:
+                return socket.create_connection((host, int(port)), timeout=10.0)
+    except OSError as error:
+        raise UsageError(
+            f"the batch server DUALITY_BATCH_SERVER={settings.batch_server} does not answer "
+            f"({error.strerror or error}) after {settings.batch_server_wait_s:g} s: start it "
+            "with `duality up`, or unset DUALITY_BATCH_SERVER to run the step in a Spark of "
+            "its own"
+        ) from None
+    raise AssertionError("unreachable")  # tenacity returns or raises
 
 
 # --- the server ------------------------------------------------------------------------------

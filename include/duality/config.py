@@ -63,6 +63,9 @@ class Settings:
     # The batch server (`host:port`, `duality batch-server`) that the batch steps (snapshot,
     # validate, publish, read, repartition) run on; unset, each starts a Spark of its own.
     batch_server: str | None = None
+    # How long a batch step waits for a server that does not answer yet (one being restarted
+    # takes its Spark's start, over a minute on a busy machine) before it fails.
+    batch_server_wait_s: float = 180.0
     # State partitions of a stream whose spec sets no `parallelism`; unset, one per core of a
     # local master, 4 on a cluster.
     stream_partitions: int | None = None
@@ -383,6 +386,8 @@ def describe() -> list[tuple[str, str, str]]:
         "ones; `duality up --spark-workers N` sets N, so streams and batch jobs fit side by side)",
         "batch_server": "batch server (`host:port`) that batch steps run on, in its warm Spark "
         "(`duality up` starts one); unset: each step starts a Spark of its own",
+        "batch_server_wait_s": "seconds a batch step waits for a batch server that does not "
+        "answer yet (starting or restarting) before it fails",
         "stream_partitions": "state partitions of a stream whose spec sets no `parallelism` "
         "(unset: one per core of a local master, 4 on a cluster); fixed in its checkpoint, "
         "changed by `duality stream rescale`",

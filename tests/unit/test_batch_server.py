@@ -191,12 +191,13 @@ def test_a_server_gone_mid_step_fails_the_step_clearly(
     assert capsys.readouterr().err == "half the work\n"
 
 
-def test_no_server_at_the_address_names_the_fix(tmp_path: Path):
+def test_no_server_at_the_address_is_waited_for_then_names_the_fix(tmp_path: Path, capsys):
     listening = BatchServer(("127.0.0.1", 0), FakeSpark(), cli.main)  # type: ignore[arg-type]
-    settings = _settings(tmp_path, listening)
+    settings = _settings(tmp_path, listening).replace(batch_server_wait_s=1.5)
     listening.server_close()  # nothing listens there any more
-    with pytest.raises(UsageError, match="start it with `duality up`, or unset"):
+    with pytest.raises(UsageError, match=r"after 1.5 s: start it with `duality up`, or unset"):
         run_remote(settings, ["snapshot", "p"], "snapshot p")
+    assert "does not answer yet; waiting up to 1.5 s" in capsys.readouterr().err
 
 
 def test_only_batch_steps_go_to_the_server(tmp_path: Path, monkeypatch):
