@@ -65,7 +65,6 @@ class StepCancelled(BaseException):
 def run_remote(settings: Settings, argv: Sequence[str], command: str) -> int:
     """Run `duality ARGV` on the server `settings.batch_server`, relaying its output; its exit
     code. Connection refused: a UsageError naming the fix; lost mid-step: a CheckFailed."""
-    assert settings.batch_server is not None
     connection = _connect(settings)
     connection.settimeout(None)  # a step takes as long as it takes
     with connection, connection.makefile("rb") as replies:
@@ -100,16 +99,15 @@ def _connect(settings: Settings) -> socket.socket:
                 flush=True,
             )
 
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception_type(OSError),
+        stop=tenacity.stop_after_delay(settings.batch_server_wait_s),
+        wait=tenacity.wait_fixed(1.0),
+        before_sleep=said,
+        reraise=True,
+    )
     try:
-        for attempt in tenacity.Retrying(
-            retry=tenacity.retry_if_exception_type(OSError),
-            stop=tenacity.stop_after_delay(settings.batch_server_wait_s),
-            wait=tenacity.wait_fixed(1.0),
-            before_sleep=said,
-            reraise=True,
-        ):
-            with attempt:
-                return socket.create_connection((host, int(port)), timeout=10.0)
+        return retrying(socket.create_connection, (host, int(port)), timeout=10.0)
     except OSError as error:
         raise UsageError(
             f"the batch server DUALITY_BATCH_SERVER={settings.batch_server} does not answer "
@@ -117,7 +115,6 @@ def _connect(settings: Settings) -> socket.socket:
             "with `duality up`, or unset DUALITY_BATCH_SERVER to run the step in a Spark of "
             "its own"
         ) from None
-    raise AssertionError("unreachable")  # tenacity returns or raises
 
 
 # --- the server ------------------------------------------------------------------------------
