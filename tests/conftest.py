@@ -77,17 +77,17 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 _LONGEST_FIRST = (
     "tests/integration/spark/test_stream.py",
     "tests/e2e",
-    "tests/integration/snapshot/test_snapshot.py",
-    "tests/integration/airflow/test_batch_server.py",
     "tests/integration/system/test_spark_cluster.py",
     "tests/integration/system/test_local_topology.py",
-    "tests/integration/system/test_bench.py",
-    "tests/integration/system/three_nodes",
+    "tests/integration/snapshot/test_snapshot.py",
     "tests/integration/spark/test_rich_pipeline.py",
+    "tests/integration/airflow/test_batch_server.py",
     "tests/integration/airflow/test_airflow_task_processes.py",
+    "tests/integration/system/three_nodes",
     "tests/integration/spark/test_repartition.py",
-    "tests/integration/system/test_local_monitoring.py",
     "tests/integration/airflow/test_airflow_dags.py",
+    "tests/integration/system/test_bench.py",
+    "tests/integration/system/test_local_monitoring.py",
     "tests/integration/spark/test_standby.py",
 )
 

@@ -59,6 +59,9 @@ def ended_pid() -> int:
     return int(ended.stdout)
 
 
+MAX_INTERVAL = 1.0  # s between the probes of a long wait
+
+
 def assert_eventually(
     probe: Callable[[], T],
     expected: Any = None,
@@ -68,9 +71,12 @@ def assert_eventually(
     message: str = "",
 ) -> T:
     """Call `probe` until it returns `expected` (anything truthy when expected is None; a value
-    for which `expected(value)` is true when it is callable)."""
+    for which `expected(value)` is true when it is callable): every `interval` at first, then
+    less often, up to every `MAX_INTERVAL` s (a long wait's probes are CPU the suite's other
+    tests lack)."""
     deadline = time.monotonic() + timeout
     last: Any = None
+    pause = interval
     while True:
         last = probe()
         if callable(expected):
@@ -84,7 +90,8 @@ def assert_eventually(
                 f"last value: {last!r}"
                 + (f", expected: {expected!r}" if expected is not None else "")
             )
-        time.sleep(interval)
+        time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+        pause = min(pause * 1.5, max(interval, MAX_INTERVAL))
 
 
 def run_python(

@@ -19,6 +19,7 @@ from duality.config import Settings
 from duality.local.spark_cluster import LocalSparkCluster
 from duality.snapshot import delta_log
 from duality.spark import package_zip
+from duality.stream import heartbeat
 from tests.harness import (
     ROOT,
     StreamProcess,
@@ -275,14 +276,17 @@ def test_rescale_under_load_4_to_8_then_8_to_2(
     )
     watch = _OffsetsWatch(settings, spec.consumer_group, spec.source.topic)
 
-    def tasks() -> int | None:
-        return duality_json(on_cluster, "stream", "status", spec.name)["heartbeat"].get(
-            "state_tasks"
-        )
+    def tasks() -> int | None:  # from the heartbeats, as `stream status` reads them
+        return heartbeat.latest(settings).get(spec.name, {}).get("state_tasks")
+
+    def shown(partitions: int) -> None:
+        status = duality_json(on_cluster, "stream", "status", spec.name)
+        assert status["heartbeat"]["state_tasks"] == partitions, status
 
     try:
         duality_json(on_cluster, "stream", "start", spec.name, *options)
         assert_eventually(tasks, 4, timeout=180, message="the stateful stage's tasks on 4")
+        shown(4)
         load.start()
         # 4 -> 8 while the stream runs: rescale stops it, and starts it with its options.
         _set_parallelism(spec_file, 8)
@@ -293,6 +297,7 @@ def test_rescale_under_load_4_to_8_then_8_to_2(
         # The same plan (the load moved the committed offsets it names meanwhile).
         assert done["dry_run"] is False and done["steps"][:3] == plan["steps"][:3]
         assert_eventually(tasks, 8, timeout=180, message="the stateful stage's tasks on 8")
+        shown(8)
         # 8 -> 2 while it is stopped: a start with the new number refuses, naming the rescale.
         duality_json(on_cluster, "stream", "stop", spec.name)
         _set_parallelism(spec_file, 2)
@@ -303,6 +308,7 @@ def test_rescale_under_load_4_to_8_then_8_to_2(
         assert (done["partitions_before"], done["stop_pid"]) == (8, None), done
         duality_json(on_cluster, "stream", "start", spec.name, *options)
         assert_eventually(tasks, 2, timeout=180, message="the stateful stage's tasks on 2")
+        shown(2)
         load.join(timeout=300)
         assert not load.is_alive(), "the load producer did not finish"
         produced = EVENTS // 2 + MORE_EVENTS
