@@ -307,7 +307,8 @@ class LocalAirflow:
 
     def _clear_predecessor(self, name: str) -> None:
         """End what a killed predecessor of `name` left in its session (side servers on the
-        ports, idle workers); workers running a task finish it, and `stop()` ends them later."""
+        ports, idle workers, its database sessions, which its workers hold open); workers
+        running a task finish it, and `stop()` ends them later."""
         try:
             session = int((self.home / f"{name}.pid").read_text().strip())
         except (FileNotFoundError, ValueError):
@@ -324,6 +325,7 @@ class LocalAirflow:
                 if title.startswith("airflow worker") and not title.endswith("<idle>"):
                     busy.add(process.pid)
                     busy.update(child.pid for child in process.children(recursive=True))
+        self.postgres.end_sessions_held_by(members)
         end_processes([p for p in members if p.pid not in busy], self.settings.kill_grace_s)
 
     def _wait_healthy(

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import os
 import shutil
 import signal
 import subprocess
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from duality.config import Settings
 from duality.errors import LocalStackError
@@ -129,6 +133,36 @@ class LocalPostgres:
             return True
         except psycopg2.OperationalError:
             return False
+
+    def end_sessions_held_by(self, processes: Iterable[psutil.Process]) -> int:
+        """End the database sessions whose client sockets `processes` hold; returns how many.
+        The workers a killed scheduler forked hold its sockets, so its sessions outlive it with
+        whatever transaction it was in: its row locks kept the next scheduler from queueing any
+        task (tasks stayed `scheduled`). The workers themselves never use the database."""
+        port = self.port()
+        if port is None or self.pid() is None:
+            return 0
+        clients = set()
+        for process in processes:
+            with contextlib.suppress(psutil.Error):
+                for connection in process.net_connections(kind="tcp"):
+                    if connection.raddr and connection.raddr.port == port:
+                        clients.add(connection.laddr.port)
+        if not clients:
+            return 0
+        database = self._connect()
+        try:
+            database.autocommit = True
+            with database.cursor() as cursor:
+                cursor.execute(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE client_port = ANY(%s) AND pid <> pg_backend_pid()",
+                    (sorted(clients),),
+                )
+                row = cursor.fetchone()
+        finally:
+            database.close()
+        return int(row[0]) if row else 0
 
     def status(self) -> PostgresStatus:
         pid = self.pid()

@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -16,6 +17,7 @@ from datetime import datetime
 from pathlib import Path
 
 import psutil
+import psycopg2
 import pytest
 import yaml
 
@@ -25,6 +27,7 @@ from duality.config import SHIPPED_PIPELINES, Settings
 from duality.errors import LocalStackError
 from duality.local.airflow import AIRFLOW_COMPONENTS, LocalAirflow
 from duality.local.ports import free_ports
+from duality.local.postgres import LocalPostgres
 from duality.local.spark_cluster import local_spark
 from duality.snapshot import delta_log
 from duality.snapshot.publish import PUBLISHED_VERSION
@@ -263,17 +266,66 @@ def _task_state(client: AirflowClient, dag_id: str, run_id: str, task_id: str) -
     return None
 
 
+# A stand-in for a scheduler killed mid-transaction: a process that holds a lock in a
+# transaction, forks a child (as LocalExecutor forks its workers), and waits to be killed.
+_HOLDER = """
+import os, signal, psycopg2
+database = psycopg2.connect(os.environ["DSN"])
+database.cursor().execute("SELECT pg_advisory_xact_lock(4242)")
+child = os.fork()
+if child:
+    print(child, flush=True)
+signal.pause()
+"""
+
+
+def _lock_free(dsn: str) -> bool:
+    database = psycopg2.connect(dsn)
+    try:
+        with database.cursor() as cursor:
+            cursor.execute("SELECT pg_try_advisory_lock(4242)")
+            return bool(cursor.fetchone()[0])
+    finally:
+        database.close()  # which releases the lock if it took it
+
+
+def test_a_killed_process_transaction_ends_with_the_sessions_its_children_hold(topology: Stack):
+    """What a scheduler killed mid-transaction leaves (decision 15): the workers it forked hold
+    its database session and so its locks, until `end_sessions_held_by` ends that session."""
+    postgres = LocalPostgres(topology.settings)
+    dsn = postgres.url().replace("+psycopg2", "")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER], env={**os.environ, "DSN": dsn}, stdout=subprocess.PIPE
+    )
+    assert holder.stdout is not None
+    worker = psutil.Process(int(holder.stdout.readline()))
+    try:
+        holder.kill()
+        holder.wait()
+        assert not _lock_free(dsn), "the lock went with the process that took it"
+        assert postgres.end_sessions_held_by([worker]) == 1
+        assert_eventually(lambda: _lock_free(dsn), timeout=30, message="the lock is still held")
+    finally:
+        worker.kill()
+
+
 def _what_happened(topology: Stack, dag_id: str, run_id: str) -> str:
-    """The run's task instances, the ends of their logs and of the batch server's log."""
+    """The run's task instances, the ends of their logs, of the batch server's and of the
+    scheduler's."""
     client, lines = topology.client, []
     for task in client.task_instances(dag_id, run_id):
         lines.append(f"{task['task_id']}: {task['state']} (try {task['try_number']})")
         for attempt in range(1, int(task["try_number"] or 0) + 1):
             log = client.task_log(dag_id, run_id, task["task_id"], attempt)
             lines.append(f"--- {task['task_id']} try {attempt}:\n{log[-1500:]}")
-    server = topology.root / "local" / "batch-server" / "server.log"
-    if server.is_file():
-        lines.append(f"--- {server}:\n{server.read_text(errors='replace')[-3000:]}")
+    airflow = LocalAirflow(topology.settings)
+    logs = [
+        topology.root / "local" / "batch-server" / "server.log",
+        airflow.component_log("scheduler"),
+    ]
+    for log in logs:
+        if log.is_file():
+            lines.append(f"--- {log}:\n{log.read_text(errors='replace')[-3000:]}")
     return "\n".join(lines)
 
 
