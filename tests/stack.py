@@ -70,3 +70,14 @@ def running_airflow(settings: Settings) -> Iterator[AirflowClient]:
         yield AirflowClient(settings.airflow_url, AIRFLOW_USER, str(started.password))
     finally:
         airflow.stop()
+
+
+def task_logs(client: AirflowClient, dag_id: str, run_id: str, tail: int = 1500) -> str:
+    """Each task of a run with its state, and the end of each try's log: why a run failed."""
+    lines = []
+    for task in client.task_instances(dag_id, run_id):
+        lines.append(f"{task['task_id']}: {task['state']} (try {task['try_number']})")
+        for attempt in range(1, int(task["try_number"] or 0) + 1):
+            log = client.task_log(dag_id, run_id, task["task_id"], attempt)
+            lines.append(f"--- {task['task_id']} try {attempt}:\n{log[-tail:]}")
+    return "\n".join(lines)

@@ -26,7 +26,7 @@ from duality.spec import PipelineSpec
 from tests.harness import assert_eventually, make_pipeline
 from tests.integration.snapshot.test_snapshot import _create_changelog, _row, _table, _truth
 from tests.integration.snapshot.test_snapshot import _write as write_changelog
-from tests.stack import running_airflow
+from tests.stack import running_airflow, task_logs
 
 # Enough changelog records that a snapshot step runs for seconds on a warm server.
 LONG_KEYS = 300_000
@@ -86,16 +86,6 @@ def _published(spark, stack: Stack, spec: PipelineSpec) -> tuple[int, dict]:  # 
 
 def _log(stack: Stack) -> str:
     return stack.server.log.read_text(errors="replace")
-
-
-def _task_logs(stack: Stack, dag_id: str, run_id: str) -> str:
-    """What each try of a run's tasks logged, its ends: why a run failed."""
-    parts = []
-    for task in stack.client.task_instances(dag_id, run_id):
-        for attempt in range(1, (task.get("try_number") or 0) + 1):
-            log = stack.client.task_log(dag_id, run_id, task["task_id"], attempt)
-            parts.append(f"--- {task['task_id']} try {attempt} ({task['state']}):\n{log[-2000:]}")
-    return "\n".join(parts)
 
 
 def _running(stack: Stack, spec: PipelineSpec) -> bool:
@@ -167,6 +157,8 @@ def test_the_server_killed_mid_snapshot_fails_the_task_clearly_and_its_retry_pub
     log = stack.client.task_log(dag_id, run_id, "snapshot", 1)
     assert "closed the connection before `duality snapshot" in log, log[-3000:]
     finished = stack.client.wait_run(dag_id, run_id)
-    assert finished["state"] == "success", _task_logs(stack, dag_id, run_id) + _log(stack)[-3000:]
+    assert finished["state"] == "success", (
+        task_logs(stack.client, dag_id, run_id) + _log(stack)[-3000:]
+    )
     _, table = _published(spark, stack, spec)
     assert table == _truth(stack.settings, spec)

@@ -52,7 +52,7 @@ def test_bench_writes_its_figures_and_its_snapshots_equal_the_changelog(
     )
     try:
         stdout, stderr = bench.communicate(timeout=500)
-    finally:  # however the test ends: its commands, batch server and Airflow go too
+    finally:  # however the test ends, the benchmark's processes go too
         process.kill_group(bench.pid, reap=bench)
     assert bench.returncode == 0, stdout[-3000:] + stderr[-3000:]
     document = json.loads((tmp_path / "latest.json").read_text())

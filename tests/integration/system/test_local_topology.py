@@ -35,7 +35,7 @@ from duality.spec import PipelineSpec, find_spec
 from tests.harness import assert_eventually, read_latest, run_duality
 from tests.integration.spark.test_sasl import PASSWORD, USER, _leaks
 from tests.integration.spark.test_stream import _verify
-from tests.stack import Stack, stack_env
+from tests.stack import Stack, stack_env, task_logs
 
 BROKERS, WORKERS = 3, 2
 EVENTS = 3_000
@@ -310,20 +310,11 @@ def test_a_killed_process_transaction_ends_with_the_sessions_its_children_hold(t
 
 
 def _what_happened(topology: Stack, dag_id: str, run_id: str) -> str:
-    """The run's task instances, the ends of their logs, of the batch server's and of the
-    scheduler's."""
-    client, lines = topology.client, []
-    for task in client.task_instances(dag_id, run_id):
-        lines.append(f"{task['task_id']}: {task['state']} (try {task['try_number']})")
-        for attempt in range(1, int(task["try_number"] or 0) + 1):
-            log = client.task_log(dag_id, run_id, task["task_id"], attempt)
-            lines.append(f"--- {task['task_id']} try {attempt}:\n{log[-1500:]}")
-    airflow = LocalAirflow(topology.settings)
-    logs = [
-        topology.root / "local" / "batch-server" / "server.log",
-        airflow.component_log("scheduler"),
-    ]
-    for log in logs:
+    """The run's tasks and their logs' ends, then those of the batch server's and the
+    scheduler's logs."""
+    lines = [task_logs(topology.client, dag_id, run_id)]
+    server = topology.root / "local" / "batch-server" / "server.log"
+    for log in (server, LocalAirflow(topology.settings).component_log("scheduler")):
         if log.is_file():
             lines.append(f"--- {log}:\n{log.read_text(errors='replace')[-3000:]}")
     return "\n".join(lines)
