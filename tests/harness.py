@@ -114,6 +114,11 @@ def run_python(
     )
 
 
+# How long a test lets `duality up` take: the batch server may warm for up to 600 s on a busy
+# machine (`LocalBatchServer.start`), Airflow start for up to 300 s.
+UP_TIMEOUT_S = 900.0
+
+
 def run_duality(
     config: Settings | Mapping[str, str],
     *args: str,

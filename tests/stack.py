@@ -14,7 +14,7 @@ from duality.airflow_api import AirflowClient
 from duality.config import Settings
 from duality.local.airflow import AIRFLOW_USER, LocalAirflow
 from duality.local.ports import free_port
-from tests.harness import duality_json, run_duality
+from tests.harness import UP_TIMEOUT_S, duality_json, run_duality
 
 
 @dataclass
@@ -52,7 +52,7 @@ def running_stack(root: Path, env: dict[str, str] | None = None) -> Iterator[Sta
     settings = Settings.from_env(env)
 
     try:
-        started = duality_json(env, "up", timeout=600)
+        started = duality_json(env, "up", timeout=UP_TIMEOUT_S)
         password = started["airflow"]["password"]
         client = AirflowClient(settings.airflow_url, started["airflow"]["user"], password)
         yield Stack(root, env, settings, client, password)

@@ -94,9 +94,11 @@ class LocalBatchServer:
             return int(port)
         return free_port()
 
-    def start(self, timeout: float = 180.0) -> BatchServerStatus:
+    def start(self, timeout: float = 600.0) -> BatchServerStatus:
         """Start the server unless it runs; wait until it takes steps (its Spark started and
-        warmed)."""
+        warmed). A server that exits fails at once; the deadline is for one that hangs: on a
+        busy machine, the first job of a cluster's executors, which start cold, took over 180 s
+        (a CI run with three stacks starting side by side on two cores)."""
         if self.pid() is not None:
             return dataclasses.replace(self.status(), already_running=True)
         if shutil.which("java") is None:

@@ -10,7 +10,7 @@ import psutil
 
 from duality.config import Settings
 from duality.local.ports import free_port
-from tests.harness import duality_json, ended_pid, run_duality
+from tests.harness import UP_TIMEOUT_S, duality_json, ended_pid, run_duality
 
 
 def _kafka_processes(marker: str) -> list[psutil.Process]:
@@ -40,7 +40,7 @@ def test_up_twice_status_down(tmp_path: Path):
         airflow_url=f"http://localhost:{free_port()}",
     )
     try:
-        first = duality_json(env, "up", "--monitoring")
+        first = duality_json(env, "up", "--monitoring", timeout=UP_TIMEOUT_S)
         started = first["broker"]
         assert started["already_running"] is False
         watching = first["monitoring"]

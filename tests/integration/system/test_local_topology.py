@@ -32,7 +32,7 @@ from duality.local.spark_cluster import local_spark
 from duality.snapshot import delta_log
 from duality.snapshot.publish import PUBLISHED_VERSION
 from duality.spec import PipelineSpec, find_spec
-from tests.harness import assert_eventually, read_latest, run_duality
+from tests.harness import UP_TIMEOUT_S, assert_eventually, read_latest, run_duality
 from tests.integration.spark.test_sasl import PASSWORD, USER, _leaks
 from tests.integration.spark.test_stream import _verify
 from tests.stack import Stack, stack_env, task_logs
@@ -45,7 +45,9 @@ EVENTS = 3_000
 OUTPUTS: list[str] = []
 
 
-def _duality(env: dict[str, str], *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def _duality(
+    env: dict[str, str], *args: str, timeout: float = UP_TIMEOUT_S
+) -> subprocess.CompletedProcess:
     done = run_duality(env, *args, "--json", timeout=timeout)
     OUTPUTS.extend((done.stdout, done.stderr))
     return done
