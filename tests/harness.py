@@ -126,7 +126,7 @@ def run_duality(
     timeout: float = 240,
 ) -> subprocess.CompletedProcess[str]:
     """The `duality` command line, run by `run_python`."""
-    return run_python(config, "-m", "duality.cli", *args, env=env, timeout=timeout)
+    return run_python(config, "-m", "duality", *args, env=env, timeout=timeout)
 
 
 def duality_json(

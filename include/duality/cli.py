@@ -879,6 +879,18 @@ def _push_step(settings: Settings, args: Namespace, result: Any, seconds: float)
     )
 
 
+def failed(error: DualityError | KeyboardInterrupt, command: str, *, as_json: bool) -> int:
+    """Say why `duality COMMAND` stopped (with `--json`, also as JSON); its exit code."""
+    if isinstance(error, KeyboardInterrupt):
+        _err.print(f"duality {command}: interrupted")
+        return 130
+    if as_json:
+        details = getattr(error, "details", {})
+        _print_json({**details, "error": str(error), "exit_code": error.exit_code})
+    _err.print(f"duality {command}: error: {error}", style="red", markup=False, soft_wrap=True)
+    return error.exit_code
+
+
 def main(
     argv: Sequence[str] | None = None,
     environ: Mapping[str, str] | None = None,
@@ -913,15 +925,8 @@ def main(
             if refused is None:
                 raise
             raise refused from None
-    except DualityError as error:
-        if args.json:
-            details = getattr(error, "details", {})
-            _print_json({**details, "error": str(error), "exit_code": error.exit_code})
-        _err.print(f"duality {command}: error: {error}", style="red", markup=False, soft_wrap=True)
-        return error.exit_code
-    except KeyboardInterrupt:
-        _err.print(f"duality {command}: interrupted")
-        return 130
+    except (DualityError, KeyboardInterrupt) as error:
+        return failed(error, command, as_json=args.json)
     except BrokenPipeError:  # output piped into `head` and the like
         sys.stderr.close()
         return 0

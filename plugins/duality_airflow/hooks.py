@@ -209,7 +209,7 @@ def overrides(
 
 
 def duality_command(arguments: Sequence[Any]) -> list[str]:
-    return [sys.executable, "-m", "duality.cli", *map(str, arguments), "--json"]
+    return [sys.executable, "-m", "duality", *map(str, arguments), "--json"]
 
 
 def _result(shown: str, code: int, output: str) -> Any:

@@ -213,6 +213,54 @@ def test_only_batch_steps_go_to_the_server(tmp_path: Path, monkeypatch):
     assert sent == [["snapshot", "product_sales", "--json"]]
 
 
+def test_a_batch_step_goes_to_the_server_without_loading_the_command_line(tmp_path: Path):
+    """`python -m duality` (what Airflow's tasks run) sends a batch step to the server without
+    importing `duality.cli`; the server's command line refuses a bad argument, as the client's
+    would, and a command that is not a batch step runs in the client's own."""
+    seen: list[list[str]] = []
+
+    def step(argv: list[str], environ: dict[str, str], *, forward: bool) -> int:
+        seen.append(argv)
+        return cli.main(argv, environ, forward=forward) if "--bad" in argv else 0
+
+    probe = (
+        "import sys; from duality.__main__ import main; code = main(sys.argv[1:]); "
+        "print('cli imported' if 'duality.cli' in sys.modules else 'cli not imported'); "
+        "sys.exit(code)"
+    )
+    with serving(step) as server:
+        env = {**os.environ, **_settings(tmp_path, server).as_env()}
+
+        def client(*argv: str) -> subprocess.CompletedProcess[str]:
+            command = [sys.executable, "-c", probe, *argv]
+            return subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+
+        sent = client("validate", "p", "--version", "3", "--json")
+        assert (sent.returncode, sent.stdout) == (0, "cli not imported\n"), sent.stderr
+        bad = client("publish", "p", "--bad")  # and no --version
+        assert bad.returncode == 2, bad.stderr
+        assert "duality publish: error: the following arguments are required: --version" in (
+            bad.stderr
+        )
+        local = client(
+            "spec", "validate", str(ROOT / "include/duality/pipelines/product_sales.yaml")
+        )
+        assert local.returncode == 0 and "cli imported" in local.stdout, local.stderr
+    assert seen == [["validate", "p", "--version", "3", "--json"], ["publish", "p", "--bad"]]
+
+
+def test_the_entry_point_says_why_the_server_did_not_answer(tmp_path: Path):
+    listening = BatchServer(("127.0.0.1", 0), FakeSpark(), cli.main)  # type: ignore[arg-type]
+    settings = _settings(tmp_path, listening).replace(batch_server_wait_s=0.5)
+    listening.server_close()
+    env = {**os.environ, **settings.as_env()}
+    command = [sys.executable, "-m", "duality", "snapshot", "p", "--json"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "duality snapshot: error: the batch server" in done.stderr
+    assert json.loads(done.stdout)["exit_code"] == 2
+
+
 def test_a_path_is_one_sql_name_whatever_it_holds():
     assert delta_log.sql_name(Path("/w/a b")) == "delta.`/w/a b`"
     assert delta_log.sql_name(Path("/w/x`y")) == "delta.`/w/x``y`"
