@@ -101,7 +101,9 @@ def render(figures: list[Figure], console: Console) -> None:
         else:
             table.add_column(column, justify="right", no_wrap=True)
     for figure in figures:
-        rows = figure.table_rows() if isinstance(figure, StreamFigure) else [(figure, "")]
+        samples = figure.as_dict().get("samples")
+        runs = f"median of {', '.join(f'{x:.2f}' for x in samples)} s" if samples else ""
+        rows = figure.table_rows() if isinstance(figure, StreamFigure) else [(figure, runs)]
         for row, notes in rows:
             # The baselines are cold: a warm figure is compared with its own cold run alone.
             cold = row.scenario != "stream-throughput-warm"

@@ -155,6 +155,26 @@ def test_a_commit_replayed_as_delta_reconciles_it(tmp_path: Path):
         {"k": "e", "n": 50},
     ]
     assert delta_log.history(tmp_path)[0].metrics["numTargetRowsDeleted"] == 2
+    # Each commit's checksum file says what the state holds (no earlier one: nothing carried).
+    checksum = json.loads((log / f"{2:020d}.crc").read_text())
+    assert checksum["numFiles"] == len(state.files) == 2
+    assert checksum["tableSizeBytes"] == sum(add["size"] for add in state.files.values())
+    assert (checksum["numDeletionVectorsOpt"], checksum["numDeletedRecordsOpt"]) == (1, 2)
+    assert (checksum["metadata"], checksum["protocol"]) == (state.metadata, state.protocol)
+    assert "setTransactions" not in checksum and "fileSizeHistogram" not in checksum
+    # With an earlier checksum, its set transactions and histogram bins are carried.
+    bins = {"sortedBinBoundaries": [0, 8192], "fileCounts": [0, 0], "totalBytes": [0, 0]}
+    txn = [{"appId": "a", "version": 1}]
+    (log / f"{2:020d}.crc").write_text(json.dumps({"setTransactions": txn, "histogramOpt": bins}))
+    properties = dv_commit.set_properties(tmp_path, state, {"p": "1"}, {"kind": "validation"})
+    assert properties == 3
+    after = json.loads((log / f"{3:020d}.crc").read_text())
+    assert after["setTransactions"] == txn and after["metadata"]["configuration"]["p"] == "1"
+    sizes = sorted(add["size"] for add in state.files.values())
+    assert after["fileSizeHistogram"]["fileCounts"] == [sum(s < 8192 for s in sizes), 0]
+    assert after["fileSizeHistogram"]["totalBytes"] == [sum(s for s in sizes if s < 8192), 0]
+    for name in (f"{3:020d}.json", f"{3:020d}.crc"):  # version 3 is taken below
+        (log / name).unlink()
     # One part of a two-part checkpoint (another writer still writing it) is not a checkpoint.
     (log / f"{1:020d}.checkpoint.{1:010d}.{2:010d}.parquet").write_bytes(b"partial")
     assert delta_log.table_state(tmp_path, 2) == state

@@ -114,20 +114,36 @@ def table_state(path: Path, version: int) -> TableState | None:
             for action in actions:
                 protocol = action.get("protocol", protocol)
                 metadata = action.get("metaData", metadata)
-            # One commit never adds and removes the same logical file: removes, then adds.
-            for action in actions:
-                removed = action.get("remove")
-                live = files.get(removed["path"]) if removed else None
-                if live is not None and deletion_vector_id(live) == deletion_vector_id(removed):
-                    del files[removed["path"]]
-            for action in actions:
-                if "add" in action:
-                    files[action["add"]["path"]] = action["add"]
+            _apply(files, actions)
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if protocol is None or metadata is None:
         return None
     return TableState(version, protocol, metadata, files)
+
+
+def advanced(state: TableState, actions: list[dict[str, Any]]) -> TableState:
+    """The version after `state` whose commit holds `actions`."""
+    files = dict(state.files)
+    _apply(files, actions)
+    protocol, metadata = state.protocol, state.metadata
+    for action in actions:
+        protocol = action.get("protocol", protocol)
+        metadata = action.get("metaData", metadata)
+    return TableState(state.version + 1, protocol, metadata, files)
+
+
+def _apply(files: dict[str, dict[str, Any]], actions: list[dict[str, Any]]) -> None:
+    """A commit's file actions applied to the live files, by path."""
+    # One commit never adds and removes the same logical file: removes, then adds.
+    for action in actions:
+        removed: dict[str, Any] | None = action.get("remove")
+        live = files.get(removed["path"]) if removed else None
+        if removed and live is not None and deletion_vector_id(live) == deletion_vector_id(removed):
+            del files[removed["path"]]
+    for action in actions:
+        if "add" in action:
+            files[action["add"]["path"]] = action["add"]
 
 
 def deletion_vector_id(action: dict[str, Any]) -> str | None:

@@ -1,7 +1,7 @@
 """A small change committed by duality itself, as Delta's PROTOCOL.md defines the commit: the
 changed keys' rows marked deleted in deletion vectors, their new rows appended in one Parquet
-file, one JSON commit created only if absent (decision 30); and a commit that only sets table
-properties (a validation's verdict, a publication).
+file, one JSON commit created only if absent and then its checksum file (decision 30); and a
+commit that only sets table properties (a validation's verdict, a publication).
 
 Delta's own statements must scan every touched file two or three times to find the rows a few
 keys hit; here the key columns are read once with Arrow, without Spark. A table whose protocol
@@ -11,6 +11,7 @@ mapping, ...) is left to Delta's MERGE: `blocker()` says why.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import os
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlparse
 
+from duality.snapshot import delta_log
 from duality.snapshot.delta_log import TableState, user_metadata
 
 if TYPE_CHECKING:
@@ -157,7 +159,7 @@ def write(
         "engineInfo": "duality",
         "txnId": str(uuid.uuid4()),
     }
-    if not _create(root / "_delta_log", version, [{"commitInfo": info}, *actions]):
+    if not _commit(root, state, info, actions):
         for file in written:
             file.unlink(missing_ok=True)
         return None
@@ -184,8 +186,7 @@ def set_properties(
         "txnId": str(uuid.uuid4()),
     }
     meta = {**state.metadata, "configuration": configuration}
-    actions = [{"commitInfo": info}, {"metaData": meta}]
-    return version if _create(root / "_delta_log", version, actions) else None
+    return version if _commit(root, state, info, [{"metaData": meta}]) else None
 
 
 def _rows_of(file: Path, changed: pa.Table, key_columns: list[str]) -> tuple[pa.Table, int]:
@@ -303,12 +304,70 @@ def _removal(add: dict[str, Any], now: int) -> dict[str, Any]:
     return {**removal, "deletionTimestamp": now, "dataChange": True, "extendedFileMetadata": True}
 
 
-def _create(log: Path, version: int, actions: list[dict[str, Any]]) -> bool:
-    """The commit file of `version`, created only if absent (a hard link of a complete file, so
-    no reader ever sees a partial commit); False when it exists."""
-    final = log / f"{version:020d}.json"
-    temporary = log / f".{final.name}.{uuid.uuid4().hex}.tmp"
-    temporary.write_text("".join(json.dumps(a, separators=(",", ":")) + "\n" for a in actions))
+def _commit(
+    root: Path, state: TableState, info: dict[str, Any], actions: list[dict[str, Any]]
+) -> bool:
+    """Version `state.version + 1` holding `info` and `actions`, then its checksum file; False
+    (and nothing written) when that version exists."""
+    log = root / "_delta_log"
+    lines = [{"commitInfo": info}, *actions]
+    if not _create(log / f"{state.version + 1:020d}.json", _json_lines(lines)):
+        return False
+    after = delta_log.advanced(state, actions)
+    _create(log / f"{after.version:020d}.crc", _json_lines([_checksum(log, after, info["txnId"])]))
+    return True
+
+
+def _checksum(log: Path, state: TableState, txn_id: str) -> dict[str, Any]:
+    """The version's checksum (PROTOCOL.md, "Version Checksum File"): Delta reads the protocol,
+    the metadata and the sizes of a version from it instead of running Spark jobs over the log,
+    and checks it against the log when it writes a checkpoint. Set transactions, domain metadata
+    and the file size histogram's bins come from the previous version's checksum, which duality's
+    commits do not change; without one they are left out (unknown to the reader)."""
+    files = list(state.files.values())
+    vectors = [add["deletionVector"] for add in files if add.get("deletionVector")]
+    checksum: dict[str, Any] = {
+        "txnId": txn_id,
+        "tableSizeBytes": sum(add["size"] for add in files),
+        "numFiles": len(files),
+        "numDeletedRecordsOpt": sum(vector["cardinality"] for vector in vectors),
+        "numDeletionVectorsOpt": len(vectors),
+        "numMetadata": 1,
+        "numProtocol": 1,
+    }
+    try:
+        previous = json.loads((log / f"{state.version - 1:020d}.crc").read_text())
+    except (OSError, ValueError):
+        previous = {}
+    for carried in ("setTransactions", "domainMetadata"):
+        if isinstance(previous.get(carried), list):
+            checksum[carried] = previous[carried]
+    checksum.update(metadata=state.metadata, protocol=state.protocol)
+    bins = (previous.get("fileSizeHistogram") or previous.get("histogramOpt") or {}).get(
+        "sortedBinBoundaries"
+    )
+    if bins:
+        counts, sizes = [0] * len(bins), [0] * len(bins)
+        for add in files:
+            at = bisect.bisect_right(bins, add["size"]) - 1
+            counts[at], sizes[at] = counts[at] + 1, sizes[at] + add["size"]
+        checksum["fileSizeHistogram"] = {
+            "sortedBinBoundaries": bins,
+            "fileCounts": counts,
+            "totalBytes": sizes,
+        }
+    return checksum
+
+
+def _json_lines(items: list[dict[str, Any]]) -> str:
+    return "".join(json.dumps(item, separators=(",", ":")) + "\n" for item in items)
+
+
+def _create(final: Path, text: str) -> bool:
+    """`final` holding `text`, created only if absent (a hard link of a complete file, so no
+    reader ever sees a partial one); False when it exists."""
+    temporary = final.with_name(f".{final.name}.{uuid.uuid4().hex}.tmp")
+    temporary.write_text(text)
     try:
         os.link(temporary, final)
     except FileExistsError:

@@ -110,6 +110,18 @@ def _second_engine(path: Path, spec: PipelineSpec) -> dict[str, dict[str, Any]]:
     return table
 
 
+def _delta_checks_the_checksum(spark, path: Path) -> int:  # type: ignore[no-untyped-def]
+    """Delta's own check of the newest version's `.crc` against the state it reconstructs from
+    the log (it throws on a mismatch); the version checked."""
+    jvm = spark._jvm
+    log = jvm.org.apache.spark.sql.delta.DeltaLog.forTable(spark._jsparkSession, str(path))
+    snapshot = log.update(False, jvm.scala.Option.empty(), jvm.scala.Option.empty())
+    assert snapshot.checksumOpt().isDefined(), "the version has no checksum file"
+    no_context = getattr(getattr(jvm.scala.collection.immutable, "Map$"), "MODULE$").empty()
+    assert snapshot.validateChecksum(no_context)
+    return int(snapshot.version())
+
+
 def _records_between(settings: Settings, spec: PipelineSpec, start: dict[int, int]) -> int:
     return sum(1 for p, o, _, _ in read_topic(settings, spec.changelog_topic) if o >= start[p])
 
@@ -159,6 +171,8 @@ def test_full_then_incremental_equal_the_changelog(spark, pipeline) -> None:  # 
     truth = _truth(settings, spec)
     incremental_rows = _table(delta_log.load(spark, path, incremental.version), spec)
     assert incremental_rows == truth == _second_engine(path, spec)
+    # Its checksum file is what Delta's own state reconstruction computes for the version.
+    assert _delta_checks_the_checksum(spark, path) == incremental.version
     # It read only the records after the recorded offsets (the job's own figures).
     assert {int(p): r[0] for p, r in incremental.read_ranges.items()} == {
         p: ends[p] for p in map(int, incremental.read_ranges)
@@ -181,6 +195,7 @@ def test_full_then_incremental_equal_the_changelog(spark, pipeline) -> None:  # 
     truth = _truth(settings, spec)
     assert again.rows == len(truth)
     assert _table(delta_log.load(spark, path), spec) == truth == _second_engine(path, spec)
+    assert _delta_checks_the_checksum(spark, path) == again.version
     # Delta's own OPTIMIZE and VACUUM over them: the rows stay, the replaced files go.
     maintain(settings, spec, retain_hours=0, spark=spark)
     assert _table(delta_log.load(spark, path), spec) == truth == _second_engine(path, spec)
