@@ -111,10 +111,7 @@ def table_state(path: Path, version: int) -> TableState | None:
         start, protocol, metadata, files = _checkpoint_state(log, names, version)
         for commit in range(start, version + 1):
             actions = [json.loads(line) for line in (log / f"{commit:020d}.json").open()]
-            for action in actions:
-                protocol = action.get("protocol", protocol)
-                metadata = action.get("metaData", metadata)
-            _apply(files, actions)
+            protocol, metadata = _apply(actions, files, protocol, metadata)
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if protocol is None or metadata is None:
@@ -125,16 +122,22 @@ def table_state(path: Path, version: int) -> TableState | None:
 def advanced(state: TableState, actions: list[dict[str, Any]]) -> TableState:
     """The version after `state` whose commit holds `actions`."""
     files = dict(state.files)
-    _apply(files, actions)
-    protocol, metadata = state.protocol, state.metadata
-    for action in actions:
-        protocol = action.get("protocol", protocol)
-        metadata = action.get("metaData", metadata)
+    protocol, metadata = _apply(actions, files, state.protocol, state.metadata)
+    assert protocol is not None and metadata is not None
     return TableState(state.version + 1, protocol, metadata, files)
 
 
-def _apply(files: dict[str, dict[str, Any]], actions: list[dict[str, Any]]) -> None:
-    """A commit's file actions applied to the live files, by path."""
+def _apply(
+    actions: list[dict[str, Any]],
+    files: dict[str, dict[str, Any]],
+    protocol: dict[str, Any] | None,
+    metadata: dict[str, Any] | None,
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """A commit's actions applied: the live files (by path) updated in place; the protocol and
+    metadata in force after it returned."""
+    for action in actions:
+        protocol = action.get("protocol", protocol)
+        metadata = action.get("metaData", metadata)
     # One commit never adds and removes the same logical file: removes, then adds.
     for action in actions:
         removed: dict[str, Any] | None = action.get("remove")
@@ -144,6 +147,7 @@ def _apply(files: dict[str, dict[str, Any]], actions: list[dict[str, Any]]) -> N
     for action in actions:
         if "add" in action:
             files[action["add"]["path"]] = action["add"]
+    return protocol, metadata
 
 
 def deletion_vector_id(action: dict[str, Any]) -> str | None:
