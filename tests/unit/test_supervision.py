@@ -185,3 +185,56 @@ def test_a_rescale_waits_for_a_running_snapshot(hooks, monkeypatch, tmp_path):  
     with pytest.raises(AirflowFailException, match="duality_product_sales_snapshot is running"):
         task.execute({"params": {"replicas": None, "partitions": 8}, "ti": TaskInstance()})  # type: ignore[arg-type]
     assert asked == [("duality_product_sales_snapshot", ["running"])]
+
+
+def _takeover(monkeypatch, answers, wait_s: float = 60.0) -> list[int]:  # type: ignore[no-untyped-def]
+    """Run `await_takeover` for the ended driver 5 over heartbeat histories `answers` (one per
+    look, the last repeated); the number of looks it took."""
+    import threading
+    import time
+
+    from duality.stream import supervisor
+    from duality.stream.supervisor import await_takeover
+
+    looks: list[int] = []
+
+    def history(_settings, since_ms):  # type: ignore[no-untyped-def]
+        assert since_ms < time.time() * 1000 - 10_000, "a waiting standby beats every 5 s"
+        looks.append(1)
+        answer = answers[min(len(looks), len(answers)) - 1]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(supervisor.heartbeat, "history", history)
+    monkeypatch.setattr(supervisor, "TAKEOVER_POLL_S", 0.0)
+    monkeypatch.setattr(supervisor, "TAKEOVER_WAIT_S", wait_s)
+    spec = type("Spec", (), {"name": "p"})()
+    await_takeover(None, spec, 5, threading.Event())  # type: ignore[arg-type]
+    return looks
+
+
+def test_a_replacement_waits_for_the_standby_to_take_over(monkeypatch):
+    import time
+
+    later = time.time() * 1000 + 60_000
+    standby = {"p@standby": [{"pid": 8, "state": "standby"}]}
+    taken = {"p@standby": [{"pid": 8, "state": "active"}]}
+    running = {**taken, "p": [{"pid": 5, "state": "running", "last_progress_ms": later}]}
+    ran = {**taken, "p": [{"pid": 8, "state": "running", "last_progress_ms": later}]}
+    # Waits while the standby waits or takes over, and the ended driver's beats do not count.
+    assert len(_takeover(monkeypatch, [standby, taken, running, ran])) == 4
+
+
+def test_a_replacement_starts_at_once_without_a_standby(monkeypatch):
+    assert len(_takeover(monkeypatch, [{}])) == 1
+    # The ended driver was the standby itself, or the standby said it stopped.
+    assert len(_takeover(monkeypatch, [{"p@standby": [{"pid": 5, "state": "standby"}]}])) == 1
+    assert len(_takeover(monkeypatch, [{"p@standby": [{"pid": 8, "state": "stopped"}]}])) == 1
+    assert len(_takeover(monkeypatch, [RuntimeError("Kafka away")])) == 1
+
+
+def test_a_replacement_waits_no_longer_than_its_limit(monkeypatch):
+    # A standby that waits on (the first test's first answer) but never takes over.
+    standby = {"p@standby": [{"pid": 8, "state": "standby"}]}
+    assert len(_takeover(monkeypatch, [standby], wait_s=0.0)) == 1

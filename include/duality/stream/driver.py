@@ -3,6 +3,7 @@ child): creates the topics and runs the query, restarting it from its checkpoint
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -12,8 +13,9 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from duality import kafka
 from duality.config import Settings
@@ -46,10 +48,10 @@ class ElectionLost(Exception):
 
 
 def _heartbeat_listener(
-    heartbeat: Heartbeat, writer: ChangelogWriter, metrics: StreamMetrics | None
+    heartbeat: Heartbeat, fenced: Future[ChangelogWriter], metrics: StreamMetrics | None
 ) -> Any:
     """A StreamingQueryListener that turns query progress into heartbeats on `_duality-status`
-    and the state store's gauges."""
+    and the state store's gauges; the figures of the changelog's writer once it has fenced."""
     from pyspark.sql.streaming import StreamingQueryListener
 
     class Listener(StreamingQueryListener):
@@ -63,6 +65,7 @@ def _heartbeat_listener(
 
         def onQueryProgress(self, event: Any) -> None:
             progress = event.progress
+            writer = fenced.result()
             kafka_source = next(
                 (s for s in progress.sources if "kafka" in s.description.lower()), None
             )
@@ -102,6 +105,7 @@ def _heartbeat_listener(
             )
 
         def onQueryIdle(self, event: Any) -> None:
+            writer = fenced.result()
             heartbeat.publish(
                 "running",
                 idle=True,
@@ -135,6 +139,7 @@ class StreamDriver:
         self.metrics: StreamMetrics | None = None
         self.partitions = 0  # the state partitions in force, set by `run`
         self.election: Election  # set by `run`, once Spark runs
+        self._prepared: Any = None  # the query's frame, built by a standby while it waits
 
     def request_stop(self, *_: Any) -> None:
         self.stopping.set()
@@ -233,6 +238,12 @@ class StreamDriver:
             return True
         spec = self.spec
         self._warm_up(spark)
+        try:
+            # Built now, it is not built in the takeover (about 0.8 s); used if the checkpoint
+            # is still there then.
+            self._prepared = self._query_frame(spark, None)
+        except Exception as error:  # the takeover builds it then
+            log.warning("%s: building the query ahead failed: %s", spec.name, str(error)[:300])
         log.info("%s: standby, waiting for the active driver to end", spec.name)
         waiting = Heartbeat(self.settings, control.standby_key(spec.name))
         try:
@@ -312,21 +323,55 @@ class StreamDriver:
         log.info("%s: metrics on port %d (/metrics)", spec.name, endpoint.port)
         return metrics, endpoint
 
+    def _query_frame(self, spark: Any, starting_offsets: str | None) -> Any:
+        """The pipeline's query over its source (from `starting_offsets`, which a checkpoint's
+        own offsets override) and the seed folder of its checkpoint."""
+        spec, settings = self.spec, self.settings
+        checkpoint = seeding.checkpoint_dir(settings, spec)
+        source = (
+            spark.readStream.format("kafka")
+            .options(**settings.spark_kafka_source_options())
+            .option("subscribe", spec.source.topic)
+            .option("maxOffsetsPerTrigger", str(self.options.max_offsets_per_trigger))
+            .option("kafka.isolation.level", "read_committed")
+        )
+        if starting_offsets is not None:
+            source = source.option("startingOffsets", starting_offsets)
+        return build_query_frame(spec, source.load(), seeding.seeds_stream(spark, spec, checkpoint))
+
     def _run_query(self, spark: Any, heartbeat: Heartbeat) -> None:
         spec, settings = self.spec, self.settings
         checkpoint = seeding.checkpoint_dir(settings, spec)
         heartbeat.publish("restoring")
-        # First fence any older driver and abort its open transaction, then read what the
-        # changelog covers: the seed and the starting offsets below are a consistent pair.
-        writer = ChangelogWriter(settings, spec, checkpoint)
-        if seeding.checkpoint_usable(spec, checkpoint, self.partitions):
+        prepared, self._prepared = self._prepared, None
+        metrics = self.metrics
+        usable = seeding.checkpoint_usable(spec, checkpoint, self.partitions)
+
+        def fence() -> ChangelogWriter:
+            # Fences any older driver and aborts its open transaction, then reads the offsets
+            # the changelog covers.
+            writer = ChangelogWriter(settings, spec, checkpoint)
+            if metrics is not None:
+                metrics.committed(writer.committed)
+            return writer
+
+        fencing = ThreadPoolExecutor(1, thread_name_prefix="duality-fencing")
+        fenced = fencing.submit(fence)
+        fencing.shutdown(wait=False)
+        if usable:
             log.info(
                 "%s: resuming from the checkpoint %s (the state is in Spark's state store; the "
                 "changelog is not read)",
                 spec.name,
                 checkpoint,
             )
+            # Spark resumes from the checkpoint's offsets and needs nothing of the changelog:
+            # the fencing runs while the query starts, and the first micro-batch's write waits
+            # for it. A standby built the query's frame while it waited (decision 29).
+            frame = prepared if prepared is not None else self._query_frame(spark, None)
         else:
+            # Fenced first: the seed and the starting offsets below are a consistent pair.
+            writer = fenced.result()
             started = time.monotonic()
             seeding.prepare_checkpoint(spec, checkpoint, self.partitions)
             keys = seeding.write_seed(spark, settings, spec, checkpoint)
@@ -339,24 +384,12 @@ class StreamDriver:
                 time.monotonic() - started,
                 writer.committed or "the beginning",
             )
-        listener = _heartbeat_listener(heartbeat, writer, self.metrics)
-        if self.metrics is not None:
-            self.metrics.committed(writer.committed)
+            frame = self._query_frame(spark, writer.starting_offsets())
+        listener = _heartbeat_listener(heartbeat, fenced, metrics)
         spark.streams.addListener(listener)
-        source = (
-            spark.readStream.format("kafka")
-            .options(**settings.spark_kafka_source_options())
-            .option("subscribe", spec.source.topic)
-            .option("startingOffsets", writer.starting_offsets())
-            .option("maxOffsetsPerTrigger", str(self.options.max_offsets_per_trigger))
-            .option("kafka.isolation.level", "read_committed")
-            .load()
-        )
-        frame = build_query_frame(spec, source, seeding.seeds_stream(spark, spec, checkpoint))
-
-        metrics = self.metrics
 
         def apply(batch: Any, batch_id: int) -> None:
+            writer = fenced.result()
             result = writer.write(batch, batch_id)
             log.info("%s: batch %d: %s", spec.name, batch_id, result)
             if metrics is not None and not result.replayed:
@@ -378,6 +411,8 @@ class StreamDriver:
             last_batch = None
             while query.isActive and not self.stopping.is_set():
                 query.awaitTermination(1)
+                if fenced.done() and fenced.exception() is not None:
+                    raise cast(BaseException, fenced.exception())  # a refused login, say
                 if self.election.lost.is_set():
                     # Another driver may be active: stop now (the transactional producer's
                     # fencing makes this one's commits fail meanwhile) and wait again.
@@ -412,7 +447,8 @@ class StreamDriver:
             if query.isActive:
                 query.stop()
             spark.streams.removeListener(listener)
-            writer.close()
+            with contextlib.suppress(Exception):  # a fencing that failed has nothing to close
+                fenced.result().close()
 
     def _exit_for_new_driver(
         self, heartbeat: Heartbeat, state: str, message: str, code: int

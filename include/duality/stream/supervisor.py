@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,10 +22,19 @@ from duality.config import Settings
 from duality.errors import DualityError, LocalStackError, UsageError
 from duality.process import die_with_parent
 from duality.spec import PipelineSpec, find_spec
-from duality.stream.control import MODULE, pid_file, slot, streams_folder
+from duality.stream import heartbeat
+from duality.stream.control import MODULE, pid_file, slot, standby_key, streams_folder
 from duality.stream.options import StreamOptions
 
 log = logging.getLogger("duality.stream")
+
+# A driver that ends while a standby of its pipeline waits is replaced by a new standby once the
+# takeover runs the query (its first progress beat), or after this long: the new driver's JVM
+# start would otherwise take the cores of the takeover's first micro-batch on a shared host.
+TAKEOVER_WAIT_S = 60.0
+# A waiting standby beats every 5 s (`Election.wait_active`): one this recent is still there.
+STANDBY_SEEN_S = 15.0
+TAKEOVER_POLL_S = 1.0
 
 
 @contextlib.contextmanager
@@ -92,7 +102,46 @@ def supervise(settings: Settings, spec: PipelineSpec, pipeline: str, options: St
             )
             stopping.wait(backoff)
             backoff = min(backoff * 2, 30.0)
+            await_takeover(settings, spec, child.pid, stopping)
     return 0
+
+
+def await_takeover(
+    settings: Settings, spec: PipelineSpec, ended: int, stopping: threading.Event
+) -> None:
+    """If another driver of the pipeline stood by when the driver `ended` exited, wait until
+    that one runs the query as the active driver, it ends, `stopping` is set or
+    `TAKEOVER_WAIT_S` passes. Without a standby, or with Kafka away, return at once."""
+    now_ms = int(time.time() * 1000)
+    since_ms = now_ms - int(STANDBY_SEEN_S * 1000)
+    deadline = time.monotonic() + TAKEOVER_WAIT_S
+    while not stopping.is_set():
+        try:
+            beats = heartbeat.history(settings, since_ms)
+        except Exception as error:  # whatever stops the look, the new driver starts now
+            log.warning("%s: reading the heartbeats failed: %s", spec.name, error)
+            return
+        others = [b for b in beats.get(standby_key(spec.name), []) if b.get("pid") != ended]
+        if not others or others[-1].get("state") not in ("standby", "active"):
+            return
+        standby = others[-1]["pid"]
+        if any(
+            b.get("pid") == standby
+            and b.get("state") == "running"
+            and b.get("last_progress_ms", 0) >= now_ms
+            for b in beats.get(spec.name, [])
+        ):
+            log.info("%s: driver %s took over; starting a new standby", spec.name, standby)
+            return
+        if time.monotonic() > deadline:
+            log.warning(
+                "%s: driver %s has not taken over within %.0fs; starting a new driver",
+                spec.name,
+                standby,
+                TAKEOVER_WAIT_S,
+            )
+            return
+        stopping.wait(TAKEOVER_POLL_S)
 
 
 def entry_point(
