@@ -220,10 +220,13 @@ def test_a_replacement_waits_for_the_standby_to_take_over(monkeypatch):
     later = time.time() * 1000 + 60_000
     standby = {"p@standby": [{"pid": 8, "state": "standby"}]}
     taken = {"p@standby": [{"pid": 8, "state": "active"}]}
-    running = {**taken, "p": [{"pid": 5, "state": "running", "last_progress_ms": later}]}
-    ran = {**taken, "p": [{"pid": 8, "state": "running", "last_progress_ms": later}]}
-    # Waits while the standby waits or takes over, and the ended driver's beats do not count.
-    assert len(_takeover(monkeypatch, [standby, taken, running, ran])) == 4
+    progress = {"state": "running", "last_progress_ms": later, "committed_offsets": {}}
+    running = {**taken, "p": [{"pid": 5, **progress}]}
+    started = {**taken, "p": [{"pid": 8, "state": "running", "last_progress_ms": later}]}
+    ran = {**taken, "p": [{"pid": 8, **progress}]}
+    # Waits while the standby waits, takes over and starts its query (no progress yet); the
+    # ended driver's beats do not count.
+    assert len(_takeover(monkeypatch, [standby, taken, running, started, ran])) == 5
 
 
 def test_a_replacement_starts_at_once_without_a_standby(monkeypatch):

@@ -29,8 +29,8 @@ from duality.stream.options import StreamOptions
 log = logging.getLogger("duality.stream")
 
 # A driver that ends while a standby of its pipeline waits is replaced by a new standby once the
-# takeover runs the query (its first progress beat), or after this long: the new driver's JVM
-# start would otherwise take the cores of the takeover's first micro-batch on a shared host.
+# takeover's first micro-batch is done (its first progress beat), or after this long: the new
+# driver's JVM start would otherwise take that batch's cores on a shared host.
 TAKEOVER_WAIT_S = 60.0
 # A waiting standby beats every 5 s (`Election.wait_active`): one this recent is still there.
 STANDBY_SEEN_S = 15.0
@@ -110,7 +110,7 @@ def await_takeover(
     settings: Settings, spec: PipelineSpec, ended: int, stopping: threading.Event
 ) -> None:
     """If another driver of the pipeline stood by when the driver `ended` exited, wait until
-    that one runs the query as the active driver, it ends, `stopping` is set or
+    that one's query reports progress as the active driver, it ends, `stopping` is set or
     `TAKEOVER_WAIT_S` passes. Without a standby, or with Kafka away, return at once."""
     now_ms = int(time.time() * 1000)
     since_ms = now_ms - int(STANDBY_SEEN_S * 1000)
@@ -128,6 +128,7 @@ def await_takeover(
         if any(
             b.get("pid") == standby
             and b.get("state") == "running"
+            and "committed_offsets" in b  # a micro-batch's progress, or the query idle
             and b.get("last_progress_ms", 0) >= now_ms
             for b in beats.get(spec.name, [])
         ):
