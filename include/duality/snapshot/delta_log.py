@@ -189,6 +189,22 @@ def _checkpoint_state(
     return at + 1, _present(protocol), _present(metadata), live
 
 
+def checkpoint_if_due(spark: SparkSession, path: Path, version: int, interval: int) -> bool:
+    """Delta checkpoints a table's log, and removes the log files past their retention, when one
+    of its own commits lands on a multiple of `delta.checkpointInterval`; duality's commits
+    (decision 30) are not Delta's, so after one of them Delta is asked to checkpoint `version`
+    once `interval` commits follow the newest checkpoint. True when it did."""
+    names = [entry.name for entry in (path / "_delta_log").iterdir()]
+    newest = max((int(match[1]) for name in names if (match := _CHECKPOINT.match(name))), default=0)
+    if version - newest < interval:
+        return False
+    jvm: Any = spark._jvm  # Delta has no API for it but its DeltaLog's
+    log = jvm.org.apache.spark.sql.delta.DeltaLog.forTable(spark._jsparkSession, str(path))
+    none = jvm.scala.Option.empty()
+    log.checkpoint(log.update(False, none, none), none)
+    return True
+
+
 def _present(value: Any) -> Any:
     """A checkpoint's struct as its JSON commit would hold it: absent fields and the parsed
     copies of statistics and partition values left out."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,8 @@ PUBLISHED_VERSION = "duality.published.version"
 PUBLISHED_COVERAGE = "duality.published.coverage"
 VALIDATION = "duality.validation"  # the latest verdict, for people reading the properties
 _COMMIT_ATTEMPTS = 3
+
+log = logging.getLogger("duality.snapshot")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,8 +195,16 @@ def _metadata_commit(
         if state is None or dv_commit.blocker(state) is not None:
             break
         version = dv_commit.set_properties(path, state, properties, metadata)
-        if version is not None:
-            return version
+        if version is None:
+            continue
+        # A publication's commit is also when the log is checkpointed, as Delta's own commits
+        # do it: readers replay fewer JSON commits, and expired log files are removed.
+        interval = int(state.properties.get("delta.checkpointInterval", "10"))
+        if PUBLISHED_VERSION in properties and delta_log.checkpoint_if_due(
+            spark, path, version, interval
+        ):
+            log.info("%s: Delta checkpointed the log at version %d", path, version)
+        return version
 
     def literal(text: str) -> str:
         return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"

@@ -374,9 +374,15 @@ def test_publish_reads_the_verdict_from_the_table_not_from_a_report(
     def worker(name: str) -> Settings:
         return settings.replace(reports=tmp_path / name / "reports", local_dir=tmp_path / name)
 
+    # Delta checkpoints the log every 4 commits of its own; the publication (duality's commit,
+    # 3 versions after this one) asks Delta for the checkpoint that is due.
+    path = spec.snapshot_path(settings)
+    table = delta_log.sql_name(path)
+    spark.sql(f"ALTER TABLE {table} SET TBLPROPERTIES ('delta.checkpointInterval' = '4')")
     for version, success in ((passed, True), (failed, False)):
         report = validate.run(worker("a"), spec, version=version, publish=False, spark=spark)
         assert report.success is success and not report.published
+    assert not list((path / "_delta_log").glob("*.checkpoint.parquet"))
 
     def run_publish(version: int) -> subprocess.CompletedProcess[str]:
         return run_duality(
@@ -393,5 +399,14 @@ def test_publish_reads_the_verdict_from_the_table_not_from_a_report(
     done = run_publish(passed)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout)["published_version"] == passed
-    assert publish.published(spark, spec.snapshot_path(settings)).version == passed  # type: ignore[union-attr]
+    assert publish.published(spark, path).version == passed  # type: ignore[union-attr]
     assert not (tmp_path / "b" / "reports").exists()
+    # The publication's commit is checkpointed: Delta, a second engine and duality's own replay
+    # (from the checkpoint now) read the same table.
+    latest = delta_log.history(path)[0].version
+    assert json.loads((path / "_delta_log" / "_last_checkpoint").read_text())["version"] == latest
+    state = delta_log.table_state(path, latest)
+    assert state is not None and state.properties[publish.PUBLISHED_VERSION] == str(passed)
+    assert state.rows == delta_log.load(spark, path).count() == len(_truth(settings, spec))
+    assert _table(delta_log.load(spark, path), spec) == _truth(settings, spec)
+    assert _second_engine(path, spec) == _truth(settings, spec)
