@@ -189,11 +189,15 @@ def _checkpoint_state(
     return at + 1, _present(protocol), _present(metadata), live
 
 
-def checkpoint_if_due(spark: SparkSession, path: Path, version: int, interval: int) -> bool:
+def checkpoint_if_due(
+    spark: SparkSession, path: Path, version: int, properties: dict[str, str]
+) -> bool:
     """Delta checkpoints a table's log, and removes the log files past their retention, when one
-    of its own commits lands on a multiple of `delta.checkpointInterval`; duality's commits
-    (decision 30) are not Delta's, so after one of them Delta is asked to checkpoint `version`
-    once `interval` commits follow the newest checkpoint. True when it did."""
+    of its own commits lands on a multiple of `delta.checkpointInterval` (the table's
+    `properties`, 10 by default); duality's commits (decision 30) are not Delta's, so after one
+    of them Delta is asked to checkpoint `version` once that many commits follow the newest
+    checkpoint. True when it did."""
+    interval = int(properties.get("delta.checkpointInterval", "10"))
     names = [entry.name for entry in (path / "_delta_log").iterdir()]
     newest = max((int(match[1]) for name in names if (match := _CHECKPOINT.match(name))), default=0)
     if version - newest < interval:

@@ -199,9 +199,8 @@ def _metadata_commit(
             continue
         # A publication's commit is also when the log is checkpointed, as Delta's own commits
         # do it: readers replay fewer JSON commits, and expired log files are removed.
-        interval = int(state.properties.get("delta.checkpointInterval", "10"))
         if PUBLISHED_VERSION in properties and delta_log.checkpoint_if_due(
-            spark, path, version, interval
+            spark, path, version, state.properties
         ):
             log.info("%s: Delta checkpointed the log at version %d", path, version)
         return version

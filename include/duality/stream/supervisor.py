@@ -100,9 +100,10 @@ def supervise(settings: Settings, spec: PipelineSpec, pipeline: str, options: St
             log.warning(
                 "%s: driver exited with %d; starting a new one in %.0fs", spec.name, code, backoff
             )
+            # From the exit on: the standby's first progress beat may come within the backoff.
+            await_takeover(settings, spec, child.pid, stopping)
             stopping.wait(backoff)
             backoff = min(backoff * 2, 30.0)
-            await_takeover(settings, spec, child.pid, stopping)
     return 0
 
 
