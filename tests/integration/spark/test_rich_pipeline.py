@@ -13,7 +13,7 @@ import re
 import shutil
 import statistics
 from collections import defaultdict
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Any
@@ -138,7 +138,9 @@ def workload(count: int, start: int, seed: int) -> list[bytes]:
 
 
 def _ts_ms(text: str) -> int:
-    return int(datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() * 1000)
+    """Epoch milliseconds, in whole numbers (a float's product may fall short by one)."""
+    moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    return (moment - datetime(1970, 1, 1, tzinfo=UTC)) // timedelta(milliseconds=1)
 
 
 def evaluate(order: dict[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
@@ -199,20 +201,63 @@ class Expected:
     distinct: dict[tuple, int]  # exact distinct customers per key
 
 
-SIZE, SLIDE = 20 * 60_000, 5 * 60_000
+SIZE, SLIDE, DELAY = 20 * 60_000, 5 * 60_000, 10 * 60_000
+
+
+def watermarks(
+    spec: PipelineSpec, records: list[truth.Record], queries: list[list[truth.Batch]]
+) -> list[int]:
+    """Each micro-batch's watermark, recomputed from the records as Spark defines it: the
+    largest event time of the good records (kept by the filter, no error) of the query's
+    earlier micro-batches minus the delay, never going back. Only each batch's end offsets
+    come from the checkpoints (`queries`: one list of batches per query, in order); a
+    restart from the checkpoint continues its query's watermark, and a query started after
+    the checkpoint was lost starts without one, its first micro-batch also reading the state
+    seeded from the changelog, whose rows carry their windows' starts as event times."""
+    batches = [b for query in queries for b in query]
+    latest: dict[int, int] = {}  # the largest good event time, by batch
+    for partition, offset, _, value in records:
+        index = next(i for i, b in enumerate(batches) if offset < b.end_offsets[partition])
+        reason, document = truth.classify_record(spec, value)
+        if reason is not None or evaluate(document)[1] is None:
+            continue
+        latest[index] = max(_ts_ms(document["ts"]), latest.get(index, LONG_MIN))
+    result: list[int] = []
+    seen = LONG_MIN  # the largest good event time of the earlier queries
+    for number, query in enumerate(queries):
+        # The windows seeded from the changelog: the latest of them starts at the slide
+        # holding the largest event time counted before (that record is never late).
+        most = seen - seen % SLIDE if number > 0 and seen > LONG_MIN else LONG_MIN
+        watermark = 0
+        for index in range(len(result), len(result) + len(query)):
+            result.append(watermark)
+            most = max(most, latest.get(index, LONG_MIN))
+            if most > LONG_MIN:
+                watermark = max(watermark, most - DELAY)
+        seen = max([seen, *(latest.get(i, LONG_MIN) for i in range(len(result)))])
+    return result
 
 
 def expected(
-    spec: PipelineSpec, records: list[truth.Record], batches: list[truth.Batch]
+    spec: PipelineSpec, records: list[truth.Record], queries: list[list[truth.Batch]]
 ) -> Expected:
-    """Each record's micro-batch (`batches`, in order, from the checkpoints' offset logs)
-    gives its watermark; each (record, window) pair whose window ended by then is dropped, and
-    a record with all its pairs dropped is dead-lettered as late."""
+    """Each record's micro-batch (from the checkpoints' offset logs: `queries`, one list of
+    batches per query) gives its watermark, recomputed (`watermarks`); each (record, window)
+    pair whose window ended by then is dropped, and a record with all its pairs dropped is
+    dead-lettered as late."""
+    records = sorted(records, key=lambda r: (r[0], r[1]))
+    batches = [b for query in queries for b in query]
+    recomputed = watermarks(spec, records, queries)
+    # The product's own record of them agrees (Spark's offset log).
+    recorded = [b.watermark_ms for b in batches]
+    assert recorded == recomputed, [
+        (i, r, w) for i, (r, w) in enumerate(zip(recorded, recomputed, strict=True)) if r != w
+    ][:5]
     groups: dict[tuple, list[tuple[tuple[int, int, int], dict[str, Any]]]] = defaultdict(list)
     result = Expected({}, {}, 0, 0, {})
-    for partition, offset, _, value in sorted(records, key=lambda r: (r[0], r[1])):
+    for partition, offset, _, value in records:
         index = next(i for i, b in enumerate(batches) if offset < b.end_offsets[partition])
-        watermark = batches[index].watermark_ms
+        watermark = recomputed[index]
         reason, document = truth.classify_record(spec, value)
         values = None
         if reason is None:
@@ -326,7 +371,7 @@ def test_every_construct_through_kill_and_restore(settings: Settings, spark, tmp
         stream.wait_caught_up()
         assert stream.stop() == 0
         _reconcile(settings, spec, spark)
-        batches = truth.batches_from_checkpoint(checkpoint, topic)
+        first = truth.batches_from_checkpoint(checkpoint, topic)
         shutil.rmtree(checkpoint)  # lost: the state is restored from the changelog's _state
         _produce(settings, topic, workload(1_200, 2_400, seed=2))
         stream.start()
@@ -334,11 +379,11 @@ def test_every_construct_through_kill_and_restore(settings: Settings, spark, tmp
     finally:
         assert stream.stop() == 0, stream.tail()
     assert len(re.findall(r"restored (\d+) keys", log.read_text())) == 2
-    batches += truth.batches_from_checkpoint(checkpoint, topic)
+    queries = [first, truth.batches_from_checkpoint(checkpoint, topic)]
 
     source = read_topic(settings, topic)
     assert len(source) == 3_600
-    want = expected(spec, source, batches)
+    want = expected(spec, source, queries)
     latest = read_latest(settings, spec)
     got = {
         tuple(v[c] for c in spec.key_columns): {c: v.get(c) for c in spec.aggregates}
