@@ -88,7 +88,7 @@ def command_scenarios(
     server.start()
     say(f"the server took {time.perf_counter() - started:.1f} s to start")
     try:
-        warm_settings = settings.replace(batch_server=server.address)
+        warm_settings = settings.replace(**server.client_settings())
         say("a first sequence through the server, on a tenth of the keys")
         _sequence(
             warm_settings, source, max(1_000, keys // 10), pipelines, f"bench_cmdw_{stamp}", "", say

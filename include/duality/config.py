@@ -21,6 +21,8 @@ LOGIN_MODULES = {
     "SCRAM-SHA-256": "org.apache.kafka.common.security.scram.ScramLoginModule",
     "SCRAM-SHA-512": "org.apache.kafka.common.security.scram.ScramLoginModule",
 }
+# The shortest batch server secret taken (`duality up` makes one of 43 characters).
+MIN_SECRET_LENGTH = 16
 # What the local stack runs Airflow on: standalone on SQLite, or its components on PostgreSQL.
 AIRFLOW_DBS = ("sqlite", "postgres")
 # The pipelines shipped in the package (the demo's), whether installed or checked out.
@@ -66,6 +68,14 @@ class Settings:
     # How long a batch step waits for a server that does not answer yet (one being restarted
     # takes its Spark's start, over a minute on a busy machine) before it fails.
     batch_server_wait_s: float = 180.0
+    # The batch server's shared secret, which every request carries (docs/operations.md,
+    # "Securing the batch server"): the value, or a file that holds it. Never shown: not in
+    # repr(), not in the settings a client sends with a step, in no log or error.
+    batch_server_secret: str | None = dataclasses.field(default=None, repr=False)
+    batch_server_secret_file: Path | None = None
+    # TLS: the certificate the server presents and its clients trust, and the server's key.
+    batch_server_tls_cert: Path | None = None
+    batch_server_tls_key: Path | None = None
     # State partitions of a stream whose spec sets no `parallelism`; unset, one per core of a
     # local master, 4 on a cluster.
     stream_partitions: int | None = None
@@ -126,6 +136,7 @@ class Settings:
                 f"{PREFIX}BATCH_SERVER={self.batch_server!r} is not host:port: write it like "
                 "127.0.0.1:7078, or unset it to run each step in a Spark of its own"
             )
+        self._check_batch_server_security()
         if self.pushgateway is not None and not re.fullmatch(r"[^\s:/]+:\d+", self.pushgateway):
             raise UsageError(
                 f"{PREFIX}PUSHGATEWAY={self.pushgateway!r} is not host:port: write it like "
@@ -170,10 +181,56 @@ class Settings:
             "repartition_config",
             "local_dir",
             "reports",
+            "batch_server_secret_file",
+            "batch_server_tls_cert",
+            "batch_server_tls_key",
         ):
             value = getattr(self, field)
-            if not value.is_absolute():
+            if value is not None and not value.is_absolute():
                 object.__setattr__(self, field, (self.home / value).resolve())
+
+    def _check_batch_server_security(self) -> None:
+        secret, secret_file = self.batch_server_secret, self.batch_server_secret_file
+        if secret is not None and secret_file is not None:
+            raise UsageError(
+                f"both {PREFIX}BATCH_SERVER_SECRET and {PREFIX}BATCH_SERVER_SECRET_FILE are set: "
+                "set one of them (the file keeps the secret out of the environment)"
+            )
+        if secret is not None and len(secret.strip()) < MIN_SECRET_LENGTH:
+            raise UsageError(
+                f"{PREFIX}BATCH_SERVER_SECRET is shorter than {MIN_SECRET_LENGTH} characters: "
+                "use a long random one (`duality up` makes one for the local stack)"
+            )
+        if self.batch_server_tls_key is not None and self.batch_server_tls_cert is None:
+            raise UsageError(
+                f"{PREFIX}BATCH_SERVER_TLS_KEY is set without {PREFIX}BATCH_SERVER_TLS_CERT: set "
+                "the certificate too, or unset the key"
+            )
+
+    def read_batch_server_secret(self) -> str | None:
+        """The batch server's shared secret: the setting's, else the first line of its file;
+        None when neither is set. A file that cannot be read, or holds too short a secret, is a
+        UsageError naming the setting (never the secret)."""
+        if self.batch_server_secret is not None:
+            return self.batch_server_secret.strip()
+        if self.batch_server_secret_file is None:
+            return None
+        setting = f"{PREFIX}BATCH_SERVER_SECRET_FILE={self.batch_server_secret_file}"
+        try:
+            text = self.batch_server_secret_file.read_text()
+        except (OSError, UnicodeDecodeError) as error:
+            reason = getattr(error, "strerror", None) or type(error).__name__
+            raise UsageError(
+                f"{setting} cannot be read ({reason}): point it at the file holding the batch "
+                "server's secret"
+            ) from None
+        secret = (text.strip().splitlines() or [""])[0].strip()
+        if len(secret) < MIN_SECRET_LENGTH:
+            raise UsageError(
+                f"{setting} holds no secret of at least {MIN_SECRET_LENGTH} characters: write a "
+                "long random one into it (`duality up` makes one for the local stack)"
+            )
+        return secret
 
     def _check_sasl(self) -> None:
         sasl = self.security_protocol.startswith("SASL_")
@@ -388,6 +445,14 @@ def describe() -> list[tuple[str, str, str]]:
         "(`duality up` starts one); unset: each step starts a Spark of its own",
         "batch_server_wait_s": "seconds a batch step waits for a batch server that does not "
         "answer yet (starting or restarting) before it fails",
+        "batch_server_secret": "the batch server's shared secret, sent with every request "
+        "(in Airflow, the `spark_default` connection's password); never printed or logged",
+        "batch_server_secret_file": "a file holding the batch server's secret, instead of "
+        "`DUALITY_BATCH_SERVER_SECRET` (`duality up` makes one)",
+        "batch_server_tls_cert": "the batch server's TLS certificate: the server presents it, "
+        "its clients trust it; unset: no TLS (`duality up` makes one)",
+        "batch_server_tls_key": "the private key of `DUALITY_BATCH_SERVER_TLS_CERT` (the "
+        "batch server only)",
         "stream_partitions": "state partitions of a stream whose spec sets no `parallelism` "
         "(unset: one per core of a local master, 4 on a cluster); fixed in its checkpoint, "
         "changed by `duality stream rescale`",

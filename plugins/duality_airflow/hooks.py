@@ -65,12 +65,19 @@ class DualityHook(BaseHook):
 
     def settings(self) -> Settings:
         """The settings; reading the Kafka connection's extra registers its `sasl.password` with
-        Airflow's secrets masker, so a task log shows it as `***`."""
+        Airflow's secrets masker, so a task log shows it as `***`, as reading the Spark
+        connection does its password (the batch server's secret). A secret from the
+        environment or its file is registered too."""
         if self._settings is None:
             kafka = self._connection(self.kafka_conn_id)
             spark = self._connection(self.spark_conn_id)
             extra = kafka.extra_dejson if kafka is not None else None
             self._settings = _with_connections(extra, spark)
+            secret = _secret(self._settings)
+            if secret:
+                from airflow.sdk.log import mask_secret
+
+                mask_secret(secret)
         return self._settings
 
     async def asettings(self) -> Settings:
@@ -80,6 +87,11 @@ class DualityHook(BaseHook):
             spark = await self._aconnection(self.spark_conn_id)
             extra = await kafka.aextra_dejson() if kafka is not None else None
             self._settings = _with_connections(extra, spark)
+            secret = _secret(self._settings)
+            if secret:
+                from airflow.sdk.log import amask_secret
+
+                await amask_secret(secret)
         return self._settings
 
     @staticmethod
@@ -179,7 +191,21 @@ def _with_connections(kafka_extra: dict[str, Any] | None, spark_conn: Any) -> Se
     changes = overrides(
         kafka_extra, (spark_conn.host, spark_conn.port) if spark_conn is not None else None
     )
+    if spark_conn is not None and spark_conn.password:
+        # The batch server's secret: the connection's takes over the environment's, and its file.
+        changes |= {"batch_server_secret": spark_conn.password, "batch_server_secret_file": None}
     return Settings.from_env().replace(**changes)
+
+
+def _secret(settings: Settings) -> str | None:
+    """The batch server's secret, whichever setting gives it, for Airflow's masker (an
+    unreadable file is left for the command to name)."""
+    from duality.errors import DualityError
+
+    try:
+        return settings.read_batch_server_secret()
+    except DualityError:
+        return None
 
 
 def spark_master(host: str | None, port: int | None) -> str | None:

@@ -112,3 +112,26 @@ def test_the_trigger_carries_connection_ids_not_settings(plugins, monkeypatch): 
         "poll_s": 3.0,
     }
     assert "s3cret" not in json.dumps(arguments)
+
+
+def test_the_batch_servers_secret_comes_from_spark_default_and_is_masked(plugins, monkeypatch):  # type: ignore[no-untyped-def]
+    """The Spark connection's password is the batch server's secret: it takes over the
+    environment's secret file, and Airflow's masker hides it in task logs, as it does a secret
+    from the environment."""
+    hooks, _, _ = plugins
+    from airflow.sdk.log import redact
+
+    secret = "from-the-connection-0123456789"
+    monkeypatch.setenv("DUALITY_BATCH_SERVER_SECRET_FILE", "/run/secrets/batch_server_secret")
+    connection = {"conn_type": "spark", "host": "local[2]", "password": secret}
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", json.dumps(connection))
+    for seen in (hooks.DualityHook().settings(), asyncio.run(hooks.DualityHook().asettings())):
+        assert seen.batch_server_secret == secret and seen.batch_server_secret_file is None
+        assert secret not in repr(seen)
+    assert redact(f"a line with {secret} in it") == "a line with *** in it"
+    monkeypatch.delenv("AIRFLOW_CONN_SPARK_DEFAULT")
+    monkeypatch.delenv("DUALITY_BATCH_SERVER_SECRET_FILE")
+    from_env = "from-the-environment-0123456789"
+    monkeypatch.setenv("DUALITY_BATCH_SERVER_SECRET", from_env)
+    assert hooks.DualityHook().settings().batch_server_secret == from_env
+    assert redact(f"{from_env}!") == "***!"

@@ -311,6 +311,25 @@ def test_the_batch_server_runs_the_steps_of_airflows_tasks():
     assert scheduler[BATCH_SERVER]["condition"] == "service_healthy"
 
 
+def test_the_batch_servers_secret_is_a_compose_secret_of_the_server_and_airflow():
+    """docs/operations.md, "Securing the batch server": one file-based compose secret, mounted in
+    the batch server and every Airflow service, where DUALITY_BATCH_SERVER_SECRET_FILE points;
+    the secret itself is in no environment."""
+    secrets = _compose().get("secrets") or {}
+    assert set(secrets) == {"batch_server_secret"}, secrets
+    assert secrets["batch_server_secret"] == {"file": "./secrets/batch-server-secret"}
+    assert "secrets/" in (ROOT / ".gitignore").read_text().split()
+    assert "secrets/" in (ROOT / ".dockerignore").read_text().split()
+    for name in (BATCH_SERVER, *AIRFLOW):
+        mounted = [s if isinstance(s, str) else s["source"] for s in _service(name)["secrets"]]
+        assert mounted == ["batch_server_secret"], name
+        settings = Settings.from_env(_env(name))
+        assert settings.batch_server_secret_file == Path("/run/secrets/batch_server_secret")
+        assert settings.batch_server_secret is None, name
+    for name in _services():
+        assert f"{PREFIX}BATCH_SERVER_SECRET" not in _env(name), name
+
+
 def test_every_interpolation_has_a_default():
     # _interpolate asserts on a variable without a default; run it over the whole file.
     for name in _services():

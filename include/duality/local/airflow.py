@@ -103,6 +103,12 @@ class LocalAirflow:
             self.home.mkdir(parents=True, exist_ok=True)
             secret_file.write_text(base64.urlsafe_b64encode(os.urandom(24)).decode())
         local = f"http://localhost:{self.port}"
+        # The Spark provider's form; its password is the batch server's secret, which Airflow
+        # masks in task logs, and which the hook gives the tasks' steps.
+        spark = {"conn_type": "spark", "host": settings.spark_master}
+        secret = settings.read_batch_server_secret() if settings.batch_server else None
+        if secret is not None:
+            spark["password"] = secret
         airflow = {
             "AIRFLOW_HOME": str(self.home),
             "AIRFLOW__CORE__DAGS_FOLDER": str(settings.home / "dags"),
@@ -122,9 +128,7 @@ class LocalAirflow:
             "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
             "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "True",
             "AIRFLOW_CONN_KAFKA_DEFAULT": json.dumps({"conn_type": "kafka", "extra": kafka_extra}),
-            "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps(
-                {"conn_type": "spark", "host": settings.spark_master}
-            ),
+            "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps(spark),
             "NO_COLOR": "1",
             # Airflow's own processes need not probe the network for analytics.
             "SCARF_ANALYTICS": "false",

@@ -141,7 +141,8 @@ def up(
     server = LocalBatchServer(Settings.from_env({**settings.as_env(), **chosen}))
     progress("starting the batch server (a warm Spark for the batch steps)")
     batch = server.start()
-    chosen["DUALITY_BATCH_SERVER"] = server.address
+    # Its address, and the secret and certificate its clients need (made by `start`).
+    chosen |= {f"DUALITY_{k.upper()}": str(v) for k, v in server.client_settings().items()}
     chosen["DUALITY_AIRFLOW_DB"] = topology.airflow_db
     # Later commands (and Airflow's tasks) find the stack through the record: `Settings.from_env`.
     settings.local_dir.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,9 @@
 """The snapshot DAG on the batch server (issue #30, docs/decisions/0026): Airflow's tasks send
-their steps to one warm Spark, which runs two pipelines' DAGs at once, stops a step whose task
-was set to failed, and whose loss mid-step fails the task clearly, its retry publishing.
+their steps to one warm Spark, which runs two pipelines' DAGs at once (their steps overlapping
+on the server), stops a step whose task was set to failed, and whose loss mid-step fails the
+task clearly, its retry publishing. The server takes only requests that carry its secret, over
+TLS with the certificate it made as `duality up` does, within its own folders (issue #46,
+docs/decisions/0034); the secret is in no log.
 
 One Airflow and one batch server (local mode) serve the module's tests; each has pipelines of
 its own. The topology test runs the same server on the Spark standalone cluster."""
@@ -9,8 +12,12 @@ from __future__ import annotations
 
 import os
 import random
+import socket
+import ssl
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,13 +30,16 @@ from duality.local.batch_server import LocalBatchServer
 from duality.local.ports import free_port
 from duality.snapshot import publish
 from duality.spec import PipelineSpec
-from tests.harness import assert_eventually, make_pipeline
+from tests.harness import assert_eventually, make_pipeline, run_duality
 from tests.integration.snapshot.test_snapshot import _create_changelog, _row, _table, _truth
 from tests.integration.snapshot.test_snapshot import _write as write_changelog
 from tests.stack import running_airflow, task_logs
 
 # Enough changelog records that a snapshot step runs for seconds on a warm server.
 LONG_KEYS = 300_000
+# Keys of each of the two pipelines whose DAGs run at once: their steps take seconds each, longer
+# than the gap between the starts of two tasks that the scheduler queues together.
+OVERLAP_KEYS = 40_000
 
 
 @dataclass
@@ -52,7 +62,9 @@ def stack(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Itera
     server = LocalBatchServer(scoped)
     server.start()
     try:
-        scoped = scoped.replace(batch_server=server.address)
+        # Its address, secret file and certificate, as `duality up` records them; Airflow's
+        # `spark_default` gets the secret as its password.
+        scoped = scoped.replace(**server.client_settings())
         with running_airflow(scoped) as client:
             yield Stack(scoped, server, client)
     finally:
@@ -89,20 +101,136 @@ def _log(stack: Stack) -> str:
 
 
 def _running(stack: Stack, spec: PipelineSpec) -> bool:
-    steps = server_report(stack.settings.batch_server or "")["steps"]
+    steps = server_report(stack.settings)["steps"]
     return any(f"snapshot {spec.name}" in step["command"] for step in steps)
 
 
+def _secret(stack: Stack) -> str:
+    secret = stack.settings.read_batch_server_secret()
+    assert secret is not None and len(secret) >= 40
+    return secret
+
+
+def _ended(stack: Stack, pipeline: str) -> list[dict[str, Any]]:
+    """The steps of `pipeline` that ended on the server, with their start and end times."""
+    ended = server_report(stack.settings)["ended"]
+    return [step for step in ended if step["command"].split()[1:2] == [pipeline]]
+
+
+def overlapping(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The pairs of steps, one of each list, whose runs intersect (one started before the other
+    ended): none when the server ran them one at a time."""
+    return [
+        (a["command"], b["command"])
+        for a in first
+        for b in second
+        if max(a["started"], b["started"]) < min(a["ended"], b["ended"])
+    ]
+
+
+def test_overlapping_finds_steps_that_ran_at_once_and_none_of_steps_run_in_turn():
+    def step(command: str, started: float, ended: float) -> dict[str, Any]:
+        return {"command": command, "started": started, "ended": ended}
+
+    a = [step("snapshot a", 0.0, 4.0), step("validate a", 4.5, 6.0)]
+    assert overlapping(a, [step("snapshot b", 3.0, 5.0)]) == [("snapshot a", "snapshot b")]
+    # One at a time, even back to back: no overlap.
+    assert overlapping(a, [step("snapshot b", 4.0, 4.5), step("validate b", 6.0, 7.0)]) == []
+
+
 def test_two_pipelines_snapshot_dags_at_once_on_one_server(spark, stack: Stack):  # type: ignore[no-untyped-def]
-    pipelines = [_pipeline(stack, 500, seed) for seed in (1, 2)]
+    pipelines = [_pipeline(stack, OVERLAP_KEYS, seed) for seed in (1, 2)]
     dags = [f"duality_{spec.name}_snapshot" for spec in pipelines]
-    _run_dags(stack.client, {dag_id: {} for dag_id in dags}, lambda _: None)
+    for dag_id in dags:  # both parsed first, so that both runs start together
+        stack.client.wait_for_dag(dag_id)
+    runs = _run_dags(stack.client, {dag_id: {} for dag_id in dags}, lambda _: None)
     log = _log(stack)
     for spec in pipelines:
         _, table = _published(spark, stack, spec)
         assert table == _truth(stack.settings, spec), spec.name
         for step in (f"snapshot {spec.name}", f"validate {spec.name}", f"publish {spec.name}"):
             assert f"duality {step}" in log, f"the server did not run `{step}`"
+    # The server ran them at once: by its own record, a step of one pipeline started before one
+    # of the other ended (a server running steps one at a time would show none).
+    first, second = (_ended(stack, spec.name) for spec in pipelines)
+    assert len(first) == len(second) == 3, (first, second)
+    assert overlapping(first, second), f"no two steps overlapped: {first} {second}"
+    # The tasks sent the secret (from `spark_default`), which no task log nor the server's holds.
+    secret = _secret(stack)
+    for dag_id, run_id in runs.items():
+        for task in ("snapshot", "validate", "publish"):
+            assert secret not in stack.client.task_log(dag_id, run_id, task, 1), (dag_id, task)
+    assert secret not in log
+
+
+def _step(stack: Stack, *args: str, **env: str) -> Any:
+    """`duality ARGS --json` as a thin client of the server, with the stack's settings and `env`
+    on top ("" unsets a variable)."""
+    variables = {**stack.settings.as_env(), **env}
+    return run_duality({k: v for k, v in variables.items() if v}, *args, "--json")
+
+
+def test_the_server_runs_only_requests_with_its_secret_and_says_why_not(stack: Stack):
+    spec = _pipeline(stack, 100, 5)
+    secret = _secret(stack)
+    before = len(_ended(stack, spec.name))
+    no_secret = _step(stack, "snapshot", spec.name, DUALITY_BATCH_SERVER_SECRET_FILE="")
+    wrong = _step(
+        stack,
+        "snapshot",
+        spec.name,
+        DUALITY_BATCH_SERVER_SECRET_FILE="",
+        DUALITY_BATCH_SERVER_SECRET="not-the-servers-secret-0123456789",
+    )
+    for done, reason in (
+        (no_secret, "the request carries no secret"),
+        (wrong, "the request's secret is not the server's"),
+    ):
+        assert done.returncode == 2, done.stderr
+        assert f"refused `duality snapshot {spec.name} --json`: {reason}: set " in done.stderr
+        assert secret not in done.stdout + done.stderr
+    assert len(_ended(stack, spec.name)) == before  # nothing ran
+    assert _log(stack).count("refused a request from 127.0.0.1") >= 2
+    # The right secret: the step runs.
+    done = _step(stack, "snapshot", spec.name)
+    assert done.returncode == 0, done.stderr
+    assert [s["exit"] for s in _ended(stack, spec.name)] == [0]
+    assert secret not in done.stdout + done.stderr and secret not in _log(stack)
+
+
+def test_the_server_speaks_tls_with_the_certificate_it_made(stack: Stack):
+    certificate = stack.server.tls_cert
+    assert stack.settings.batch_server_tls_cert == certificate
+    assert oct(stack.server.tls_key.stat().st_mode & 0o777) == "0o600"
+    assert oct(stack.server.secret_file.stat().st_mode & 0o777) == "0o600"
+    host, _, port = (stack.settings.batch_server or "").rpartition(":")
+    context = ssl.create_default_context(cafile=str(certificate))
+    with (
+        socket.create_connection((host, int(port)), timeout=10) as raw,
+        context.wrap_socket(raw, server_hostname=host) as secured,
+    ):
+        presented = secured.getpeercert(binary_form=True)
+        assert presented == ssl.PEM_cert_to_DER_cert(certificate.read_text())
+        assert secured.version() in ("TLSv1.2", "TLSv1.3")
+    spec = _pipeline(stack, 100, 6)
+    plain = _step(stack, "snapshot", spec.name, DUALITY_BATCH_SERVER_TLS_CERT="")
+    assert plain.returncode == 2, plain.stderr
+    assert "takes TLS connections only: set DUALITY_BATCH_SERVER_TLS_CERT" in plain.stderr
+    assert _ended(stack, spec.name) == []
+
+
+def test_settings_outside_the_servers_warehouse_are_refused_naming_the_setting(
+    stack: Stack, tmp_path: Path
+):
+    spec = _pipeline(stack, 100, 7)
+    elsewhere = tmp_path / "warehouse"
+    done = _step(stack, "snapshot", spec.name, DUALITY_WAREHOUSE=str(elsewhere))
+    assert done.returncode == 2, done.stderr
+    root = stack.settings.warehouse.resolve()
+    assert f"DUALITY_WAREHOUSE={elsewhere} is outside the batch server's warehouse {root}" in (
+        done.stderr
+    )
+    assert _ended(stack, spec.name) == [] and not elsewhere.exists()
 
 
 def test_a_snapshot_task_set_to_failed_stops_its_step_on_the_server(spark, stack: Stack):  # type: ignore[no-untyped-def]
@@ -118,8 +246,7 @@ def test_a_snapshot_task_set_to_failed_stops_its_step_on_the_server(spark, stack
     stack.client.set_task_state(dag_id, run_id, "snapshot", "failed")
     assert_eventually(
         lambda: (
-            not (report := server_report(stack.settings.batch_server or ""))["steps"]
-            and not report["active_jobs"]
+            not (report := server_report(stack.settings))["steps"] and not report["active_jobs"]
         ),
         timeout=60,
         message="the step (or its Spark jobs) kept running on the server",
