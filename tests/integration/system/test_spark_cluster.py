@@ -19,7 +19,7 @@ from duality.config import Settings
 from duality.local.spark_cluster import LocalSparkCluster
 from duality.snapshot import delta_log
 from duality.spark import package_zip
-from duality.stream import heartbeat
+from duality.stream import control, heartbeat
 from tests.harness import (
     ROOT,
     StreamProcess,
@@ -267,7 +267,10 @@ def test_rescale_under_load_4_to_8_then_8_to_2(
     spec_file = pipelines / f"{spec.name}.yaml"
     kafka.create_topic(settings, spec.source.topic, 4)
     workload.produce(settings, spec, events=EVENTS // 2, keys=KEYS, bad_fraction=0.06, seed=61)
-    on_cluster = settings.replace(spark_master=cluster.master_url, pipelines=pipelines)
+    # One core each, of the two workers: the warm standby's driver gets an executor too.
+    on_cluster = settings.replace(
+        spark_master=cluster.master_url, pipelines=pipelines, spark_cores_max=1
+    )
     options = ("--max-offsets-per-trigger", "1000")
     load = threading.Thread(
         target=workload.produce,
@@ -279,25 +282,49 @@ def test_rescale_under_load_4_to_8_then_8_to_2(
     def tasks() -> int | None:  # from the heartbeats, as `stream status` reads them
         return heartbeat.latest(settings).get(spec.name, {}).get("state_tasks")
 
-    def shown(partitions: int) -> None:
+    def shown(partitions: int) -> dict:
         status = duality_json(on_cluster, "stream", "status", spec.name)
         assert status["heartbeat"]["state_tasks"] == partitions, status
+        return status
+
+    def standby_waiting(pid: int | None) -> bool:
+        """Whether the standby started as `pid` waits, warm, as the standby (its heartbeat)."""
+        beat = heartbeat.latest(settings).get(control.standby_key(spec.name), {})
+        return pid is not None and beat.get("state") == "standby" and beat.get("ppid") == pid
 
     try:
         duality_json(on_cluster, "stream", "start", spec.name, *options)
+        # A warm standby beside it, as the supervisor DAG's replicas 2 keeps one.
+        duality_json(on_cluster, "stream", "start", spec.name, "--standby", *options)
+        standby = control.running_pid(settings, spec, standby=True)
+        assert standby_waiting(standby), heartbeat.latest(settings).get(f"{spec.name}@standby")
         assert_eventually(tasks, 4, timeout=180, message="the stateful stage's tasks on 4")
         shown(4)
         load.start()
-        # 4 -> 8 while the stream runs: rescale stops it, and starts it with its options.
+        # 4 -> 8 while the stream runs: rescale stops the standby first (it would take over from
+        # the stream stopped), then the stream, and starts both again with their options.
         _set_parallelism(spec_file, 8)
         plan = duality_json(on_cluster, "stream", "rescale", spec.name, "--dry-run")
         assert (plan["partitions_before"], plan["partitions"]) == (4, 8), plan
         assert plan["stop_pid"] is not None and plan["job_args"][:2] == list(options)
+        assert plan["standby_pid"] == standby and "--standby" in plan["standby_args"], plan
+        assert plan["steps"][0].startswith("stop this host's standby"), plan["steps"]
+        assert plan["steps"][-1] == "start the standby again", plan["steps"]
         done = duality_json(on_cluster, "stream", "rescale", spec.name, timeout=400)
         # The same plan (the load moved the committed offsets it names meanwhile).
-        assert done["dry_run"] is False and done["steps"][:3] == plan["steps"][:3]
+        assert done["dry_run"] is False and done["steps"][:4] == plan["steps"][:4]
         assert_eventually(tasks, 8, timeout=180, message="the stateful stage's tasks on 8")
-        shown(8)
+        # The stream's own instance is the active driver again, a new standby waits beside it.
+        restarted = control.running_pid(settings, spec, standby=True)
+        assert restarted not in (None, standby), (restarted, standby)
+        assert_eventually(
+            lambda: standby_waiting(restarted),
+            timeout=180,
+            message="the standby did not wait again as the standby after the rescale",
+        )
+        status = shown(8)
+        assert status["heartbeat"]["ppid"] == status["pid"], status
+        assert status["standby"]["ppid"] == restarted, status
         # 8 -> 2 while it is stopped: a start with the new number refuses, naming the rescale.
         duality_json(on_cluster, "stream", "stop", spec.name)
         _set_parallelism(spec_file, 2)
