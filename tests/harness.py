@@ -393,3 +393,27 @@ def first_commit_after(settings: Settings, topic: str, since: float) -> float:
         raise AssertionError(f"no transaction committed to {topic} within 120 s of the kill")
     finally:
         reader.close()
+
+
+# The files Delta keeps in a table's `_delta_log` (PROTOCOL.md: commits, checksums, classic,
+# multi-part and V2 checkpoints, compacted commits, sidecars, the staged commits of coordinated
+# commits; and Delta Lake's record of its last VACUUM).
+_DELTA_LOG_NAME = re.compile(
+    r"^(\d{20}\.(json|crc)"
+    r"|\d{20}\.checkpoint(\.\d{10}\.\d{10}|\.[0-9a-f-]{36})?\.(parquet|json)"
+    r"|\d{20}\.\d{20}\.compacted\.json"
+    r"|_last_checkpoint|_last_vacuum_info|_sidecars|_staged_commits)$"
+)
+
+
+def not_delta_s(table: Path) -> list[str]:
+    """The names in a table's `_delta_log` that are none of Delta's files (a writer's temporary
+    file left behind, say); the `.<name>.crc` Hadoop's local filesystem writes beside a file
+    counts as Delta's."""
+    names = sorted(entry.name for entry in (table / "_delta_log").iterdir())
+    hadoop = re.compile(r"^\.(.+)\.crc$")
+    return [
+        name
+        for name in names
+        if not _DELTA_LOG_NAME.match(found[1] if (found := hadoop.match(name)) else name)
+    ]

@@ -38,6 +38,14 @@ class CheckFailed(DualityError):
         self.details = details or {}
 
 
+class ConcurrentWrite(DualityError):
+    """A Delta statement lost the race for its version to another writer whose commit conflicts
+    with its change (one of Delta's concurrent modification exceptions): nothing was written,
+    and the step may be run again."""
+
+    exit_code = 1
+
+
 class LocalStackError(DualityError):
     """The local stack could not be started or stopped."""
 

@@ -385,7 +385,10 @@ def run(
         validated_at=stamp,
         json_report=str(json_report),
     )
-    commit = record_validation(spark, path, verdict, publish=coverage if publishing else None)
+    again = f"run the same `duality validate {spec.name}` again"
+    commit = record_validation(
+        spark, path, verdict, publish=coverage if publishing else None, again=again
+    )
     if publishing:
         published_version = version
         progress(f"published version {version}")

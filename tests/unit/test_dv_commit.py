@@ -1,6 +1,6 @@
 """duality's own Delta commit of a small change (duality.snapshot.dv_commit), against the byte
 layouts of Delta's PROTOCOL.md; Spark and a second Delta engine read its commits in
-tests/integration/snapshot/test_snapshot.py."""
+tests/integration/snapshot/test_snapshot.py, which also races them with Delta's own writers."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from duality.snapshot import delta_log, dv_commit
+from tests.harness import not_delta_s
 
 
 def test_z85_as_delta_encodes_uuids_and_inline_vectors():
@@ -103,34 +104,46 @@ def test_a_table_asking_for_more_is_left_to_delta():
     assert "decimal" in str(dv_commit.blocker(_state(metadata={"schemaString": decimal})))
 
 
-def test_a_commit_replayed_as_delta_reconciles_it(tmp_path: Path):
-    """Two commits written by dv_commit on a table of one file: the second extends the first's
-    deletion vector; the log's state has each key once, and a lost race leaves nothing."""
-    log = tmp_path / "_delta_log"
+def _table_of_one_file(root: Path) -> Path:
+    """A table of one file (keys a, b, c, d) at version 0, written by this test; its log."""
+    log = root / "_delta_log"
     log.mkdir()
     base = _state()
     # Written as Spark writes timestamps by default (INT96, read back without a time zone), and
     # without statistics: the writer counts the file's rows itself.
     moment = pa.array([1_700_000_000_000_000] * 4, pa.timestamp("us"))
     data = pa.table({"k": ["a", "b", "c", "d"], "n": [1, 2, 3, 4], "t": moment})
-    pq.write_table(data, tmp_path / "first.parquet", use_deprecated_int96_timestamps=True)
+    pq.write_table(data, root / "first.parquet", use_deprecated_int96_timestamps=True)
     add = {
         "path": "first.parquet",
         "partitionValues": {},
-        "size": (tmp_path / "first.parquet").stat().st_size,
+        "size": (root / "first.parquet").stat().st_size,
         "modificationTime": 1,
         "dataChange": True,
     }
     commit = [{"protocol": base.protocol}, {"metaData": base.metadata}, {"add": add}]
     (log / f"{0:020d}.json").write_text("".join(json.dumps(a) + "\n" for a in commit))
+    return log
+
+
+def _rows(keys: list[str], numbers: list[int], deleted: list[bool]) -> pa.Table:
+    """Changed keys' rows as Spark hands them over (timestamps in the session's time zone)."""
+    moments = pa.array([1_700_000_000_000_000] * len(keys), pa.timestamp("us", tz="Etc/UTC"))
+    return pa.table({"k": keys, "n": numbers, "t": moments, "_deleted": deleted})
+
+
+def test_a_commit_replayed_as_delta_reconciles_it(tmp_path: Path):
+    """Two commits written by dv_commit on a table of one file: the second extends the first's
+    deletion vector; the log's state has each key once; each commit's checksum file says what
+    the files on disk hold."""
+    log = _table_of_one_file(tmp_path)
+    base = _state()
 
     def change(version: int, keys: list[str], numbers: list[int], deleted: list[bool]) -> Any:
         state = delta_log.table_state(tmp_path, version)
         assert state is not None
-        # Timestamps as Spark hands them over: microseconds in the session's time zone.
-        moments = pa.array([1_700_000_000_000_000] * len(keys), pa.timestamp("us", tz="Etc/UTC"))
-        rows = pa.table({"k": keys, "n": numbers, "t": moments, "_deleted": deleted})
         # A key of a string and a timestamp, as a windowed pipeline's.
+        rows = _rows(keys, numbers, deleted)
         return dv_commit.write(tmp_path, state, rows, ["k", "t"], {"kind": "snapshot"})
 
     first = change(0, ["b", "e"], [20, 5], [False, False])
@@ -155,13 +168,27 @@ def test_a_commit_replayed_as_delta_reconciles_it(tmp_path: Path):
         {"k": "e", "n": 50},
     ]
     assert delta_log.history(tmp_path)[0].metrics["numTargetRowsDeleted"] == 2
-    # Each commit's checksum file says what the state holds (no earlier one: nothing carried).
+    # Each commit's checksum file, field by field, from the files this test wrote: the table's
+    # original file and the file the second commit appended (the first commit's is wholly
+    # deleted by the second), by their sizes on disk.
+    appended = {
+        tuple(pq.read_table(file, columns=["k"])["k"].to_pylist()): file
+        for file in tmp_path.glob("part-*.parquet")
+    }
+    sizes = [(tmp_path / "first.parquet").stat().st_size, appended[("e",)].stat().st_size]
+    committed = json.loads((log / f"{2:020d}.json").read_text().splitlines()[0])["commitInfo"]
     checksum = json.loads((log / f"{2:020d}.crc").read_text())
-    assert checksum["numFiles"] == len(state.files) == 2
-    assert checksum["tableSizeBytes"] == sum(add["size"] for add in state.files.values())
-    assert (checksum["numDeletionVectorsOpt"], checksum["numDeletedRecordsOpt"]) == (1, 2)
-    assert (checksum["metadata"], checksum["protocol"]) == (state.metadata, state.protocol)
-    assert "setTransactions" not in checksum and "fileSizeHistogram" not in checksum
+    assert checksum == {
+        "txnId": committed["txnId"],
+        "tableSizeBytes": sum(sizes),
+        "numFiles": 2,
+        "numDeletedRecordsOpt": 2,  # rows b and c of the original file
+        "numDeletionVectorsOpt": 1,
+        "numMetadata": 1,
+        "numProtocol": 1,
+        "metadata": base.metadata,  # no earlier checksum: nothing carried
+        "protocol": base.protocol,
+    }
     # With an earlier checksum, its set transactions and histogram bins are carried.
     bins = {"sortedBinBoundaries": [0, 8192], "fileCounts": [0, 0], "totalBytes": [0, 0]}
     txn = [{"appId": "a", "version": 1}]
@@ -169,18 +196,46 @@ def test_a_commit_replayed_as_delta_reconciles_it(tmp_path: Path):
     properties = dv_commit.set_properties(tmp_path, state, {"p": "1"}, {"kind": "validation"})
     assert properties == 3
     after = json.loads((log / f"{3:020d}.crc").read_text())
-    assert after["setTransactions"] == txn and after["metadata"]["configuration"]["p"] == "1"
-    sizes = [add["size"] for add in state.files.values()]
-    assert after["fileSizeHistogram"]["fileCounts"] == [sum(s < 8192 for s in sizes), 0]
-    assert after["fileSizeHistogram"]["totalBytes"] == [sum(s for s in sizes if s < 8192), 0]
-    for name in (f"{3:020d}.json", f"{3:020d}.crc"):  # version 3 is taken below
-        (log / name).unlink()
+    assert after["setTransactions"] == txn
+    assert after["metadata"]["configuration"] == {"delta.enableDeletionVectors": "true", "p": "1"}
+    assert (after["numFiles"], after["tableSizeBytes"]) == (2, sum(sizes))
+    small = [size for size in sizes if size < 8192]
+    assert after["fileSizeHistogram"] == {
+        "sortedBinBoundaries": [0, 8192],
+        "fileCounts": [len(small), 2 - len(small)],
+        "totalBytes": [sum(small), sum(sizes) - sum(small)],
+    }
     # One part of a two-part checkpoint (another writer still writing it) is not a checkpoint.
     (log / f"{1:020d}.checkpoint.{1:010d}.{2:010d}.parquet").write_bytes(b"partial")
     assert delta_log.table_state(tmp_path, 2) == state
 
-    # Version 3 taken meanwhile by another writer: no commit, and no file of this attempt left.
-    before = set(tmp_path.iterdir())
-    (log / f"{3:020d}.json").write_text(json.dumps({"commitInfo": {}}) + "\n")
-    assert change(2, ["a"], [9], [False]) is None
+
+def test_a_version_another_writer_takes_first_is_never_overwritten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Another writer creates version 1 after this one read version 0 and wrote its files,
+    just before it creates its commit: this one's commit is not made, the other's stays as it
+    was, and nothing of this attempt is left, in the table or in its log."""
+    log = _table_of_one_file(tmp_path)
+    state = delta_log.table_state(tmp_path, 0)
+    assert state is not None
+    theirs = json.dumps({"commitInfo": {"operation": "OPTIMIZE"}}) + "\n"
+    before, log_before = set(tmp_path.iterdir()), set(log.iterdir())
+    attempt: set[Path] = set()  # the files this attempt wrote before it lost
+    create = dv_commit._create
+
+    def racing(final: Path, text: str) -> bool:
+        if final.name == f"{1:020d}.json" and not attempt:
+            attempt.update(set(tmp_path.iterdir()) - before)
+            final.write_text(theirs)  # the other writer's commit
+        return create(final, text)
+
+    monkeypatch.setattr(dv_commit, "_create", racing)
+    rows = _rows(["b", "e"], [20, 5], [False, False])
+    assert dv_commit.write(tmp_path, state, rows, ["k"], {"kind": "snapshot"}) is None
+    # It had written a deletion vector (b's old row) and a data file (the new rows).
+    assert sorted(file.name[:9] for file in attempt) == ["deletion_", "part-0000"]
+    assert (log / f"{1:020d}.json").read_text() == theirs
     assert set(tmp_path.iterdir()) == before
+    assert set(log.iterdir()) == log_before | {log / f"{1:020d}.json"}
+    assert not_delta_s(tmp_path) == []

@@ -359,7 +359,11 @@ def _overwrite(
     spark: SparkSession, spec: PipelineSpec, path: Path, rows: DataFrame, metadata: dict[str, Any]
 ) -> None:
     """The whole table replaced by the live rows, in one commit."""
-    with delta_log.commit_metadata(spark, metadata):
+    again = f"run `duality snapshot {spec.name}` again"
+    with (
+        delta_log.commit_metadata(spark, metadata),
+        delta_log.lost_race(path, "the full rebuild", again),
+    ):
         (
             rows.where("NOT _deleted")
             .select(*column_types(spec))
@@ -408,7 +412,13 @@ def _merge(
         f"VALUES ({', '.join(f's.{c}' for c in columns)})"
     )
     try:
-        with delta_log.session_conf(spark, conf), delta_log.commit_metadata(spark, metadata):
+        with (
+            delta_log.session_conf(spark, conf),
+            delta_log.commit_metadata(spark, metadata),
+            # Another snapshot's or maintenance's commit may take the version first: the run
+            # then reads its changes again, from the version that won (docs/snapshots.md).
+            delta_log.lost_race(path, "MERGE", f"run `duality snapshot {spec.name}` again"),
+        ):
             spark.sql(statement)
     finally:
         spark.catalog.dropTempView(source)

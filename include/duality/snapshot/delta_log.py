@@ -12,7 +12,7 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from duality.errors import UsageError
+from duality.errors import ConcurrentWrite, UsageError
 from duality.snapshot.coverage import Coverage
 from duality.spec import PipelineSpec
 
@@ -98,6 +98,15 @@ class TableState:
             return None
 
 
+# Delta's concurrent modification exceptions end with the winning commit's commitInfo as JSON.
+_CONFLICTING = re.compile(r"Conflicting commit: (\{.*\})")
+# What duality writes each kind of commit it records (its userMetadata's `kind`) with.
+_COMMANDS = {
+    "snapshot": "duality snapshot",
+    "maintain": "duality snapshot --maintain",
+    "validation": "duality validate",
+    "publish": "duality publish",
+}
 _CHECKPOINT = re.compile(r"^(\d{20})\.checkpoint(?:\.(\d{10})\.(\d{10}))?\.parquet$")
 
 
@@ -219,6 +228,43 @@ def _present(value: Any) -> Any:
             if item is not None and not key.endswith("_parsed")
         }
     return value
+
+
+@contextmanager
+def lost_race(path: Path, statement: str, again: str) -> Iterator[None]:
+    """The Delta statement inside, said in one line when it loses the race for its version to
+    another writer's conflicting commit (one of Delta's concurrent modification exceptions,
+    whose message and Java stack trace run to dozens of lines): a ConcurrentWrite naming the
+    commit that won and `again`, what to do."""
+    from delta import exceptions  # its import converts Delta's Java exceptions to its own
+
+    conflicts = tuple(getattr(exceptions, name) for name in exceptions.__all__)
+    try:
+        yield
+    except conflicts as error:
+        raise ConcurrentWrite(
+            f"{statement} of {path} lost the race for its version to another writer: "
+            f"{_winner(path, str(error))} took it first, and conflicts with it "
+            f"({type(error).__name__}); nothing was written: {again}"
+        ) from None
+
+
+def _winner(path: Path, message: str) -> str:
+    """The commit that won a race, from the commitInfo Delta's exception quotes (else the
+    table's newest commit): its version, operation and writer."""
+    found = _CONFLICTING.search(message)
+    info: dict[str, Any] = {}
+    with contextlib.suppress(json.JSONDecodeError):
+        info = json.loads(found[1]) if found else {}
+    if "version" not in info:
+        newest = history(path)[0]
+        info = {"version": newest.version, "operation": newest.operation}
+        info["userMetadata"] = user_metadata(newest.metadata) if newest.metadata else None
+    kind = None
+    with contextlib.suppress(json.JSONDecodeError, AttributeError):
+        kind = json.loads(info.get("userMetadata") or "{}").get(METADATA_KEY, {}).get("kind")
+    writer = f"`{_COMMANDS[kind]}`" if kind in _COMMANDS else info.get("engineInfo") or "Delta"
+    return f"version {info['version']} ({info.get('operation', 'a commit')} by {writer})"
 
 
 def is_table(path: Path) -> bool:

@@ -8,8 +8,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import tenacity
+
 from duality.config import Settings
-from duality.errors import UsageError
+from duality.errors import ConcurrentWrite, UsageError
 from duality.snapshot import delta_log
 from duality.snapshot.build import Progress, quiet
 from duality.snapshot.publish import published
@@ -18,6 +20,9 @@ from duality.spec import PipelineSpec
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
+
+# How many times OPTIMIZE runs when each run loses the race for its version.
+_OPTIMIZE_ATTEMPTS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,23 +61,42 @@ def maintain(
         needed = (time.time() * 1000 - published_at) / 3_600_000
         retention = max(retention, math.ceil(needed), 1)
     table = delta_log.sql_name(path)
-    coverage, _ = delta_log.version_coverage(versions, versions[0].version)
-    metadata: dict[str, Any] = {"kind": "maintain"}
-    if coverage is not None:
-        metadata["coverage"] = coverage.as_dict()
+    again = f"run `duality snapshot {spec.name} --maintain` again"
     progress(f"compacting the files of {path}")
     started = time.monotonic()
-    with delta_log.commit_metadata(spark, metadata):
-        # SQL, as every Delta statement duality runs (docs/decisions/0026).
-        optimized = spark.sql(f"OPTIMIZE {table}").first()
-        progress(f"removing files older than {retention} hours")
-        before = _data_files(path)
-        # Delta refuses a retention below its default (a week) unless this check is off.
-        with delta_log.session_conf(
-            spark, {"spark.databricks.delta.retentionDurationCheck.enabled": "false"}
+
+    def said(state: tenacity.RetryCallState) -> None:
+        error = state.outcome.exception() if state.outcome else None
+        progress(f"OPTIMIZE again, attempt {state.attempt_number + 1}: {error}")
+
+    # OPTIMIZE loses the race for its version to a commit that removed files it compacted (an
+    # incremental snapshot's): Delta retries only when no such file changed. Run again, it
+    # compacts the table as the winner left it.
+    for attempt in tenacity.Retrying(
+        retry=tenacity.retry_if_exception_type(ConcurrentWrite),
+        stop=tenacity.stop_after_attempt(_OPTIMIZE_ATTEMPTS),
+        before_sleep=said,
+        reraise=True,
+    ):
+        metadata = _metadata(path)
+        with (
+            attempt,
+            delta_log.commit_metadata(spark, metadata),
+            delta_log.lost_race(path, "OPTIMIZE", again),
         ):
-            spark.sql(f"VACUUM {table} RETAIN {retention} HOURS")
-        after = _data_files(path)
+            # SQL, as every Delta statement duality runs (docs/decisions/0026).
+            optimized = spark.sql(f"OPTIMIZE {table}").first()
+    progress(f"removing files older than {retention} hours")
+    before = _data_files(path)
+    # Delta refuses a retention below its default (a week) unless this check is off.
+    vacuum = {"spark.databricks.delta.retentionDurationCheck.enabled": "false"}
+    with (
+        delta_log.session_conf(spark, vacuum),
+        delta_log.commit_metadata(spark, _metadata(path)),
+        delta_log.lost_race(path, "VACUUM", again),
+    ):
+        spark.sql(f"VACUUM {table} RETAIN {retention} HOURS")
+    after = _data_files(path)
     opt_metrics = (optimized["metrics"].asDict() if optimized is not None else {}) or {}
     return Maintenance(
         pipeline=spec.name,
@@ -85,6 +109,16 @@ def maintain(
         published_version=found.version if found else None,
         seconds=round(time.monotonic() - started, 2),
     )
+
+
+def _metadata(path: Path) -> dict[str, Any]:
+    """The userMetadata of a maintenance commit: what the table's newest version covers."""
+    versions = delta_log.history(path)
+    coverage, _ = delta_log.version_coverage(versions, versions[0].version)
+    metadata: dict[str, Any] = {"kind": "maintain"}
+    if coverage is not None:
+        metadata["coverage"] = coverage.as_dict()
+    return metadata
 
 
 def _data_files(path: Path) -> set[str]:

@@ -109,18 +109,24 @@ def read(
 
 
 def record_validation(
-    spark: SparkSession, path: Path, verdict: Verdict, publish: Coverage | None = None
+    spark: SparkSession,
+    path: Path,
+    verdict: Verdict,
+    publish: Coverage | None = None,
+    *,
+    again: str,
 ) -> int:
     """Record the verdict of a version's validation in the table: a metadata-only commit whose
     userMetadata holds it (`validation` finds it there); with `publish`, the same commit also
-    publishes that version. Returns the commit's version."""
+    publishes that version. Returns the commit's version; `again` says what to do when a
+    conflicting commit takes it."""
     recorded = dataclasses.asdict(verdict)
     properties = {VALIDATION: _json(recorded)}
     metadata: dict[str, Any] = {"kind": "validation", "validation": recorded}
     if publish is not None:
         publishing, metadata["published"] = _publication(verdict.version, publish)
         properties.update(publishing)
-    return _metadata_commit(spark, path, properties, metadata)
+    return _metadata_commit(spark, path, properties, metadata, again)
 
 
 def validation(
@@ -167,7 +173,9 @@ def publish(
     commit = None
     if not already:
         properties, record = _publication(version, coverage)
-        commit = _metadata_commit(spark, path, properties, {"kind": "publish", "published": record})
+        metadata = {"kind": "publish", "published": record}
+        again = f"run `duality publish {spec.name} --version {version}` again"
+        commit = _metadata_commit(spark, path, properties, metadata, again)
     return Publication(
         spec.name, version, already, validation_commit, verdict.json_report, coverage, commit
     )
@@ -184,12 +192,17 @@ def _json(value: Any) -> str:
 
 
 def _metadata_commit(
-    spark: SparkSession, path: Path, properties: dict[str, str], metadata: dict[str, Any]
+    spark: SparkSession,
+    path: Path,
+    properties: dict[str, str],
+    metadata: dict[str, Any],
+    again: str,
 ) -> int:
     """One commit that sets table properties (no data change) with `metadata` as its
     userMetadata; returns its version. Written by duality from the log (decision 30) when its
     writer can write the table, which a Spark statement's transaction makes cost a Spark job;
-    by Delta's ALTER TABLE otherwise."""
+    by Delta's ALTER TABLE otherwise, which fails saying `again` (what to do) when a
+    conflicting commit takes its version."""
     for _ in range(_COMMIT_ATTEMPTS):  # another writer may take the next version first
         state = delta_log.table_state(path, delta_log.history(path)[0].version)
         if state is None or dv_commit.blocker(state) is not None:
@@ -209,6 +222,9 @@ def _metadata_commit(
         return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
     assignments = ", ".join(f"{literal(k)} = {literal(v)}" for k, v in properties.items())
-    with delta_log.commit_metadata(spark, metadata):
+    with (
+        delta_log.commit_metadata(spark, metadata),
+        delta_log.lost_race(path, "ALTER TABLE SET TBLPROPERTIES", again),
+    ):
         spark.sql(f"ALTER TABLE {delta_log.sql_name(path)} SET TBLPROPERTIES ({assignments})")
     return delta_log.history(path)[0].version

@@ -2,23 +2,38 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
+import threading
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from duality import changelog, kafka, validate
+from duality import changelog, cli, kafka, validate
 from duality.config import Settings
-from duality.snapshot import build, delta_log, publish
+from duality.snapshot import build, delta_log, dv_commit, publish
+from duality.snapshot import maintain as maintain_module
 from duality.snapshot.coverage import Coverage
 from duality.snapshot.maintain import maintain
 from duality.spec import PipelineSpec
-from tests.harness import ROOT, StreamProcess, make_pipeline, read_latest, read_topic, run_duality
+from tests.harness import (
+    ROOT,
+    StreamProcess,
+    assert_eventually,
+    make_pipeline,
+    not_delta_s,
+    read_latest,
+    read_topic,
+    run_duality,
+)
 
 # -- a changelog writer, as the stream writes it (transactions, tombstones, aborted ones) ----
 
@@ -410,3 +425,271 @@ def test_publish_reads_the_verdict_from_the_table_not_from_a_report(
     assert state.rows == delta_log.load(spark, path).count() == len(_truth(settings, spec))
     assert _table(delta_log.load(spark, path), spec) == _truth(settings, spec)
     assert _second_engine(path, spec) == _truth(settings, spec)
+
+
+# -- races for one Delta version between duality's own commits and Delta's writers ----------
+
+
+@contextlib.contextmanager
+def _around_duality_s_commit(
+    monkeypatch: pytest.MonkeyPatch,
+    path: Path,
+    racer: Callable[[int], contextlib.AbstractContextManager[None]],
+) -> Iterator[dict[str, Any]]:
+    """`racer(version)` entered just before duality creates its next commit file (`version`),
+    after it read the version before and wrote its files, and left when the create returned:
+    what another writer of the table does at that moment. Yields the version raced for and
+    the files duality's attempt had written by then."""
+    create = dv_commit._create
+    before = set(path.iterdir())
+    raced: dict[str, Any] = {}
+
+    def racing(final: Path, text: str) -> bool:
+        if final.suffix != ".json" or raced:
+            return create(final, text)
+        raced.update(version=int(final.stem), files=set(path.iterdir()) - before)
+        with racer(int(final.stem)):
+            return create(final, text)
+
+    monkeypatch.setattr(dv_commit, "_create", racing)
+    try:
+        yield raced
+    finally:
+        monkeypatch.setattr(dv_commit, "_create", create)
+    assert raced, "duality made no commit of its own"
+
+
+def _commit_info(path: Path, version: int) -> dict[str, Any]:
+    """The commitInfo of a version's commit file (it must hold exactly one)."""
+    lines = (path / "_delta_log" / f"{version:020d}.json").read_text().splitlines()
+    infos = [json.loads(line)["commitInfo"] for line in lines if '"commitInfo"' in line]
+    assert len(infos) == 1, f"version {version} holds {len(infos)} commits"
+    return dict(infos[0])
+
+
+def _every_version_read_alike(spark, path: Path, spec: PipelineSpec) -> int:  # type: ignore[no-untyped-def]
+    """Each version from 0 to the newest has one commit, and delta-rs reads it as Delta in
+    Spark does; the newest version."""
+    import pyarrow as pa
+    from deltalake import DeltaTable, QueryBuilder
+
+    names = [file.name for file in (path / "_delta_log").glob("*.json")]
+    versions = sorted(int(name.split(".")[0]) for name in names)
+    assert versions == list(range(len(versions))), versions
+    for version in versions:
+        _commit_info(path, version)
+        reader = QueryBuilder().register("t", DeltaTable(str(path), version=version))
+        rows = pa.table(reader.execute("SELECT * FROM t").read_all()).to_pylist()
+        second = {row["product"]: {c: row[c] for c in spec.aggregates} for row in rows}
+        assert len(second) == len(rows), f"a key appears twice in version {version}"
+        assert second == _table(delta_log.load(spark, path, version), spec), version
+    return versions[-1]
+
+
+def _delta_statement_first(spark, statement: str, path: Path):  # type: ignore[no-untyped-def]
+    """A racer (`_around_duality_s_commit`) that has Delta in Spark commit `statement` on the
+    table first, taking the very version duality is about to create."""
+
+    @contextlib.contextmanager
+    def racer(version: int) -> Iterator[None]:
+        spark.sql(statement.format(table=delta_log.sql_name(path))).collect()
+        # Delta read the version duality read, and committed the one duality now creates.
+        assert _commit_info(path, version)["readVersion"] == version - 1
+        yield
+
+    return racer
+
+
+def test_a_version_delta_takes_first_is_neither_lost_nor_doubled(  # type: ignore[no-untyped-def]
+    spark, pipeline, monkeypatch
+) -> None:
+    """Delta's OPTIMIZE takes the version duality's incremental snapshot is about to commit,
+    and Delta's ALTER TABLE the one its verdict is about to commit, each from the version
+    duality read: duality's create finds the version taken; the snapshot falls back to Delta's
+    MERGE and the verdict commits the next version itself. Both writers' changes are in the
+    table, and nothing of the attempt that lost is left."""
+    settings, spec = pipeline
+    rng = random.Random(17)
+    _write(settings, spec, _history(rng, range(300)))
+    build.build(settings, spec, "full", spark=spark)
+    _write(settings, spec, _history(rng, range(0, 300, 7)))
+    assert build.build(settings, spec, spark=spark).merged_by == "duality"  # files for OPTIMIZE
+    path = spec.snapshot_path(settings)
+
+    _write(settings, spec, _history(rng, range(0, 320, 4)))
+    _write(settings, spec, {f"p{i:04d}": None for i in range(1, 60, 4)})
+    optimize = _delta_statement_first(spark, "OPTIMIZE {table}", path)
+    with _around_duality_s_commit(monkeypatch, path, optimize) as raced:
+        built = build.build(settings, spec, spark=spark)
+    taken = raced["version"]
+    assert _commit_info(path, taken)["operation"] == "OPTIMIZE"  # Delta's, kept
+    # The snapshot fell back to Delta's MERGE, which read the table as OPTIMIZE left it.
+    assert (built.version, built.merged_by) == (taken + 1, "delta")
+    merge = _commit_info(path, taken + 1)
+    assert (merge["operation"], merge["readVersion"]) == ("MERGE", taken)
+    assert "duality" not in merge["engineInfo"]
+    assert delta_log.history(path)[0].metadata["kind"] == "snapshot"  # type: ignore[index]
+    # duality's attempt had written a deletion vector and a data file; both were removed.
+    assert {file.suffix for file in raced["files"]} == {".bin", ".parquet"}
+    assert not any(file.exists() for file in raced["files"])
+    assert not_delta_s(path) == []
+    truth = _truth(settings, spec)
+    assert _table(delta_log.load(spark, path), spec) == truth == _second_engine(path, spec)
+
+    # A verdict that publishes, against Delta's ALTER TABLE from the same version.
+    alter = "ALTER TABLE {table} SET TBLPROPERTIES ('duality.test.race' = 'delta took it')"
+    verdict = publish.Verdict(built.version or 0, True, 1, [], False, "now", "report.json")
+    with _around_duality_s_commit(monkeypatch, path, _delta_statement_first(spark, alter, path)):
+        commit = publish.record_validation(
+            spark, path, verdict, built.coverage, again="run it again"
+        )
+    taken = commit - 1
+    assert _commit_info(path, taken)["operation"] == "SET TBLPROPERTIES"  # Delta's, kept
+    assert "duality" not in _commit_info(path, taken)["engineInfo"]
+    # duality read the table again and committed the next version itself: both properties set.
+    info = _commit_info(path, commit)
+    assert (info["engineInfo"], info["readVersion"]) == ("duality", taken)
+    from deltalake import DeltaTable
+
+    detail = spark.sql(f"DESCRIBE DETAIL {delta_log.sql_name(path)}").first()["properties"]
+    for properties in (DeltaTable(str(path)).metadata().configuration, detail):
+        assert properties["duality.test.race"] == "delta took it"
+        assert properties[publish.PUBLISHED_VERSION] == str(built.version)
+        assert json.loads(properties[publish.VALIDATION])["version"] == built.version
+    assert not_delta_s(path) == []
+    assert _every_version_read_alike(spark, path, spec) == commit
+
+
+@contextlib.contextmanager
+def _task_slots_held(spark) -> Iterator[str]:  # type: ignore[no-untyped-def]
+    """Every task slot of the local Spark held by a job whose tasks each wait on a connection
+    to this block, closed when it ends: the tasks of jobs submitted meanwhile wait for it.
+    Yields the holding job's group."""
+    group = f"slots-{uuid.uuid4().hex}"
+    slots = spark.sparkContext.defaultParallelism
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server.settimeout(120)
+        port = server.getsockname()[1]
+
+        def hold(_: int) -> int:
+            import socket
+
+            with socket.create_connection(("127.0.0.1", port)) as connection:
+                connection.recv(1)  # until the test closes it
+            return 0
+
+        def run() -> None:
+            spark.sparkContext.setJobGroup(group, "test: every task slot held")
+            spark.sparkContext.parallelize(range(slots), slots).map(hold).collect()
+
+        holder = threading.Thread(target=run)
+        holder.start()
+        connections = [server.accept()[0] for _ in range(slots)]
+        try:
+            yield group
+        finally:
+            for connection in connections:
+                connection.close()
+            holder.join(timeout=120)
+
+
+def _optimize_reads_first(spark, maintaining: threading.Thread):  # type: ignore[no-untyped-def]
+    """A racer (`_around_duality_s_commit`) that starts `maintaining` (a `--maintain` run)
+    while Spark's task slots are held, lets duality create its commit once OPTIMIZE has read the
+    version before and waits for a slot, and frees the slots after: OPTIMIZE then commits on a
+    version that is no longer the newest."""
+
+    @contextlib.contextmanager
+    def racer(version: int) -> Iterator[None]:
+        tracker = spark.sparkContext.statusTracker()
+        with _task_slots_held(spark) as held:
+            maintaining.start()
+
+            def optimize_waits() -> list[int]:
+                return sorted(
+                    set(tracker.getActiveJobsIds()) - set(tracker.getJobIdsForGroup(held))
+                )
+
+            waiting = assert_eventually(optimize_waits, timeout=120, message="OPTIMIZE ran no job")
+            # Its first job computes the files of the version it read (Delta's OPTIMIZE fixes
+            # its snapshot before): the version before duality's.
+            store = spark._jsc.sc().statusStore()
+            description = store.job(waiting[0]).description()
+            assert description.isDefined(), "OPTIMIZE's job has no description"
+            said = description.get()
+            assert f"snapshot for version: {version - 1}" in said or "Optimizing" in said, said
+            yield
+
+    return racer
+
+
+def test_a_losing_optimize_runs_again_or_says_what_to_do(  # type: ignore[no-untyped-def]
+    spark, pipeline, monkeypatch, capsys
+) -> None:
+    """`snapshot --maintain` started with an incremental snapshot, its OPTIMIZE reading the
+    version before the snapshot's and committing after it: Delta refuses the commit (the
+    snapshot changed files it compacted). The run reads the table again and compacts it; with
+    no attempt left, the command fails with one line naming the commit that won and the fix.
+    (VACUUM keeps an hour: every version stays readable.)"""
+    settings, spec = pipeline
+    rng = random.Random(19)
+    _write(settings, spec, _history(rng, range(300)))
+    build.build(settings, spec, "full", spark=spark)
+    path = spec.snapshot_path(settings)
+    said: list[str] = []
+    outcome: dict[str, Any] = {}
+
+    def maintaining() -> None:
+        try:
+            outcome["done"] = maintain(
+                settings, spec, retain_hours=1, spark=spark, progress=said.append
+            )
+        except BaseException as error:  # reported by the test's thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=maintaining)
+    _write(settings, spec, _history(rng, range(0, 300, 3)))
+    with _around_duality_s_commit(monkeypatch, path, _optimize_reads_first(spark, thread)) as raced:
+        built = build.build(settings, spec, spark=spark)
+    thread.join(timeout=300)
+    assert "error" not in outcome, outcome.get("error")
+    version = raced["version"]
+    assert (built.version, built.merged_by) == (version, "duality")
+    # OPTIMIZE lost once, said so, and compacted the table as duality's commit left it.
+    lost = [line for line in said if "lost the race" in line]
+    assert len(lost) == 1, said
+    assert f"version {version} (MERGE by `duality snapshot`) took it first" in lost[0]
+    optimized = _commit_info(path, version + 1)
+    assert (optimized["operation"], optimized["readVersion"]) == ("OPTIMIZE", version)
+    assert outcome["done"].files_removed_by_optimize >= 2
+    assert not_delta_s(path) == []
+    truth = _truth(settings, spec)
+    assert _table(delta_log.load(spark, path), spec) == truth == _second_engine(path, spec)
+
+    # With no attempt left, the command says in one line what happened and what to do.
+    monkeypatch.setattr(maintain_module, "_OPTIMIZE_ATTEMPTS", 1)
+    _write(settings, spec, _history(rng, range(0, 300, 5)))
+    assert build.build(settings, spec, spark=spark).merged_by == "duality"  # a second file
+    _write(settings, spec, _history(rng, range(1, 300, 5)))
+    environ = {**os.environ, **settings.as_env()}
+    command = ["snapshot", spec.name, "--maintain", "--retain-hours", "1"]
+    codes: list[int] = []
+    thread = threading.Thread(
+        target=lambda: codes.append(cli.main(command, environ, forward=False))
+    )
+    capsys.readouterr()
+    with _around_duality_s_commit(monkeypatch, path, _optimize_reads_first(spark, thread)) as raced:
+        build.build(settings, spec, spark=spark)
+    thread.join(timeout=300)
+    error = capsys.readouterr().err.strip()
+    version = raced["version"]
+    assert codes == [1], error
+    assert error.count("\n") == 0 and "Traceback" not in error and "java" not in error, error
+    assert error.startswith(f"duality snapshot: error: OPTIMIZE of {path} lost the race"), error
+    assert f"version {version} (MERGE by `duality snapshot`) took it first" in error
+    assert error.endswith(f"run `duality snapshot {spec.name} --maintain` again"), error
+    # Nothing was written: duality's snapshot is the newest version, the rows are the truth.
+    assert delta_log.history(path)[0].version == version
+    assert not_delta_s(path) == []
+    assert _every_version_read_alike(spark, path, spec) == version
+    assert _table(delta_log.load(spark, path), spec) == _truth(settings, spec)
