@@ -7,6 +7,7 @@ its restart resolves it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -14,6 +15,7 @@ import urllib.parse
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,7 @@ from tests.harness import (
 EVENTS, LOAD_EVENTS, KEYS = 3_000, 3_000, 100
 RULE_FOR_S = 60  # `for:` of DualityStreamDown in monitoring/alerts.yml
 EVALUATION_S = 5  # scrape and rule evaluation interval of the local stack's Prometheus
+WATCH_S = 0.25  # how often `_AlertWatch` asks Prometheus
 
 
 def _processes_under(folder: Path) -> list[psutil.Process]:
@@ -87,6 +90,54 @@ def _one(monitoring: LocalMonitoring, query: str) -> float | None:
     """The value of a query that gives one series, else None."""
     values = [value for _, value in _samples(monitoring, query)]
     return values[0] if len(values) == 1 else None
+
+
+def _epoch(text: str) -> float:
+    """Epoch seconds of Prometheus' RFC 3339 times (nanoseconds cut to microseconds)."""
+    whole, _, fraction = text.rstrip("Z").partition(".")
+    moment = datetime.fromisoformat(whole).replace(tzinfo=UTC)
+    return moment.timestamp() + float(f"0.{fraction or 0}"[:8])
+
+
+class _AlertWatch:
+    """The state of one alert of one pipeline as Prometheus' /api/v1/alerts says it, asked
+    every `WATCH_S` from the moment the watch is made (first in the caller's thread, then in
+    a thread of its own): (wall time of the answer, state or None, the alert's `activeAt`)."""
+
+    def __init__(self, monitoring: LocalMonitoring, alert: str, pipeline: str):
+        self.monitoring, self.alert, self.pipeline = monitoring, alert, pipeline
+        self.seen: list[tuple[float, str | None, float | None]] = []
+        self._probe()
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _probe(self) -> None:
+        alerts = _api(self.monitoring, "alerts")["alerts"]
+        answered = time.time()
+        mine = [
+            a
+            for a in alerts
+            if a["labels"]["alertname"] == self.alert
+            and a["labels"].get("pipeline") == self.pipeline
+        ]
+        assert len(mine) <= 1, mine
+        state = mine[0]["state"] if mine else None
+        self.seen.append((answered, state, _epoch(mine[0]["activeAt"]) if mine else None))
+
+    def _watch(self) -> None:
+        while not self.stopping.wait(WATCH_S):
+            with contextlib.suppress(OSError):  # a slow answer: the next one says
+                self._probe()
+
+    def first(self, state: str) -> tuple[float, float | None] | None:
+        """(when, activeAt) of the first answer in `state`, or None."""
+        return next(((t, at) for t, s, at in self.seen if s == state), None)
+
+    def stop(self) -> list[tuple[float, str | None, float | None]]:
+        self.stopping.set()
+        self.thread.join(timeout=30)
+        return self.seen
 
 
 def test_streams_and_batch_steps_are_scraped_and_alerted_on(monitoring: LocalMonitoring):
@@ -259,9 +310,11 @@ def test_prometheus_watches_a_stream_and_alerts_when_it_dies(
                 timeout=60,
             )
 
-            # The stream SIGKILLed: its target stays and does not answer.
+            # The stream SIGKILLed: its target stays and does not answer. The alert is watched
+            # from the moment of the kill (its first answer comes before it).
+            watch = _AlertWatch(api, "DualityStreamDown", name)
+            killed = time.time()
             stream.kill()
-            killed = time.monotonic()
 
             # Meanwhile (the alert waits out its minute), the batch steps as users run them push
             # their figures where Prometheus finds them.
@@ -294,14 +347,14 @@ def test_prometheus_watches_a_stream_and_alerts_when_it_dies(
             )
 
             assert_eventually(
-                lambda: _alerts(api, "DualityStreamDown"),
-                [(name, "firing")],
+                lambda: watch.first("firing"),
                 timeout=RULE_FOR_S + 6 * EVALUATION_S + 30,
                 interval=1,
                 message="DualityStreamDown did not fire",
             )
-            fired_after = time.monotonic() - killed
-            assert fired_after >= RULE_FOR_S, fired_after  # not before the rule's `for:`
+            seen = watch.stop()
+            _assert_fired_after_pending(seen, killed)
+            assert _alerts(api, "DualityStreamDown") == [(name, "firing")]
             stream.start()
             assert_eventually(
                 lambda: _alerts(api, "DualityStreamDown"),
@@ -313,3 +366,25 @@ def test_prometheus_watches_a_stream_and_alerts_when_it_dies(
         finally:
             stream.kill()
             monitoring.stop()
+
+
+def _assert_fired_after_pending(
+    seen: list[tuple[float, str | None, float | None]], killed: float
+) -> None:
+    """No alert until the kill; then pending, from an evaluation soon after the kill, without a
+    break; then firing, no earlier than the rule's `for:` after it became pending (Prometheus'
+    `activeAt`, and the watch's own first answer saying pending), and within three evaluations
+    after that."""
+    assert seen[0][0] <= killed and seen[0][1] is None, seen[:3]
+    states = [state for _, state, _ in seen]
+    changes = [s for i, s in enumerate(states) if i == 0 or s != states[i - 1]]
+    assert changes == [None, "pending", "firing"], changes
+    pending_seen, pending_at = next((t, at) for t, s, at in seen if s == "pending")
+    firing_seen, firing_at = next((t, at) for t, s, at in seen if s == "firing")
+    assert pending_at is not None and firing_at == pending_at, (pending_at, firing_at)
+    # Found down by the first scrape after the kill, made pending by the next evaluation.
+    assert killed - 1 <= pending_at <= killed + 4 * EVALUATION_S, (killed, pending_at)
+    assert firing_seen - pending_at >= RULE_FOR_S, (pending_at, firing_seen)
+    assert firing_seen - pending_seen >= RULE_FOR_S - 2 * WATCH_S - 1, (pending_seen, firing_seen)
+    late = firing_seen - pending_at - RULE_FOR_S
+    assert late <= 3 * EVALUATION_S, f"fired {late:.1f}s after its `for:` had passed"
