@@ -29,6 +29,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from broker_loss import broker_loss_scenario
 from commands import command_scenarios
 
 from baselines import Figure, consumer_perf, order_events, preload, python_copy
@@ -54,7 +55,7 @@ LATENCY_RATE = 5_000.0
 LATENCY_SECONDS = 60.0
 TRIGGER_SECONDS = 0.5
 # Scenario groups beside the baselines, which always run (everything is compared with them).
-GROUPS = ("repartition", "streams", "snapshots", "commands")
+GROUPS = ("repartition", "streams", "snapshots", "commands", "broker-loss")
 
 
 def scenario_groups(text: str) -> tuple[str, ...]:
@@ -298,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
             figures.extend(
                 command_scenarios(scoped, source, args.snapshot_keys, pipelines, stamp, say)
             )
+        if "broker-loss" in groups:
+            # On a three-broker cluster of its own, beside the run's single broker.
+            figures.append(broker_loss_scenario(settings, scratch, progress, stamp))
     document = {
         "started": started.isoformat(),
         "machine": {

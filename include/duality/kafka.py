@@ -444,6 +444,11 @@ def create_topic(
     and `exist_ok` allowed that."""
     if partitions < 1:
         raise UsageError(f"topic {name!r}: partitions must be at least 1, got {partitions}")
+    if exist_ok and topic_exists(settings, name):
+        # No request to the controller, which may be the broker that just died: a producer
+        # that makes sure of its topic (`duality produce`) goes on through a broker's loss.
+        _wait_for_leaders(settings, name)
+        return False
     durable = durability(settings, f"create topic {name!r}")
     new = NewTopic(
         name,

@@ -28,16 +28,11 @@ from duality.stream.election import Election
 from duality.stream.heartbeat import Heartbeat
 from duality.stream.options import StreamOptions
 from duality.stream.query import build_query_frame
-from duality.stream.supervisor import entry_point
+from duality.stream.supervisor import JVM_EXITED, STALLED_EXIT, entry_point
 from duality.stream.topics import ensure_topics
 
 log = logging.getLogger("duality.stream")
 
-# A micro-batch ran longer than the stall timeout: the process exits for a new driver.
-STALLED_EXIT = 75
-# The driver's JVM is gone (killed, or ended by an OutOfMemoryError): no query can run in this
-# process again, so it exits and the supervisor starts a driver with a new JVM.
-JVM_EXITED = 76
 # A standby warms up on this many of each source partition's last records.
 WARM_UP_RECORDS = 20
 
@@ -140,6 +135,9 @@ class StreamDriver:
         self.partitions = 0  # the state partitions in force, set by `run`
         self.election: Election  # set by `run`, once Spark runs
         self._prepared: Any = None  # the query's frame, built by a standby while it waits
+        # When it last made progress (became active, or committed a micro-batch): a driver
+        # that makes none for its stall timeout exits for a new one.
+        self.progressed = time.monotonic()
 
     def request_stop(self, *_: Any) -> None:
         self.stopping.set()
@@ -187,8 +185,10 @@ class StreamDriver:
                 try:
                     # A query is (re)started only by the active driver (after a failure, the
                     # election may have moved on while this one was out of touch).
-                    if not self.election.active.is_set() and not self._wait_active(spark):
-                        break
+                    if not self.election.active.is_set():
+                        if not self._wait_active(spark):
+                            break
+                        self.progressed = time.monotonic()
                     self._run_query(spark, heartbeat)
                     backoff = 1.0
                 except ElectionLost as lost:
@@ -211,6 +211,15 @@ class StreamDriver:
                         self._exit_for_new_driver(heartbeat, "restarting", message, JVM_EXITED)
                     lines = str(error).strip().splitlines()
                     short = lines[0][:300] if lines else type(error).__name__
+                    stall_timeout_s = self.options.stall_timeout_s
+                    if time.monotonic() - self.progressed > stall_timeout_s:
+                        # Restarted queries that keep failing: a new driver, with new clients
+                        # and a new JVM, is the next thing to try.
+                        message = (
+                            f"no micro-batch committed for more than {stall_timeout_s:g}s, "
+                            f"the query failing meanwhile ({short}): stalled"
+                        )
+                        self._exit_for_new_driver(heartbeat, "stalled", message, STALLED_EXIT)
                     log.warning(
                         "%s: stream failed (%s); restarting in %.0fs", spec.name, short, backoff
                     )
@@ -391,6 +400,7 @@ class StreamDriver:
         def apply(batch: Any, batch_id: int) -> None:
             writer = fenced.result()
             result = writer.write(batch, batch_id)
+            self.progressed = time.monotonic()
             log.info("%s: batch %d: %s", spec.name, batch_id, result)
             if metrics is not None and not result.replayed:
                 metrics.batch(result)

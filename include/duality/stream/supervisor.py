@@ -36,6 +36,14 @@ TAKEOVER_WAIT_S = 60.0
 STANDBY_SEEN_S = 15.0
 TAKEOVER_POLL_S = 1.0
 
+# Why a driver exits for a new one (its last heartbeat says more): the codes it ends with.
+STALLED_EXIT = 75  # no micro-batch committed for its stall timeout (a lost broker, say)
+JVM_EXITED = 76  # its JVM is gone (killed, or ended by an OutOfMemoryError)
+_EXIT_REASONS = {
+    STALLED_EXIT: "it stalled: no micro-batch committed for its --stall-timeout",
+    JVM_EXITED: "its JVM exited",
+}
+
 
 @contextlib.contextmanager
 def exclusive(settings: Settings, spec: PipelineSpec, standby: bool = False) -> Iterator[None]:
@@ -97,8 +105,13 @@ def supervise(settings: Settings, spec: PipelineSpec, pipeline: str, options: St
                 break
             if code == UsageError.exit_code:
                 return code
+            why = _EXIT_REASONS.get(code, "it failed; see the lines above")
             log.warning(
-                "%s: driver exited with %d; starting a new one in %.0fs", spec.name, code, backoff
+                "%s: driver exited with %d (%s); starting a new one in %.0fs",
+                spec.name,
+                code,
+                why,
+                backoff,
             )
             # From the exit on: the standby's first progress beat may come within the backoff.
             await_takeover(settings, spec, child.pid, stopping)
