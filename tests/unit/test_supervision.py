@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
+from duality.errors import BrokerUnavailable, UsageError
 from duality.stream.health import STALL_AFTER_S, backoff_s, diagnose
+from duality.stream.supervisor import BROKER_AWAY_EXIT, entry_point
 from tests.harness import ROOT
 
 NOW = 1_000_000.0
@@ -242,3 +244,18 @@ def test_a_replacement_waits_no_longer_than_its_limit(monkeypatch):
     # again and again, then given up on.
     standby = {"p@standby": [{"pid": 8, "state": "standby"}]}
     assert len(_takeover(monkeypatch, [standby], wait_s=0.05)) > 1
+
+
+def test_a_driver_that_finds_no_broker_exits_for_a_new_one_not_for_good():
+    """Kafka away at a driver's start is an outage to wait out: the driver exits with the code
+    its supervisor restarts on, not with a usage error's, which would end the stream."""
+
+    def broker_away(*_: object) -> int:
+        raise BrokerUnavailable("timed out after 10s waiting for Kafka")
+
+    def bad_spec(*_: object) -> int:
+        raise UsageError("bad spec")
+
+    argv = ["product_sales"]
+    assert entry_point("driver", broker_away, argv) == BROKER_AWAY_EXIT != UsageError.exit_code
+    assert entry_point("driver", bad_spec, argv) == UsageError.exit_code

@@ -19,7 +19,7 @@ from typing import Any
 
 from duality.arguments import stream_arguments
 from duality.config import Settings
-from duality.errors import DualityError, LocalStackError, UsageError
+from duality.errors import BrokerUnavailable, DualityError, LocalStackError, UsageError
 from duality.process import die_with_parent
 from duality.spec import PipelineSpec, find_spec
 from duality.stream import heartbeat
@@ -39,9 +39,12 @@ TAKEOVER_POLL_S = 1.0
 # Why a driver exits for a new one (its last heartbeat says more): the codes it ends with.
 STALLED_EXIT = 75  # no micro-batch committed for its stall timeout (a lost broker, say)
 JVM_EXITED = 76  # its JVM is gone (killed, or ended by an OutOfMemoryError)
+# Kafka did not answer its start: not a usage error that ends the stream, an outage to wait out.
+BROKER_AWAY_EXIT = 69
 _EXIT_REASONS = {
     STALLED_EXIT: "it stalled: no micro-batch committed for its --stall-timeout",
     JVM_EXITED: "its JVM exited",
+    BROKER_AWAY_EXIT: "Kafka did not answer",
 }
 
 
@@ -178,6 +181,9 @@ def entry_point(
         options = StreamOptions.from_args(args)
         spec = find_spec(settings, args.pipeline)
         return run(settings, spec, args.pipeline, options)
+    except BrokerUnavailable as error:
+        log.error("%s", error)
+        return BROKER_AWAY_EXIT
     except DualityError as error:
         log.error("%s", error)
         return error.exit_code
