@@ -415,8 +415,8 @@ def _merge(
         with (
             delta_log.session_conf(spark, conf),
             delta_log.commit_metadata(spark, metadata),
-            # Another snapshot's or maintenance's commit may take the version first: the run
-            # then reads its changes again, from the version that won (docs/snapshots.md).
+            # A conflicting commit (OPTIMIZE's, another snapshot's) may take the version first:
+            # the step fails saying so, and run again it merges on the version that won.
             delta_log.lost_race(path, "MERGE", f"run `duality snapshot {spec.name}` again"),
         ):
             spark.sql(statement)
