@@ -19,7 +19,7 @@ from duality import kafka, workload
 from duality.config import Settings
 from duality.local.kraft import ephemeral_cluster
 from duality.spec import PipelineSpec
-from streaming import StreamFigure, bench_spec, target
+from streaming import MAX_OFFSETS_PER_TRIGGER, StreamFigure, bench_spec, target
 from tests.harness import StreamProcess, assert_eventually
 
 RATE = 5_000  # events a second
@@ -119,7 +119,12 @@ def broker_loss_scenario(
         spec = bench_spec(f"bench_broker_loss_{stamp}", f"bench-broker-loss-{stamp}", pipelines)
         kafka.create_topic(settings, spec.source.topic, PARTITIONS)
         stream = StreamProcess(
-            settings, spec, pipelines, scratch / "broker-loss" / "stream.log", stall_timeout=None
+            settings,
+            spec,
+            pipelines,
+            scratch / "broker-loss" / "stream.log",
+            max_offsets_per_trigger=MAX_OFFSETS_PER_TRIGGER,
+            stall_timeout=None,
         )
         load = _Load(settings, spec)
         commits = _Commits(settings, spec)
