@@ -1,7 +1,9 @@
 """A warm standby (`duality stream start --standby`): one driver is active at a time, however
 many try; the active one SIGKILLed under load, the standby's first micro-batch commits soon
 after, its supervisor's new driver becomes the standby, which takes over in turn when the whole
-process group of the active one is killed; the changelog stays exact."""
+process group of the active one is killed; the changelog stays exact. A driver paused in the
+middle of a micro-batch and woken after the takeover finds its transaction fenced and steps
+down."""
 
 from __future__ import annotations
 
@@ -22,11 +24,15 @@ from tests.harness import (
     duality_json,
     first_commit_after,
     make_pipeline,
+    read_messages,
     run_duality,
 )
 from tests.integration.spark.test_stream import _verify
 
 EVENTS, LOAD_EVENTS, SECOND_LOAD_EVENTS, KEYS = 3_000, 10_000, 2_000, 200
+# A takeover's bound on a busy two-core host running the suite beside it; docs/streams.md states
+# it beside the 5-6.5 s measured on a quiet one.
+TAKEOVER_BOUND_S = 30.0
 
 
 def _beats(settings: Settings, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -108,6 +114,7 @@ def test_a_warm_standby_takes_over_from_a_killed_driver(settings: Settings, tmp_
         killed = time.monotonic()
         failover = first_commit_after(settings, spec.changelog_topic, killed)
         print(f"failover: first commit {failover:.1f} s after the kill")
+        assert failover <= TAKEOVER_BOUND_S, failover
         taken, _ = _beats(settings, name)
         assert taken["pid"] == standby["pid"], "the standby did not take over"
         # The killed driver's supervisor started a new driver, which waits as the standby.
@@ -128,6 +135,7 @@ def test_a_warm_standby_takes_over_from_a_killed_driver(settings: Settings, tmp_
         killed = time.monotonic()
         failover = first_commit_after(settings, spec.changelog_topic, killed)
         print(f"failover after a process group's kill: first commit {failover:.1f} s after it")
+        assert failover <= TAKEOVER_BOUND_S, failover
         assert _beats(settings, name)[0]["pid"] == replacement, "the new standby did not take over"
         for load in loads:
             load.join(timeout=120)
@@ -151,4 +159,119 @@ def test_a_warm_standby_takes_over_from_a_killed_driver(settings: Settings, tmp_
         assert stopped.returncode == 0, stopped.stderr
     assert control.running_pid(scoped, spec) is None
     assert control.running_pid(scoped, spec, standby=True) is None
+    _verify(settings, spec, produced)
+
+
+def _open_transaction(settings: Settings, topic: str) -> dict[int, tuple[int, int]]:
+    """Per partition of `topic` whose records past the last stable offset await a transaction's
+    end: (last stable offset, high watermark). Empty when no transaction is open."""
+    stable = kafka.end_offsets(settings, topic, "read_committed")
+    written = kafka.end_offsets(settings, topic, "read_uncommitted")
+    return {p: (stable[p], end) for p, end in written.items() if end > stable[p]}
+
+
+def _pause_mid_transaction(
+    settings: Settings, topic: str, group: int
+) -> dict[int, tuple[int, int]]:
+    """SIGSTOP the process group `group` at a moment its driver has a transaction open on
+    `topic` (its records written, not committed); the open records' offsets per partition.
+    Tried again, resumed at once, until a pause catches a micro-batch in its transaction."""
+    for _ in range(200):
+        if _open_transaction(settings, topic):
+            os.killpg(group, signal.SIGSTOP)
+            caught = _open_transaction(settings, topic)
+            if caught:
+                return caught
+            os.killpg(group, signal.SIGCONT)
+        time.sleep(0.02)  # polling a broker's offsets, not waiting for a state
+    raise AssertionError(f"no pause caught a transaction open on {topic}")
+
+
+def test_a_paused_driver_wakes_up_fenced_and_steps_down(settings: Settings, tmp_path: Path):
+    """The active driver's whole process group SIGSTOPped in the middle of a micro-batch: the
+    standby takes over within the bound and commits; the paused driver, woken with records
+    waiting, finds its open transaction aborted (none of its records is ever read committed),
+    writes nothing more and waits as the standby; every record is counted once."""
+    pipelines = tmp_path / "pipelines"
+    spec = make_pipeline(settings, pipelines, "product_sales")
+    scoped = settings.replace(pipelines=pipelines)
+    name = spec.name
+    kafka.create_topic(settings, spec.source.topic, 3)
+    workload.produce(settings, spec, events=EVENTS, keys=KEYS, bad_fraction=0.05, seed=81)
+    # Larger micro-batches keep a transaction open longer, for the pause to catch one.
+    options = ("--max-offsets-per-trigger", "2000", "--trigger-seconds", "0.5")
+    load = threading.Thread(
+        target=workload.produce,
+        args=(settings, spec),
+        kwargs={"events": LOAD_EVENTS, "keys": KEYS, "bad_fraction": 0.05, "rate": 400, "seed": 82},
+    )
+    paused: int | None = None
+    try:
+        assert duality_json(scoped, "stream", "start", name, *options)["heartbeat"]["state"] == (
+            "running"
+        )
+        assert health.supervise_once(scoped, spec, replicas=2).standby_action == "started"
+        active, standby = assert_eventually(
+            lambda: _beats(settings, name),
+            lambda beats: beats[1].get("state") == "standby",
+            timeout=120,
+            message="the standby never reported waiting",
+        )
+        load.start()
+        paused = os.getpgid(active["pid"])
+        open_records = _pause_mid_transaction(settings, spec.changelog_topic, paused)
+        stopped_at = time.monotonic()
+        # The standby takes over: its fencing aborts the paused driver's transaction, then it
+        # commits micro-batches of its own.
+        assert_eventually(
+            lambda: _beats(settings, name)[0],
+            lambda beat: beat.get("pid") == standby["pid"] and "committed_offsets" in beat,
+            timeout=TAKEOVER_BOUND_S,
+            message=f"the standby did not take over within {TAKEOVER_BOUND_S:g}s of the pause",
+        )
+        takeover = time.monotonic() - stopped_at
+        print(f"takeover: the standby's first progress {takeover:.1f} s after the pause")
+        # Aborted: each partition's last stable offset has passed the paused driver's records
+        # (without the fencing they would hold it back until the transaction's timeout).
+        stable = kafka.end_offsets(settings, spec.changelog_topic, "read_committed")
+        assert all(stable[p] >= end for p, (_, end) in open_records.items()), (
+            stable,
+            open_records,
+        )
+        # Woken with records waiting (the load goes on): it must write nothing, and step down.
+        os.killpg(paused, signal.SIGCONT)
+        woken = active["pid"]
+        paused = None
+        assert_eventually(
+            lambda: _beats(settings, name)[1],
+            lambda beat: beat.get("pid") == woken and beat.get("state") == "standby",
+            timeout=120,
+            message="the woken driver did not step down to wait as the standby",
+        )
+        assert _beats(settings, name)[0]["pid"] == standby["pid"], "two active drivers"
+        load.join(timeout=180)
+        assert not load.is_alive(), "the load did not finish"
+        produced = EVENTS + LOAD_EVENTS
+        assert_eventually(
+            lambda: sum(
+                o
+                for o, _ in kafka.committed_offsets(
+                    settings, spec.consumer_group, spec.source.topic
+                ).values()
+            ),
+            produced,
+            timeout=180,
+        )
+    finally:
+        if paused is not None:
+            os.killpg(paused, signal.SIGCONT)
+        stopped = run_duality(scoped, "stream", "stop", name)
+        assert stopped.returncode == 0, stopped.stderr
+    # None of the records the paused transaction had written is ever read committed.
+    delivered = {(m.partition(), m.offset()) for m in read_messages(settings, spec.changelog_topic)}
+    aborted = {
+        (p, offset) for p, (stable, end) in open_records.items() for offset in range(stable, end)
+    }
+    assert not delivered & aborted, "records of the fenced driver's transaction were committed"
+    assert takeover <= TAKEOVER_BOUND_S
     _verify(settings, spec, produced)
