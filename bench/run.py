@@ -106,8 +106,9 @@ def render(figures: list[Figure], console: Console) -> None:
         runs = f"median of {', '.join(f'{x:.2f}' for x in samples)} s" if samples else ""
         rows = figure.table_rows() if isinstance(figure, StreamFigure) else [(figure, runs)]
         for row, notes in rows:
-            # The baselines are cold: a warm figure is compared with its own cold run alone.
-            cold = row.scenario != "stream-throughput-warm"
+            # The baselines are cold: a warm figure is compared with its own cold run alone;
+            # broker-loss's figure is a stall, no rate.
+            cold = row.scenario not in ("stream-throughput-warm", "broker-loss")
             ratios = [
                 f"{row.records_per_s / baseline[name].records_per_s:.2f}x"
                 if name in baseline and cold
