@@ -23,8 +23,9 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from duality import process
 from duality.spec import PipelineSpec
 from duality.stream import heartbeat
+from tests import truth
 from tests.e2e.browser import Browser, chromium
-from tests.harness import ROOT, assert_eventually, make_pipeline
+from tests.harness import ROOT, assert_eventually, make_pipeline, read_topic
 from tests.stack import Stack
 
 PAGE = "/duality/pipelines"
@@ -99,6 +100,30 @@ def _beat(stack: Stack, spec: PipelineSpec) -> dict[str, Any]:
     return heartbeat.latest(stack.settings).get(spec.name) or {}
 
 
+def _assert_true_counts(
+    stack: Stack, spec: PipelineSpec, batch: int, dead_letters: int, state_rows: int
+) -> None:
+    """The dead letters and state rows shown with micro-batch `batch` of a stream that started
+    once are the ground truth (tests/truth.py) of its source records then: the bad ones among
+    those its transactions had committed, and the keys the filter kept among those before the
+    batch's end offsets. The records and offsets are read back with plain consumers, the
+    offsets from the heartbeat of that batch whose counts the page shows."""
+    beats = [
+        beat
+        for beat in heartbeat.history(stack.settings, 0).get(spec.name, [])
+        if beat.get("batch_id") == batch and beat.get("source_offsets")
+    ]
+    assert beats, f"no heartbeat of batch {batch}"
+    beat = beats[-1]
+    assert (beat.get("dead_lettered"), beat.get("state_rows")) == (dead_letters, state_rows), beat
+    source = read_topic(stack.settings, spec.source.topic)
+    ends = {int(p): end for p, end in beat["source_offsets"][spec.source.topic].items()}
+    committed = {int(p): end for p, end in beat["committed_offsets"].items()}
+    _, bad = truth.expected(spec, [r for r in source if r[1] < committed.get(r[0], 0)])
+    table, _ = truth.expected(spec, [r for r in source if r[1] < ends.get(r[0], 0)])
+    assert (dead_letters, state_rows) == (len(bad), len(table)), (len(bad), len(table), beat)
+
+
 @pytest.fixture
 def ui(stack: Stack, tmp_path: Path) -> Iterator[Browser]:
     with chromium() as driver:
@@ -136,8 +161,10 @@ def test_the_json_tells_what_the_page_shows(stack: Stack, pipelines: Pipelines) 
     running, never_ran = rows[pipelines.running.name], rows[pipelines.never_ran.name]
     stream = running["stream"]
     assert stream["state"] == "running", stream
-    assert stream["dead_letters"] > 0 and stream["state_rows"] > 0, stream
     assert stream["lag"] is not None and stream["last_batch"] is not None, stream
+    _assert_true_counts(
+        stack, pipelines.running, stream["last_batch"], stream["dead_letters"], stream["state_rows"]
+    )
     assert running["rate"] and running["lag"], "no input rate or lag over the last hour"
     snapshot = running["snapshot"]
     assert snapshot["published_version"] == 0 and snapshot["verdict"] == "passed", snapshot
@@ -181,15 +208,20 @@ def test_the_pipelines_page_through_the_navigation(
         driver = ui.driver
         assert _cell(driver, running, "state").startswith("running")
         assert _cell(driver, running, "input-rate").endswith("/s")
-        assert _cell(driver, running, "last-batch").startswith("#")
-        assert int(_cell(driver, running, "dead-letters").replace(",", "")) > 0
-        assert int(_cell(driver, running, "state-rows").replace(",", "")) > 0
+        last_batch = _cell(driver, running, "last-batch")
+        assert last_batch.startswith("#"), last_batch
+        dead_letters = int(_cell(driver, running, "dead-letters").replace(",", ""))
+        state_rows = int(_cell(driver, running, "state-rows").replace(",", ""))
         assert _cell(driver, running, "snapshot").startswith("version 0")
         assert _cell(driver, running, "validation").startswith("passed version 0")
         row = driver.find_element(By.CSS_SELECTOR, f"tr[data-pipeline='{running}']")
         assert row.find_elements(By.CSS_SELECTOR, "svg.history polyline")
         dags = [a.get_attribute("href") for a in row.find_elements(By.CSS_SELECTOR, ".dags a")]
         assert any((href or "").endswith(f"/dags/duality_{running}_stream") for href in dags)
+
+    with ui.step("the running pipeline's counts are the truth of its batch shown"):
+        batch = int(last_batch[1:].split()[0])
+        _assert_true_counts(stack, pipelines.running, batch, dead_letters, state_rows)
 
     with ui.step("the pipeline that was stopped, and the one that never ran"):
         assert _cell(driver, stopped, "state").startswith("stopped")
