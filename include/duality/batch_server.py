@@ -263,6 +263,7 @@ class _Step:
         self.send({"stream": stream, "text": text})
 
     def run(self, env: dict[str, str]) -> int:
+        self.started = time.time()  # when its command starts running (the report's start)
         self.session = self.server.spark.newSession()
         _STEP.sink = self.output
         set_step_session(self.session)
@@ -351,7 +352,7 @@ class _Handler(socketserver.StreamRequestHandler):
         watcher = threading.Thread(target=step.watch, name=f"watch-{step.id}", daemon=True)
         watcher.start()
         started = time.monotonic()
-        log.info("step %s: duality %s (started at %.3f)", step.id, " ".join(argv), step.started)
+        log.info("step %s: duality %s", step.id, " ".join(argv))
         code: int | None = None
         try:
             try:

@@ -128,7 +128,7 @@ class DualityHook(BaseHook):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env={**os.environ, **settings.as_env()},
+            env=child_environment(settings),
             start_new_session=True,  # its own process group (and session): one signal for all
             # Even a SIGKILLed task leaves no driver: its JVM then sees its stdin close and exits.
             preexec_fn=die_with_parent,
@@ -232,6 +232,14 @@ def overrides(
         if master:
             changes["spark_master"] = master
     return changes
+
+
+def child_environment(settings: Settings) -> dict[str, str]:
+    """The task's environment with its `DUALITY_*` variables replaced by the settings': a setting
+    that a connection unset (the secret file, when `spark_default` gives the secret) is not
+    inherited."""
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("DUALITY_")}
+    return {**inherited, **settings.as_env()}
 
 
 def duality_command(arguments: Sequence[Any]) -> list[str]:

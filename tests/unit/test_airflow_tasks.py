@@ -128,6 +128,11 @@ def test_the_batch_servers_secret_comes_from_spark_default_and_is_masked(plugins
     for seen in (hooks.DualityHook().settings(), asyncio.run(hooks.DualityHook().asettings())):
         assert seen.batch_server_secret == secret and seen.batch_server_secret_file is None
         assert secret not in repr(seen)
+    # The task's child gets the secret, not the file as well (both would be refused).
+    child = hooks.child_environment(hooks.DualityHook().settings())
+    assert child["DUALITY_BATCH_SERVER_SECRET"] == secret
+    assert "DUALITY_BATCH_SERVER_SECRET_FILE" not in child and "PATH" in child
+    assert Settings.from_env(child).read_batch_server_secret() == secret
     assert redact(f"a line with {secret} in it") == "a line with *** in it"
     monkeypatch.delenv("AIRFLOW_CONN_SPARK_DEFAULT")
     monkeypatch.delenv("DUALITY_BATCH_SERVER_SECRET_FILE")

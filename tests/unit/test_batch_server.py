@@ -148,6 +148,10 @@ def test_two_steps_at_once_each_get_a_session_and_their_own_output(tmp_path: Pat
         words = {name: outputs[name].split() for name in ("a", "b")}
         assert [words["a"][:1], words["b"][:1]] == [["a"], ["b"]], outputs
         assert words["a"][1] != words["b"][1]  # two sessions
+        # The server's record of when each ran shows them at once.
+        ended = server_report(settings)["ended"]
+        assert sorted(step["command"] for step in ended) == ["a", "b"]
+        assert max(s["started"] for s in ended) < min(s["ended"] for s in ended), ended
 
 
 # A client in a process of its own, as a task runs it (the server runs in this test's process).

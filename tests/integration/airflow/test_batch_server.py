@@ -26,6 +26,7 @@ from duality.airflow_api import AirflowClient
 from duality.batch_server import server_report
 from duality.config import Settings
 from duality.demo import _run_dags, _start_run
+from duality.errors import CheckFailed
 from duality.local.batch_server import LocalBatchServer
 from duality.local.ports import free_port
 from duality.snapshot import publish
@@ -133,7 +134,7 @@ def test_overlapping_finds_steps_that_ran_at_once_and_none_of_steps_run_in_turn(
         return {"command": command, "started": started, "ended": ended}
 
     a = [step("snapshot a", 0.0, 4.0), step("validate a", 4.5, 6.0)]
-    assert overlapping(a, [step("snapshot b", 3.0, 5.0)]) == [("snapshot a", "snapshot b")]
+    assert overlapping(a, [step("snapshot b", 3.0, 4.2)]) == [("snapshot a", "snapshot b")]
     # One at a time, even back to back: no overlap.
     assert overlapping(a, [step("snapshot b", 4.0, 4.5), step("validate b", 6.0, 7.0)]) == []
 
@@ -143,7 +144,12 @@ def test_two_pipelines_snapshot_dags_at_once_on_one_server(spark, stack: Stack):
     dags = [f"duality_{spec.name}_snapshot" for spec in pipelines]
     for dag_id in dags:  # both parsed first, so that both runs start together
         stack.client.wait_for_dag(dag_id)
-    runs = _run_dags(stack.client, {dag_id: {} for dag_id in dags}, lambda _: None)
+    try:
+        runs = _run_dags(stack.client, {dag_id: {} for dag_id in dags}, lambda _: None)
+    except CheckFailed as failed:
+        runs_ = [(d, r["dag_run_id"]) for d in dags for r in stack.client.runs(d)]
+        logs = [task_logs(stack.client, d, r) for d, r in runs_]
+        raise AssertionError(f"{failed}\n{''.join(logs)}\n{_log(stack)[-3000:]}") from None
     log = _log(stack)
     for spec in pipelines:
         _, table = _published(spark, stack, spec)
@@ -187,7 +193,7 @@ def test_the_server_runs_only_requests_with_its_secret_and_says_why_not(stack: S
         (wrong, "the request's secret is not the server's"),
     ):
         assert done.returncode == 2, done.stderr
-        assert f"refused `duality snapshot {spec.name} --json`: {reason}: set " in done.stderr
+        assert f"refused `duality snapshot`: {reason}: set " in done.stderr
         assert secret not in done.stdout + done.stderr
     assert len(_ended(stack, spec.name)) == before  # nothing ran
     assert _log(stack).count("refused a request from 127.0.0.1") >= 2
