@@ -73,6 +73,20 @@ def test_up_twice_status_down(tmp_path: Path):
         assert broker["bootstrap_servers"] == f"localhost:{port}"
         # The broker logs through log4j: a missing SLF4J binding once left the file empty.
         assert "Kafka Server started" in Path(broker["log"]).read_text()
+        # The batch server's secret and self-signed certificate, made by `up` as private files
+        # and named in the record; `status` asked the server over TLS with them (decision 34).
+        own = tmp_path / "local" / "batch-server"
+        assert record["settings"]["DUALITY_BATCH_SERVER_SECRET_FILE"] == str(own / "secret")
+        certificate = str(own / "tls" / "server.crt")
+        assert record["settings"]["DUALITY_BATCH_SERVER_TLS_CERT"] == certificate
+        for private in (own / "secret", own / "tls" / "server.key"):
+            assert private.stat().st_mode & 0o777 == 0o600, private
+        assert status["batch"]["state"] == "running" and status["batch"]["steps"] == []
+        secret = (own / "secret").read_text().strip()
+        assert secret not in json.dumps([first, second, status])
+        for path in (tmp_path / "local").rglob("*"):
+            if path.is_file() and path != own / "secret" and path.stat().st_size < 50_000_000:
+                assert secret.encode() not in path.read_bytes(), path
         # A JVM folder that a killed driver left (its process has ended).
         left = tmp_path / "local" / "jvm-tmp" / f"{socket.gethostname()}-{ended_pid()}"
         (left / "blockmgr-1").mkdir(parents=True)
