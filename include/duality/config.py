@@ -271,7 +271,14 @@ class Settings:
         env = os.environ if environ is None else environ
         home = Path(env.get(f"{PREFIX}HOME") or _checkout_root()).resolve()
         local_dir = Path(env.get(f"{PREFIX}LOCAL_DIR") or cls.local_dir).expanduser()
-        env = {**stack_settings(home / local_dir), **env}
+        recorded = stack_settings(home / local_dir)
+        # The batch server's secret and its file are one setting in two forms: either, given in
+        # the environment (an Airflow connection's secret, say), takes the place of the other
+        # form that the stack recorded.
+        for given, other in _ONE_SETTING_TWO_FORMS:
+            if env.get(PREFIX + given):
+                recorded.pop(PREFIX + other, None)
+        env = {**recorded, **env}
         values: dict[str, object] = {"home": home}
         for field in dataclasses.fields(cls):
             if field.name == "home":
@@ -386,6 +393,10 @@ def java_properties(config: Mapping[str, str]) -> str:
 
 
 STACK_FILE = "stack.json"
+_ONE_SETTING_TWO_FORMS = (
+    ("BATCH_SERVER_SECRET", "BATCH_SERVER_SECRET_FILE"),
+    ("BATCH_SERVER_SECRET_FILE", "BATCH_SERVER_SECRET"),
+)
 
 
 def stack_settings(local_dir: Path) -> dict[str, str]:

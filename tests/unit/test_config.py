@@ -144,3 +144,30 @@ def test_more_replicas_than_brokers_is_a_usage_error(monkeypatch: pytest.MonkeyP
     with pytest.raises(UsageError) as error:
         kafka.durability(Settings.from_env({"DUALITY_REPLICATION_FACTOR": "3"}))
     assert "has 1 broker:" in str(error.value) and "lower it to 1" in str(error.value)
+
+
+def test_a_secret_in_the_environment_takes_the_place_of_the_stack_s_secret_file(tmp_path):
+    """An Airflow task's stream gets the batch server's secret from a connection, in its
+    environment, while the stack's record names the secret's file: one setting, not two."""
+    import json
+
+    from duality.config import STACK_FILE
+
+    local = tmp_path / ".local"
+    local.mkdir()
+    secret_file = local / "secret"
+    record = {"settings": {"DUALITY_BATCH_SERVER_SECRET_FILE": str(secret_file)}}
+    (local / STACK_FILE).write_text(json.dumps(record))
+    base = {"DUALITY_HOME": str(tmp_path)}
+    given = Settings.from_env({**base, "DUALITY_BATCH_SERVER_SECRET": "s" * 32})
+    assert given.batch_server_secret == "s" * 32 and given.batch_server_secret_file is None
+    recorded = Settings.from_env(base)
+    assert recorded.batch_server_secret_file == secret_file and recorded.batch_server_secret is None
+    with pytest.raises(UsageError, match="both"):  # both given by the user: ask for one
+        Settings.from_env(
+            {
+                **base,
+                "DUALITY_BATCH_SERVER_SECRET": "s" * 32,
+                "DUALITY_BATCH_SERVER_SECRET_FILE": str(secret_file),
+            }
+        )
