@@ -10,6 +10,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
+from duality import kafka_failover
 from duality.errors import UsageError
 
 PREFIX = "DUALITY_"
@@ -345,15 +346,21 @@ class Settings:
         return config
 
     def spark_kafka_options(self) -> dict[str, str]:
-        """The same connection as options of Spark's Kafka source and sink (Java client names)."""
-        return {f"kafka.{key}": value for key, value in self.java_client_config().items()}
+        """The same connection as options of Spark's Kafka source and sink (Java client names),
+        with the timeouts that let them ride through a broker's loss (`duality.kafka_failover`)."""
+        config = {**self.java_client_config(), **kafka_failover.JAVA_CLIENT}
+        return {f"kafka.{key}": value for key, value in config.items()}
 
     def spark_kafka_source_options(self) -> dict[str, str]:
         """`spark_kafka_options` for reading: a task's consumer that reaches the end of a
         partition is answered within 10 ms instead of the broker holding its fetch for Kafka's
         default 500 ms, which a micro-batch or a read to the end paid once per partition wave
         (docs/decisions/0018-stream-latency.md)."""
-        return {**self.spark_kafka_options(), "kafka.fetch.max.wait.ms": "10"}
+        return {
+            **self.spark_kafka_options(),
+            **kafka_failover.SPARK_SOURCE,
+            "kafka.fetch.max.wait.ms": "10",
+        }
 
 
 def jaas_quote(value: str) -> str:

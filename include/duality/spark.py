@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, TypeVar
 
 import psutil
 
-from duality import kafka_failover
 from duality.config import Settings
 from duality.errors import UsageError
 
@@ -151,8 +150,6 @@ def session_config(settings: Settings, app_name: str) -> dict[str, str]:
         # MERGE and the reads around it generate: every snapshot run compiled all of them
         # again, and the JIT their new classes (docs/decisions/0020-generated-code-cache.md).
         "spark.sql.codegen.cache.maxEntries": "1000",
-        # How Spark's Kafka source rides through a broker's loss.
-        **kafka_failover.SPARK_SESSION,
     }
     if local:
         cores = str(local_cores(settings.spark_master))

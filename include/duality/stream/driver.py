@@ -35,6 +35,8 @@ log = logging.getLogger("duality.stream")
 
 # A standby warms up on this many of each source partition's last records.
 WARM_UP_RECORDS = 20
+# A query asked to stop that has not stopped this long after is left behind: the process exits.
+QUERY_STOP_S = 60.0
 
 
 class ElectionLost(Exception):
@@ -448,7 +450,7 @@ class StreamDriver:
                     and (time.monotonic() < deadline)
                 ):
                     time.sleep(0.2)
-                query.stop()
+                self._stop_or_exit(query, heartbeat)
             else:
                 error = query.exception()
                 if error is not None:
@@ -459,6 +461,21 @@ class StreamDriver:
             spark.streams.removeListener(listener)
             with contextlib.suppress(Exception):  # a fencing that failed has nothing to close
                 fenced.result().close()
+
+    def _stop_or_exit(self, query: Any, heartbeat: Heartbeat) -> None:
+        """Stop the query; one that does not stop within `QUERY_STOP_S` (its thread stuck in a
+        call that cannot be interrupted) ends the process instead: a stop always stops, and the
+        next driver's fencing aborts whatever transaction was open."""
+        stopping = threading.Thread(target=query.stop, name="duality-query-stop", daemon=True)
+        stopping.start()
+        stopping.join(QUERY_STOP_S)
+        if stopping.is_alive():
+            message = f"the query did not stop within {QUERY_STOP_S:g}s; exiting without it"
+            log.error("%s: %s", self.spec.name, message)
+            heartbeat.end("stopped", error=message)
+            heartbeat.close()
+            logging.shutdown()
+            os._exit(0)
 
     def _exit_for_new_driver(
         self, heartbeat: Heartbeat, state: str, message: str, code: int
