@@ -335,7 +335,7 @@ def _cmd_stream(settings: Settings, args: Namespace, console: Console) -> Any:
             command = [sys.executable, "-m", control.MODULE, args.pipeline, *options.to_args()]
             sys.stdout.flush()
             sys.stderr.flush()
-            os.execve(sys.executable, command, {**os.environ, **settings.as_env()})
+            os.execve(sys.executable, command, settings.process_env())
         with console.status(f"starting the stream of {pipeline.name}"):
             started = control.start(settings, pipeline, job_args=options.to_args())
         if not args.json:

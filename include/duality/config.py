@@ -303,6 +303,13 @@ class Settings:
                 env[PREFIX + field.name.upper()] = str(value)
         return env
 
+    def process_env(self) -> dict[str, str]:
+        """The environment of a process duality starts: this one's, its `DUALITY_*` variables
+        replaced by these settings, so that a setting they leave unset (the secret's file,
+        when an Airflow connection gives the secret) is not inherited beside them."""
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith(PREFIX)}
+        return {**inherited, **self.as_env()}
+
     @property
     def first_bootstrap(self) -> tuple[str, int]:
         host, _, port = self.bootstrap_servers.split(",")[0].strip().rpartition(":")

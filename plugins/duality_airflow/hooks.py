@@ -238,8 +238,7 @@ def child_environment(settings: Settings) -> dict[str, str]:
     """The task's environment with its `DUALITY_*` variables replaced by the settings': a setting
     that a connection unset (the secret file, when `spark_default` gives the secret) is not
     inherited."""
-    inherited = {k: v for k, v in os.environ.items() if not k.startswith("DUALITY_")}
-    return {**inherited, **settings.as_env()}
+    return settings.process_env()
 
 
 def duality_command(arguments: Sequence[Any]) -> list[str]:

@@ -45,9 +45,16 @@ def test_environment_overrides(tmp_path: Path):
     assert options["kafka.bootstrap.servers"] == "k1:9092,k2:9092"
     assert "PlainLoginModule" in options["kafka.sasl.jaas.config"]
     assert 'username="me"' in options["kafka.sasl.jaas.config"]
+    # A dead leader's offsets call is given up after 5 s, and asked again (decision 33).
+    assert options["kafka.default.api.timeout.ms"] == options["kafka.request.timeout.ms"] == "5000"
     # Spark's reads: the same connection, and a consumer at a partition's end is not held 500 ms.
     reading = settings.spark_kafka_source_options()
-    assert reading == {**options, "kafka.fetch.max.wait.ms": "10"}
+    assert reading == {
+        **options,
+        "fetchOffset.numRetries": "12",
+        "fetchOffset.retryIntervalMs": "500",
+        "kafka.fetch.max.wait.ms": "10",
+    }
 
 
 @pytest.mark.parametrize(
@@ -171,3 +178,14 @@ def test_a_secret_in_the_environment_takes_the_place_of_the_stack_s_secret_file(
                 "DUALITY_BATCH_SERVER_SECRET_FILE": str(secret_file),
             }
         )
+
+
+def test_a_process_duality_starts_inherits_no_setting_the_settings_unset(monkeypatch):
+    """An Airflow task whose connection gives the batch server's secret starts the stream
+    without the secret file its own environment names: one form of the setting, not two."""
+    monkeypatch.setenv("DUALITY_BATCH_SERVER_SECRET_FILE", "/stack/secret")
+    monkeypatch.setenv("PATH_FOR_THE_TEST", "kept")
+    settings = Settings.from_env({"DUALITY_HOME": "/x"}).replace(batch_server_secret="s" * 32)
+    env = settings.process_env()
+    assert env["DUALITY_BATCH_SERVER_SECRET"] == "s" * 32
+    assert "DUALITY_BATCH_SERVER_SECRET_FILE" not in env and env["PATH_FOR_THE_TEST"] == "kept"

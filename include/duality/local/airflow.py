@@ -147,7 +147,7 @@ class LocalAirflow:
             }
         # Standalone runs its components as `airflow ...` from PATH: this interpreter's one.
         path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-        return {**os.environ, **settings.as_env(), **airflow, "PATH": path}
+        return {**settings.process_env(), **airflow, "PATH": path}
 
     def _server_ports(self) -> dict[str, int]:
         """Chosen free while no component runs; kept in `ports.json` for a restarted one."""

@@ -162,8 +162,7 @@ class LocalBatchServer:
         # archive was made with (decision 31), which a folder of its own would not be.
         logging = f"-Dlog4j2.configurationFile={self.root / 'log4j2.properties'}"
         environment = {
-            **os.environ,
-            **self.settings.as_env(),
+            **self.settings.process_env(),
             **credentials,
             "SPARK_SUBMIT_OPTS": f"{os.environ.get('SPARK_SUBMIT_OPTS', '')} {logging}".strip(),
         }

@@ -191,7 +191,7 @@ def start(
         log,
         pid_file(settings, spec, standby),
         # The settings this command runs with (Airflow connections included) go along.
-        env={**os.environ, **settings.as_env()},
+        env=settings.process_env(),
     )
     if wait:
         _wait_running(settings, spec, process, log, standby)
