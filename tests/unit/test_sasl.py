@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from duality import kafka
+from duality import kafka, kafka_failover
 from duality.config import Settings, jaas_quote, java_properties
 from duality.errors import UsageError
 from duality.local.airflow import LocalAirflow
@@ -63,6 +63,7 @@ def test_the_java_client_gets_an_escaped_jaas_config():
         "kafka.security.protocol": "SASL_PLAINTEXT",
         "kafka.sasl.mechanism": "SCRAM-SHA-512",
         "kafka.sasl.jaas.config": settings.jaas_config(),
+        **{f"kafka.{key}": value for key, value in kafka_failover.JAVA_CLIENT.items()},
     }
     plain = settings.replace(sasl_mechanism="PLAIN", sasl_username='b"ob')
     assert plain.jaas_config() == (
