@@ -176,7 +176,7 @@ def _pause_mid_transaction(
     """SIGSTOP the process group `group` at a moment its driver has a transaction open on
     `topic` (its records written, not committed); the open records' offsets per partition.
     Tried again, resumed at once, until a pause catches a micro-batch in its transaction."""
-    for _ in range(200):
+    for _ in range(1000):
         if _open_transaction(settings, topic):
             os.killpg(group, signal.SIGSTOP)
             caught = _open_transaction(settings, topic)
