@@ -15,13 +15,13 @@ from pathlib import Path
 
 from rich.progress import Progress
 
-from duality import kafka, workload
+from duality import kafka
 from duality.config import Settings
 from duality.local.kraft import ephemeral_cluster
 from duality.spec import PipelineSpec
 from duality.stream import control
 from streaming import MAX_OFFSETS_PER_TRIGGER, StreamFigure, bench_spec, target
-from tests.harness import StreamProcess, assert_eventually
+from tests.harness import SteadyLoad, StreamProcess, assert_eventually
 
 RATE = 5_000  # events a second
 KEYS = 10_000
@@ -59,29 +59,6 @@ class _Commits(threading.Thread):
             if total != last:
                 self.times.append(time.monotonic())
                 last = total
-
-
-class _Load(threading.Thread):
-    def __init__(self, settings: Settings, spec: PipelineSpec):
-        super().__init__(daemon=True)
-        self.settings, self.spec = settings, spec
-        self.stopping = threading.Event()
-        self.produced = 0
-
-    def run(self) -> None:
-        seed = 1
-        while not self.stopping.is_set():
-            self.produced += workload.produce(
-                self.settings,
-                self.spec,
-                events=RATE,
-                keys=KEYS,
-                bad_fraction=0.0,
-                rate=RATE,
-                seed=seed,
-                partitions=PARTITIONS,
-            ).produced
-            seed += 1
 
 
 def _largest_gap(times: list[float], start: float, end: float) -> float:
@@ -127,7 +104,9 @@ def broker_loss_scenario(
             max_offsets_per_trigger=MAX_OFFSETS_PER_TRIGGER,
             stall_timeout=None,
         )
-        load = _Load(settings, spec)
+        load = SteadyLoad(
+            settings, spec, rate=RATE, keys=KEYS, bad_fraction=0.0, partitions=PARTITIONS
+        )
         commits = _Commits(settings, spec)
         stream.start()
         try:
@@ -154,7 +133,7 @@ def broker_loss_scenario(
             watched_to = time.monotonic()
             stream.check()
         finally:
-            load.stopping.set()
+            load.stop()
             commits.stopping.set()
             stream.stop()
         steady = _largest_gap(commits.times, steady_from, killed)

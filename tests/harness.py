@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -28,7 +29,7 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
-from duality import kafka, process
+from duality import kafka, process, workload
 from duality.config import SHIPPED_PIPELINES, Settings
 from duality.spec import PipelineSpec, load_spec
 
@@ -377,22 +378,71 @@ class StreamProcess:
         return "\n".join(text.splitlines()[-lines:])
 
 
-def first_commit_after(settings: Settings, topic: str, since: float) -> float:
-    """Seconds from `since` (monotonic) until a read_committed consumer, placed at the topic's
-    stable end now, reads a record: the next transaction committed."""
-    ends = kafka.end_offsets(settings, topic)
-    group = f"first-commit-{uuid.uuid4().hex}"
-    reader = kafka.consumer(settings, group, enable_partition_eof=False)
-    try:
-        reader.assign([kafka.TopicPartition(topic, p, o) for p, o in ends.items()])
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            message = reader.poll(0.05)
-            if message is not None and message.error() is None:
-                return time.monotonic() - since
-        raise AssertionError(f"no transaction committed to {topic} within 120 s of the kill")
-    finally:
-        reader.close()
+class SteadyLoad(threading.Thread):
+    """`rate` events a second on the spec's source, a second's worth at a time, from start()
+    until stop(); pause() holds it between two seconds' worth, resume() goes on."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        spec: PipelineSpec,
+        *,
+        rate: int,
+        keys: int,
+        bad_fraction: float = 0.05,
+        seed: int = 1,
+        partitions: int = 6,
+    ):
+        super().__init__(daemon=True)
+        self.settings, self.spec = settings, spec
+        self.rate, self.keys, self.bad_fraction = rate, keys, bad_fraction
+        self.seed, self.partitions = seed, partitions
+        self.produced = 0
+        self.error: BaseException | None = None
+        self.running = threading.Event()
+        self.running.set()
+        self.idle = threading.Event()  # set between two seconds' worth
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                self.idle.set()
+                if not self.running.wait(0.2):
+                    continue
+                self.idle.clear()
+                self.produced += workload.produce(
+                    self.settings,
+                    self.spec,
+                    events=self.rate,
+                    keys=self.keys,
+                    bad_fraction=self.bad_fraction,
+                    rate=self.rate,
+                    seed=self.seed,
+                    partitions=self.partitions,
+                ).produced
+                self.seed += 1
+        except BaseException as error:  # kept for the test to judge
+            self.error = error
+        finally:
+            self.idle.set()
+
+    def pause(self) -> None:
+        """Stop producing once the second's worth in flight is written."""
+        self.running.clear()
+        assert self.idle.wait(60) and self.error is None, f"the load failed: {self.error}"
+
+    def resume(self) -> None:
+        self.running.set()
+
+    def stop(self) -> int:
+        """End the load; the events it produced."""
+        self.stopping.set()
+        self.running.set()
+        if self.is_alive():
+            self.join(timeout=120)
+        assert not self.is_alive() and self.error is None, f"the load failed: {self.error}"
+        return self.produced
 
 
 # The files Delta keeps in a table's `_delta_log` (PROTOCOL.md: commits, checksums, classic,

@@ -8,20 +8,26 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from duality import kafka, workload
+from duality import kafka
 from duality.config import Settings
 from duality.local.kraft import LocalKafkaCluster
 from duality.local.spark_cluster import LocalSparkCluster
 from duality.spec import PipelineSpec
 from duality.stream.election import DRIVERS_TOPIC
-from tests.harness import StreamProcess, assert_eventually, duality_json, make_pipeline, read_topic
+from tests.harness import (
+    SteadyLoad,
+    StreamProcess,
+    assert_eventually,
+    duality_json,
+    make_pipeline,
+    read_topic,
+)
 from tests.integration.spark.test_stream import _verify_records
 
 KEYS = 500
@@ -33,44 +39,6 @@ LOADED_AFTER_KILL_S = 5  # the load goes on this long into the outage, then paus
 # open for it; docs/operations.md#losing-a-broker), so those two are held to the stall's bound.
 EXACT_WITHIN_S = {"source": 30, "changelog": 150, "transactions": 150, "election": 30}
 ROLES = tuple(EXACT_WITHIN_S)
-
-
-class _Load(threading.Thread):
-    """RATE events a second, a second's worth at a time, while `running` is set."""
-
-    def __init__(self, settings: Settings, spec: PipelineSpec):
-        super().__init__(daemon=True)
-        self.settings, self.spec = settings, spec
-        self.running = threading.Event()
-        self.stopping = threading.Event()
-        self.idle = threading.Event()  # set while paused between two seconds' worth
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        seed = 460
-        try:
-            while not self.stopping.is_set():
-                self.idle.set()
-                if not self.running.wait(0.2):
-                    continue
-                self.idle.clear()
-                workload.produce(
-                    self.settings,
-                    self.spec,
-                    events=RATE,
-                    keys=KEYS,
-                    bad_fraction=0.05,
-                    rate=RATE,
-                    seed=seed,
-                )
-                seed += 1
-        except BaseException as error:  # kept for the test to judge
-            self.error = error
-
-    def pause(self) -> None:
-        """Stop producing and wait until the second's worth in flight is written."""
-        self.running.clear()
-        assert self.idle.wait(60) and self.error is None, f"the load failed: {self.error}"
 
 
 def _java_hash(text: str) -> int:
@@ -164,14 +132,14 @@ def test_stream_rides_through_the_loss_of_each_broker_role(
     stream = StreamProcess(
         settings, spec, settings.pipelines, tmp_path / "stream.log", stall_timeout=60
     )
-    load = _Load(settings, spec)
+    load = SteadyLoad(settings, spec, rate=RATE, keys=KEYS, seed=460)
     load.start()
     stream.start()
     recovered: dict[str, float] = {}
     try:
         for role in ROLES:
             # The stream under load before the kill: it has covered records produced since.
-            load.running.set()
+            load.resume()
             before = stream.covered()
             assert_eventually(
                 lambda before=before: stream.covered() >= before + RATE,
@@ -203,7 +171,7 @@ def test_stream_rides_through_the_loss_of_each_broker_role(
                 message=f"broker {node.node_id} did not catch up after its restart",
             )
         # Back to three brokers and more load: still exact, and status says it is caught up.
-        load.running.set()
+        load.resume()
         before = stream.covered()
         assert_eventually(lambda: stream.covered() >= before + RATE, timeout=120)
         load.pause()
@@ -212,10 +180,8 @@ def test_stream_rides_through_the_loss_of_each_broker_role(
         status = duality_json(settings, "stream", "status", spec.name, timeout=60)
         assert status["lag"] == 0 and status["heartbeat"]["state"] == "running", status
     finally:
-        load.stopping.set()
-        load.running.clear()
-        load.join(timeout=120)
         stream.stop()
+        load.stop()
         # The package's other tests share the cluster: a broker a failed round left down is
         # started again.
         for node in cluster.nodes:

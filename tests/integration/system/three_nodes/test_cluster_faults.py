@@ -20,7 +20,7 @@ from duality.local.kraft import LocalKafkaCluster
 from duality.snapshot import build, delta_log
 from duality.spec import PipelineSpec
 from duality.stream import control, health, heartbeat, topics
-from tests.harness import ROOT, assert_eventually, duality_json, make_pipeline
+from tests.harness import ROOT, SteadyLoad, assert_eventually, duality_json, make_pipeline
 from tests.integration.snapshot.test_snapshot import _table, _truth
 from tests.integration.spark.test_repartition import _assert_exact_copy
 from tests.integration.spark.test_stream import _verify
@@ -29,38 +29,6 @@ DOWN_S = 60  # the issue's fault: the broker comes back a minute after it was ki
 KEYS = 500
 RATE = 150  # events per second of the load, produced until the broker is back
 COPIED = 30_000  # records of the repartition's source, copied at 150/s per partition
-
-
-class _Load(threading.Thread):
-    """The stream's load: RATE events a second, a second's worth at a time, until stopped.
-
-    Open-ended so that it spans the kill and the outage however slow the machine is: the
-    snapshot run captures its offsets during the load, so the changelog moves after them.
-    """
-
-    def __init__(self, settings: Settings, spec: PipelineSpec):
-        super().__init__(daemon=True)
-        self.settings, self.spec = settings, spec
-        self.stopping = threading.Event()
-        self.produced = 0
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        seed = 63
-        try:
-            while not self.stopping.is_set():
-                self.produced += workload.produce(
-                    self.settings,
-                    self.spec,
-                    events=RATE,
-                    keys=KEYS,
-                    bad_fraction=0.05,
-                    rate=RATE,
-                    seed=seed,
-                ).produced
-                seed += 1
-        except BaseException as error:  # kept for the test to judge
-            self.error = error
 
 
 class _Snapshot(threading.Thread):
@@ -147,7 +115,7 @@ def test_leader_killed_mid_stream_repartition_and_snapshot(
     def covered(topic: str, by: str) -> int:
         return sum(o for o, _ in kafka.committed_offsets(settings, by, topic).values())
 
-    load = _Load(settings, spec)
+    load = SteadyLoad(settings, spec, rate=RATE, keys=KEYS, seed=63)
     copy_log = tmp_path / "repartition.log"
     copier = None
     merging = _Snapshot(settings, spec, spark)
@@ -202,9 +170,7 @@ def test_leader_killed_mid_stream_repartition_and_snapshot(
             time.sleep(1)
         node.start()
 
-        load.stopping.set()
-        load.join(timeout=300)
-        assert not load.is_alive() and load.error is None, f"the load failed: {load.error}"
+        load.stop()
         # The stream recovered by itself and caught up with the load.
         assert_eventually(
             lambda: covered(spec.source.topic, group) >= 3_000 + load.produced,
