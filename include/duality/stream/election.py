@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from duality import kafka
@@ -23,6 +24,11 @@ SESSION_TIMEOUT_MS = 3_000
 KAFKA_MIN_SESSION_TIMEOUT_MS = 6_000
 # A standby hears of the rebalance with its next heartbeat.
 HEARTBEAT_INTERVAL_MS = 500
+# A member is told its assignment (the partition, or nothing for a standby) within a second or
+# two of joining. librdkafka's group client has been seen never to join at all (a pipeline's only
+# driver, on a three-broker cluster just started, waited 4 minutes as a standby): a driver told
+# nothing for this long leaves and joins again with a new consumer.
+REJOIN_AFTER_S = 30.0
 
 
 def session_timeout_ms(settings: Settings) -> int:
@@ -40,15 +46,21 @@ class Election:
 
     def __init__(self, settings: Settings, pipeline: str):
         ensure_topic(settings)
+        self.settings = settings
         self.pipeline = pipeline
         self.active = threading.Event()
         self.lost = threading.Event()
+        self.told = threading.Event()  # set once the group told this member its assignment
+        self.session_timeout_ms = session_timeout_ms(settings)
+        self._join()
+
+    def _join(self) -> None:
+        self.told.clear()
         self._closing = threading.Event()
         # Sticky assignment: a standby that joins never takes the partition from the active.
-        self.session_timeout_ms = session_timeout_ms(settings)
         self._consumer = kafka.consumer(
-            settings,
-            f"duality-{pipeline}-active",
+            self.settings,
+            f"duality-{self.pipeline}-active",
             session_timeout_ms=self.session_timeout_ms,
             heartbeat_interval_ms=HEARTBEAT_INTERVAL_MS,
             partition_assignment_strategy="cooperative-sticky",
@@ -57,20 +69,27 @@ class Election:
         self._consumer.subscribe(
             [DRIVERS_TOPIC], on_assign=self._assigned, on_revoke=self._revoked, on_lost=self._lost
         )
-        self._thread = threading.Thread(target=self._poll, name="duality-election", daemon=True)
+        self._joined_at = time.monotonic()
+        self._thread = threading.Thread(
+            target=self._poll,
+            args=(self._consumer, self._closing),
+            name="duality-election",
+            daemon=True,
+        )
         self._thread.start()
 
-    def _poll(self) -> None:
+    def _poll(self, consumer: Any, closing: threading.Event) -> None:
         # The group's callbacks run inside poll(); the records themselves are not read.
-        while not self._closing.is_set():
+        while not closing.is_set():
             try:
-                self._consumer.poll(0.2)
+                consumer.poll(0.2)
             except Exception as error:  # a closed consumer, or Kafka away: the next poll says
-                if self._closing.is_set():
+                if closing.is_set():
                     return
                 log.warning("%s: the election's poll failed: %s", self.pipeline, error)
 
     def _assigned(self, consumer: Any, partitions: list[Any]) -> None:
+        self.told.set()
         if partitions:
             log.info("%s: this driver is now the active one", self.pipeline)
             self.active.set()
@@ -102,6 +121,15 @@ class Election:
                 return True
             if waiting is not None:
                 waiting()
+            if not self.told.is_set() and time.monotonic() - self._joined_at > REJOIN_AFTER_S:
+                log.warning(
+                    "%s: the election's group told this driver nothing within %.0fs of joining; "
+                    "joining again",
+                    self.pipeline,
+                    REJOIN_AFTER_S,
+                )
+                self.close()
+                self._join()
         return False
 
     def close(self) -> None:
