@@ -12,6 +12,8 @@ PY_STAMP := $(VENV)/.duality-installed
 JAR_STAMP := $(JAR_CACHE)/.duality-fetched
 # Class-data sharing for Spark drivers (`duality.spark.CLASS_ARCHIVE`, decision 31).
 CLASS_ARCHIVE := $(VENV)/share/duality/spark-driver.jsa
+# duality's stream-table join operator, compiled against pyspark's own jars (decision 35).
+JOIN_JAR := $(VENV)/share/duality/duality-join.jar
 PYTEST_ARGS ?=
 
 .PHONY: help setup browser postgres monitoring demo test test-unit test-integration bench up down status lint lock clean
@@ -25,7 +27,7 @@ help:
 	@echo "make lint    ruff and mypy"
 	@echo "make lock    re-resolve requirements.lock from pyproject.toml"
 
-setup: $(PY_STAMP) $(JAR_STAMP) $(CLASS_ARCHIVE)
+setup: $(PY_STAMP) $(JAR_STAMP) $(JOIN_JAR) $(CLASS_ARCHIVE)
 
 $(PY_STAMP): requirements.lock pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -60,9 +62,17 @@ $(JAR_STAMP): jars/broker/pom.xml jars/spark/pom.xml
 	done
 	@touch $@
 
+$(JOIN_JAR): include/duality/join/TableJoin.java $(PY_STAMP)
+	@command -v javac >/dev/null || { echo "javac is not installed: install a Java 17 JDK"; exit 2; }
+	@echo "compiling duality's stream-table join ($@)"
+	@rm -rf $(@D)/join-classes && mkdir -p $(@D)/join-classes
+	@javac --release 17 -d $(@D)/join-classes \
+	  -cp "$$($(PY) -c 'import os, pyspark; print(os.path.dirname(pyspark.__file__))')/jars/*" $<
+	@jar cf $@ -C $(@D)/join-classes . && rm -rf $(@D)/join-classes
+
 # The classes a Spark driver loads, archived once per installation: each driver JVM then maps
 # them instead of loading them from the jars (about half of a session start's CPU).
-$(CLASS_ARCHIVE): $(PY_STAMP) $(JAR_STAMP)
+$(CLASS_ARCHIVE): $(PY_STAMP) $(JAR_STAMP) $(JOIN_JAR)
 	@echo "archiving the classes of a Spark driver for class-data sharing ($@)"
 	@DUALITY_JAR_CACHE=$(JAR_CACHE) $(PY) -m duality.spark 2>$(VENV)/class-archive.log || \
 	  { tail -n 40 $(VENV)/class-archive.log; exit 1; }

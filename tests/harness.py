@@ -378,6 +378,24 @@ class StreamProcess:
         return "\n".join(text.splitlines()[-lines:])
 
 
+def first_commit_after(settings: Settings, topic: str, since: float) -> float:
+    """Seconds from `since` (monotonic) until a read_committed consumer, placed at the topic's
+    stable end now, reads a record: the next transaction committed."""
+    ends = kafka.end_offsets(settings, topic)
+    group = f"first-commit-{uuid.uuid4().hex}"
+    reader = kafka.consumer(settings, group, enable_partition_eof=False)
+    try:
+        reader.assign([kafka.TopicPartition(topic, p, o) for p, o in ends.items()])
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            message = reader.poll(0.05)
+            if message is not None and message.error() is None:
+                return time.monotonic() - since
+        raise AssertionError(f"no transaction committed to {topic} within 120 s of the kill")
+    finally:
+        reader.close()
+
+
 class SteadyLoad(threading.Thread):
     """`rate` events a second on the spec's source, a second's worth at a time, from start()
     until stop(); pause() holds it between two seconds' worth, resume() goes on."""

@@ -69,6 +69,7 @@ _GRAMMAR = r"""
     | FALSE -> boolean
     | NULL -> null
     | NAME -> field
+    | QUALIFIED -> field
     | NAME LPAR [expr (COMMA expr)*] RPAR -> call
     | CASE (WHEN expr THEN expr)+ [ELSE expr] END -> case
     | LPAR expr RPAR
@@ -88,6 +89,8 @@ THEN: "then"i
 ELSE: "else"i
 END: "end"i
 NAME: /[a-z][a-z0-9_]*/i
+// A joined table's column: customers.tier (docs/streams.md#joins).
+QUALIFIED.2: /[a-z][a-z0-9_]*\.[a-z_][a-z0-9_]*/i
 DECIMAL: /[0-9]+\.[0-9]*|\.[0-9]+/
 INTEGER: /[0-9]+/
 STRING: /'(?:[^']|'')*'/

@@ -47,6 +47,7 @@ _REASON_KINDS = (
     ("missing field", "missing_field"),
     ("null key field", "null_key"),
     ("late event", "late"),
+    ("table ", "bad_table_record"),  # "table customers (topic customers): ..." (a join's)
 )
 REASON_KINDS = (*(kind for _, kind in _REASON_KINDS), "run_time_error")
 
@@ -82,6 +83,10 @@ class StreamMetrics:
         )
         self.records_filtered = counter(
             "duality_records_filtered_total", "Source records the spec's `where` skipped."
+        )
+        self.records_unmatched = counter(
+            "duality_records_unmatched_total",
+            "Source records an inner join found no table row for (not aggregated).",
         )
         self.dead_letters = counter(
             "duality_dead_letters_total", "Records sent to the dead-letter topic.", ("reason",)
@@ -150,6 +155,7 @@ class StreamMetrics:
             self.records_read,
             self.records_aggregated,
             self.records_filtered,
+            self.records_unmatched,
             self.late_records,
             self.late_windows,
             self.changelog_records,
@@ -163,9 +169,10 @@ class StreamMetrics:
         """A committed micro-batch: its counts, its dead letters by reason kind, its timings."""
         p = self.pipeline
         self.records_read.labels(p).inc(result.records)
-        aggregated = result.records - result.dead_lettered - result.filtered
-        self.records_aggregated.labels(p).inc(max(0, aggregated))
+        skipped = result.dead_lettered - result.table_dead + result.filtered + result.unmatched
+        self.records_aggregated.labels(p).inc(max(0, result.records - skipped))
         self.records_filtered.labels(p).inc(result.filtered)
+        self.records_unmatched.labels(p).inc(result.unmatched)
         for kind, count in result.reasons.items():
             self.dead_letters.labels(p, kind).inc(count)
         self.late_records.labels(p).inc(result.late)

@@ -40,6 +40,8 @@ _PACKAGE_ZIP_KEEP_S = 7 * 24 * 3600.0
 # linking each from its jar, about half of a session start's CPU. A JVM that cannot use the
 # archive (another JDK, jars changed since) starts as it would without it.
 CLASS_ARCHIVE = Path(sys.prefix) / "share" / "duality" / "spark-driver.jsa"
+# duality's stream-table join operator (duality.join, decision 35), compiled by `make setup`.
+JOIN_JAR = Path(sys.prefix) / "share" / "duality" / "duality-join.jar"
 _QUIET_CDS = "-Xlog:cds=off -Xlog:cds+dynamic=off"
 
 
@@ -54,7 +56,9 @@ def spark_jars(settings: Settings) -> list[Path]:
             f"the jar cache {folder} lacks {', '.join(p.rstrip('-') for p in missing)}: "
             "run `make setup` (or set DUALITY_JAR_CACHE to the folder that holds them)"
         )
-    return jars
+    if not JOIN_JAR.is_file():
+        raise UsageError(f"{JOIN_JAR} (duality's stream-table join) is missing: run `make setup`")
+    return [*jars, JOIN_JAR]
 
 
 def package_zip(settings: Settings) -> Path:

@@ -24,7 +24,7 @@ from duality.config import PREFIX, Settings
 from duality.local.airflow import AIRFLOW_COMPONENTS, AIRFLOW_MIGRATE
 from duality.local.broker import _DEV_BROKER_CONFIG
 from duality.local.postgres import AIRFLOW_DB_DRIVER, AIRFLOW_DB_NAME, AIRFLOW_DB_USER
-from duality.spark import CLASS_ARCHIVE
+from duality.spark import CLASS_ARCHIVE, JOIN_JAR
 from duality.stream import election
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -424,14 +424,14 @@ def test_image_base_and_environment():
     assert env.get("DUALITY_HOME") == _workdir() == "/opt/duality"
     assert env.get("SPARK_HOME") == "/usr/local/lib/python3.11/site-packages/pyspark"
     assert env.get("JAVA_HOME"), "the image sets no JAVA_HOME"
-    assert "openjdk-17-jre-headless" in _image_run() and "maven" in _image_run()
+    assert "openjdk-17-jdk-headless" in _image_run() and "maven" in _image_run()
 
 
 def test_image_archives_the_driver_classes_like_the_makefile():
     """Both run `python -m duality.spark` after the packages and the jars, and the archive lands
     where `duality.spark.CLASS_ARCHIVE` looks for it (under the interpreter's prefix)."""
     prerequisites, recipe = _makefile_rule("$(CLASS_ARCHIVE)")
-    assert prerequisites.split() == ["$(PY_STAMP)", "$(JAR_STAMP)"]
+    assert prerequisites.split() == ["$(PY_STAMP)", "$(JAR_STAMP)", "$(JOIN_JAR)"]
     assert "$(PY) -m duality.spark" in recipe
     assert "$(CLASS_ARCHIVE)" in _makefile_rule("setup")[0]
     assert _makefile_variable("CLASS_ARCHIVE") == "$(VENV)/share/duality/spark-driver.jsa"
@@ -440,6 +440,23 @@ def test_image_archives_the_driver_classes_like_the_makefile():
     archive, jars = shell.find("python -m duality.spark"), shell.find("copy-dependencies")
     assert 0 <= jars < archive, "the image archives no driver classes after fetching its jars"
     assert "test -f /usr/local/share/duality/spark-driver.jsa" in shell  # python:3.11's prefix
+
+
+def test_image_compiles_the_join_like_the_makefile():
+    """Both compile TableJoin.java for Java 17 against pyspark's jars, into the jar that
+    `duality.spark.JOIN_JAR` names (under the interpreter's prefix), before the class archive."""
+    prerequisites, recipe = _makefile_rule("$(JOIN_JAR)")
+    source = "include/duality/join/TableJoin.java"
+    assert prerequisites.split()[0] == source
+    assert "javac --release 17" in recipe and "/jars/*" in recipe
+    assert _makefile_variable("JOIN_JAR") == "$(VENV)/share/duality/duality-join.jar"
+    assert Path(sys.prefix) / "share" / "duality" / "duality-join.jar" == JOIN_JAR
+    shell = _image_run()
+    compiled = shell.find(
+        f'javac --release 17 -d /tmp/join-classes -cp "$SPARK_HOME/jars/*" {source}'
+    )
+    assert 0 <= compiled < shell.find("python -m duality.spark"), "the image compiles no join"
+    assert "jar cf /usr/local/share/duality/duality-join.jar" in shell
 
 
 def test_image_fetches_jars_like_the_makefile():

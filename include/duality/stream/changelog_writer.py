@@ -27,15 +27,20 @@ _DEAD_LETTER_MARGIN = 16_384
 
 @dataclasses.dataclass(frozen=True)
 class PlannedBatch:
-    """What Spark's offset log says of one micro-batch: source end offsets and watermark."""
+    """What Spark's offset log says of one micro-batch: source end offsets, watermark, and the
+    end offsets of the joined table's topic (empty without a join)."""
 
     end_offsets: dict[int, int]
     watermark_ms: int
+    table_offsets: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
-def planned_batch(checkpoint: Path, topic: str, batch_id: int) -> PlannedBatch:
+def planned_batch(
+    checkpoint: Path, topic: str, batch_id: int, table_topic: str | None = None
+) -> PlannedBatch:
     """Read `offsets/<batch_id>`, which Spark writes before it runs the batch: a version, the
-    batch's metadata (with `batchWatermarkMs`), then one offset per source."""
+    batch's metadata (with `batchWatermarkMs`), then one offset per source (one Kafka source
+    reads the source topic and the joined table's topic)."""
     path = checkpoint / "offsets" / str(batch_id)
     lines = path.read_text().splitlines()
     metadata = json.loads(lines[1])
@@ -44,7 +49,12 @@ def planned_batch(checkpoint: Path, topic: str, batch_id: int) -> PlannedBatch:
             document = json.loads(line)
             if topic in document:
                 ends = {int(p): int(o) for p, o in document[topic].items()}
-                return PlannedBatch(ends, int(metadata.get("batchWatermarkMs", 0)))
+                table = document.get(table_topic, {}) if table_topic else {}
+                return PlannedBatch(
+                    ends,
+                    int(metadata.get("batchWatermarkMs", 0)),
+                    {int(p): int(o) for p, o in table.items()},
+                )
     raise AssertionError(f"{path} holds no offsets of {topic}: {lines}")
 
 
@@ -55,6 +65,9 @@ class BatchResult:
     dead_lettered: int = 0
     late: int = 0
     filtered: int = 0  # records the spec's `where` skipped
+    unmatched: int = 0  # events an inner join found no row for
+    table_rows: int = 0  # rows of the joined table that changed, written to its topic
+    table_dead: int = 0  # of dead_lettered, table records that do not parse
     late_windows: int = 0  # (record, window) pairs dropped as late, the record counted in others
     updated_keys: int = 0
     replayed: bool = False  # its offsets were committed already: a replay, or no new records
@@ -87,29 +100,43 @@ class ChangelogWriter:
         )
         committed = kafka.committed_offsets(settings, spec.consumer_group, spec.source.topic)
         self.committed = {p: offset for p, (offset, _) in committed.items()}
+        # The joined table's topic: how far the table's rows, in the state, have read it.
+        self.table_topic = spec.joined.topic if spec.joined is not None else None
+        self.table_committed: dict[int, int] = {}
+        if self.table_topic is not None:
+            table = kafka.committed_offsets(settings, spec.consumer_group, self.table_topic)
+            self.table_committed = {p: offset for p, (offset, _) in table.items()}
         # Since this driver started, for the heartbeat.
-        self.filtered = self.late_windows = self.dead_lettered = 0
+        self.filtered = self.late_windows = self.dead_lettered = self.unmatched = 0
         # The group the offsets are committed to; it never subscribes, so it never rebalances.
         group = kafka.consumer(settings, spec.consumer_group)
         self._group_metadata = group.consumer_group_metadata()
         group.close()
 
-    def starting_offsets(self) -> str:
-        """Spark's startingOffsets for a query without checkpoint: the committed offsets."""
+    def starting_offsets(self, table_starts: dict[int, int] | None = None) -> str:
+        """Spark's startingOffsets for a query without checkpoint: the committed offsets; the
+        joined table's topic from `table_starts` (where its seed ends)."""
         partitions = kafka.partition_count(self.settings, self.spec.source.topic)
         # -2 is Spark's "earliest" for a partition the changelog does not cover yet.
         offsets = {str(p): self.committed.get(p, -2) for p in range(partitions)}
-        return json.dumps({self.spec.source.topic: offsets})
+        starts = {self.spec.source.topic: offsets}
+        if self.table_topic is not None:
+            ends = table_starts or {}
+            count = kafka.partition_count(self.settings, self.table_topic)
+            starts[self.table_topic] = {str(p): ends.get(p, -2) for p in range(count)}
+        return json.dumps(starts)
 
     def write(self, batch: DataFrame, batch_id: int) -> BatchResult:
         from pyspark.sql import functions as F
 
         started = time.perf_counter()
-        planned = planned_batch(self.checkpoint, self.spec.source.topic, batch_id)
+        planned = planned_batch(self.checkpoint, self.spec.source.topic, batch_id, self.table_topic)
         records = sum(
             max(0, end - self.committed.get(p, 0)) for p, end in planned.end_offsets.items()
         )
-        if all(self.committed.get(p, 0) >= end for p, end in planned.end_offsets.items()):
+        if all(self.committed.get(p, 0) >= end for p, end in planned.end_offsets.items()) and all(
+            self.table_committed.get(p, 0) >= end for p, end in planned.table_offsets.items()
+        ):
             # Spark replays a batch whose transaction had committed (the driver died between
             # the commit and Spark's own commit log). Run it for its state, write nothing.
             batch.write.format("noop").mode("overwrite").save()
@@ -131,6 +158,7 @@ class ChangelogWriter:
         if spec.window is not None and spec.window.slide_seconds < spec.window.size_seconds:
             ends = {str(p): end for p, end in sorted(planned.end_offsets.items())}
             through = b',"_through":' + json.dumps(ends, separators=(",", ":")).encode() + b"}"
+        rows_of_table: dict[bytes, tuple[tuple[int, int, int], bytes | None]] = {}
         producer.begin_transaction()
         try:
             for row in rows:
@@ -142,6 +170,16 @@ class ChangelogWriter:
                     continue
                 if kind == "filtered":
                     result.filtered += 1
+                    continue
+                if kind == "unmatched":
+                    result.unmatched += 1
+                    continue
+                if kind == "table":
+                    # A key's last record in the join's order is the row the state holds.
+                    place = (row["_order"], row["_partition"], row["_offset"])
+                    held = rows_of_table.get(row["_key"])
+                    if held is None or held[0] < place:
+                        rows_of_table[row["_key"]] = (place, row["_value"])
                     continue
                 if kind == "candidate" and row["_window_end"] > planned.watermark_ms:
                     result.late_windows += self._late_windows(row, planned.watermark_ms)
@@ -157,14 +195,27 @@ class ChangelogWriter:
                 else:
                     reason = row["_error"]
                 result.dead_lettered += 1
+                topic = source
+                if kind == "table_dead":
+                    assert self.table_topic is not None
+                    topic = self.table_topic.encode()
+                    result.table_dead += 1
                 kind = reason_kind(reason)
                 result.reasons[kind] = result.reasons.get(kind, 0) + 1
-                self._dead_letter(row, reason, source)
+                self._dead_letter(row, reason, topic)
+            for key, (_, value) in rows_of_table.items():
+                kafka.send(producer, spec.table_topic, key, value)
+            result.table_rows = len(rows_of_table)
             committing = time.perf_counter()
             offsets = [
                 kafka.TopicPartition(spec.source.topic, p, end)
                 for p, end in sorted(planned.end_offsets.items())
             ]
+            if self.table_topic is not None:
+                offsets += [
+                    kafka.TopicPartition(self.table_topic, p, end)
+                    for p, end in sorted(planned.table_offsets.items())
+                ]
             producer.send_offsets_to_transaction(
                 offsets, self._group_metadata, self.settings.connect_timeout_s * 3
             )
@@ -177,7 +228,9 @@ class ChangelogWriter:
                 log.warning("%s: aborting the transaction failed too", spec.name)
             raise
         self.committed.update(planned.end_offsets)
+        self.table_committed.update(planned.table_offsets)
         self.filtered += result.filtered
+        self.unmatched += result.unmatched
         self.late_windows += result.late_windows
         self.dead_lettered += result.dead_lettered
         result.seconds = round(time.perf_counter() - started, 2)

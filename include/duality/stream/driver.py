@@ -20,6 +20,7 @@ from typing import Any, cast
 from duality import kafka
 from duality.config import Settings
 from duality.errors import DualityError
+from duality.join import seeding as join_seeding
 from duality.metrics import MetricsEndpoint, StreamMetrics, spark_ui_config
 from duality.spec import PipelineSpec
 from duality.stream import control, seeding
@@ -93,7 +94,9 @@ def _heartbeat_listener(
                     json_or_none(kafka_source.latestOffset) if kafka_source else None
                 ),
                 committed_offsets=writer.committed,
+                table_offsets=writer.table_committed or None,
                 filtered=writer.filtered,
+                unmatched=writer.unmatched,
                 late_windows=writer.late_windows,
                 dead_lettered=writer.dead_lettered,
                 watermark=progress.eventTime.get("watermark") if progress.eventTime else None,
@@ -107,7 +110,9 @@ def _heartbeat_listener(
                 "running",
                 idle=True,
                 committed_offsets=writer.committed,
+                table_offsets=writer.table_committed or None,
                 filtered=writer.filtered,
+                unmatched=writer.unmatched,
                 late_windows=writer.late_windows,
                 dead_lettered=writer.dead_lettered,
                 **self.last_batch,
@@ -118,6 +123,11 @@ def _heartbeat_listener(
             heartbeat.publish("failed" if event.exception else "stopped", error=event.exception)
 
     return Listener()
+
+
+def subscribed(spec: PipelineSpec) -> list[str]:
+    """The topics the stream's Kafka source reads: its source, and the joined table's."""
+    return [spec.source.topic, *([spec.joined.topic] if spec.joined is not None else [])]
 
 
 def json_or_none(text: Any) -> Any:
@@ -162,6 +172,11 @@ class StreamDriver:
             # One global watermark for late rows and eviction: the one Spark records per batch.
             "spark.sql.streaming.statefulOperator.allowMultiple": "false",
         }
+        if spec.joined is not None:
+            # The join's operator is in both branches of the plan, the aggregation's and the
+            # dead letters' (decision 35), which Spark's check refuses for a second
+            # flatMapGroupsWithState. Each branch runs its own copy on the same records.
+            extra["spark.sql.streaming.unsupportedOperationCheck"] = "false"
         if settings.metrics_port >= 0 and settings.prometheus_url is not None:
             # Spark's own metrics need the driver's UI, which costs a stream CPU: only where a
             # Prometheus runs to scrape them (`duality up --monitoring` records its address).
@@ -285,15 +300,28 @@ class StreamDriver:
             offsets = {
                 str(p): max(begins.get(p, 0), end - WARM_UP_RECORDS) for p, end in ends.items()
             }
+            starts = {topic: offsets}
+            if spec.joined is not None:  # the table's last records too
+                table = spec.joined.topic
+                ends = kafka.end_offsets(settings, table)
+                begins = kafka.beginning_offsets(settings, table)
+                starts[table] = {
+                    str(p): max(begins.get(p, 0), end - WARM_UP_RECORDS) for p, end in ends.items()
+                }
             source = (
                 spark.readStream.format("kafka")
                 .options(**settings.spark_kafka_source_options())
-                .option("subscribe", topic)
-                .option("startingOffsets", json.dumps({topic: offsets}))
+                .option("subscribe", ",".join(subscribed(spec)))
+                .option("startingOffsets", json.dumps(starts))
                 .option("kafka.isolation.level", "read_committed")
                 .load()
             )
-            frame = build_query_frame(spec, source, seeding.seeds_stream(spark, spec, scratch))
+            frame = build_query_frame(
+                spec,
+                source,
+                seeding.seeds_stream(spark, spec, scratch),
+                join_seeding.seeds_stream(spark, scratch) if spec.joined is not None else None,
+            )
             query = (
                 frame.writeStream.outputMode("update")
                 .foreachBatch(_read_output)
@@ -342,13 +370,18 @@ class StreamDriver:
         source = (
             spark.readStream.format("kafka")
             .options(**settings.spark_kafka_source_options())
-            .option("subscribe", spec.source.topic)
+            .option("subscribe", ",".join(subscribed(spec)))
             .option("maxOffsetsPerTrigger", str(self.options.max_offsets_per_trigger))
             .option("kafka.isolation.level", "read_committed")
         )
         if starting_offsets is not None:
             source = source.option("startingOffsets", starting_offsets)
-        return build_query_frame(spec, source.load(), seeding.seeds_stream(spark, spec, checkpoint))
+        return build_query_frame(
+            spec,
+            source.load(),
+            seeding.seeds_stream(spark, spec, checkpoint),
+            join_seeding.seeds_stream(spark, checkpoint) if spec.joined is not None else None,
+        )
 
     def _run_query(self, spark: Any, heartbeat: Heartbeat) -> None:
         spec, settings = self.spec, self.settings
@@ -395,7 +428,21 @@ class StreamDriver:
                 time.monotonic() - started,
                 writer.committed or "the beginning",
             )
-            frame = self._query_frame(spark, writer.starting_offsets())
+            table_starts = None
+            if spec.joined is not None:
+                rows, table_starts = join_seeding.write_seed(
+                    spark, settings, spec, checkpoint, writer.table_committed
+                )
+                log.info(
+                    "%s: %d rows of table %s from %s; its topic %s is read from %s",
+                    spec.name,
+                    rows,
+                    spec.joined.name,
+                    spec.table_topic if writer.table_committed else spec.joined.topic,
+                    spec.joined.topic,
+                    table_starts,
+                )
+            frame = self._query_frame(spark, writer.starting_offsets(table_starts))
         listener = _heartbeat_listener(heartbeat, fenced, metrics)
         spark.streams.addListener(listener)
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from duality import kafka
 from duality.config import Settings
 from duality.expressions import Expression, to_column
+from duality.join.frame import join_stream, table_scope
 from duality.spec import SQL_TYPES, Aggregate, PipelineSpec
 
 if TYPE_CHECKING:
@@ -170,7 +171,7 @@ def _evaluate(spec: PipelineSpec, frame: DataFrame, error: Column) -> DataFrame:
     computed key is the record's `_error`; `_filtered` when good but `where` is not true."""
     from pyspark.sql import functions as F
 
-    scope = {f: F.col(f"_p.{f}") for f in spec.source.fields}
+    scope = {f: F.col(f"_p.{f}") for f in spec.source.fields} | table_scope(spec)
     stages = [error]
     for name, expression in spec.computed_fields.items():
         scope[name], failed = to_column(expression, scope)
@@ -197,12 +198,19 @@ def _evaluate(spec: PipelineSpec, frame: DataFrame, error: Column) -> DataFrame:
     )
     frame = frame.withColumn("_x", _once(stage))
     computed = [F.col(f"_x.fields.{n}").alias(n) for n in spec.computed_fields]
+    # An inner join's event without a row is counted as unmatched, and not aggregated.
+    joined = spec.joined
+    unmatched = (
+        F.col("_t").isNull() if joined is not None and joined.type == "inner" else F.lit(False)
+    )
+    fine = F.col("_x.error").isNull()
     return frame.select(
-        *[c for c in frame.columns if c not in ("_p", "_x")],
+        *[c for c in frame.columns if c not in ("_p", "_x", "_t")],
         F.struct("_p.*", *computed).alias("_p"),
         F.col("_x.args").alias("_a"),
         F.col("_x.error").alias("_error"),
-        (F.col("_x.error").isNull() & ~F.col("_x.kept")).alias("_filtered"),
+        (fine & (~F.col("_x.kept") | unmatched)).alias("_filtered"),
+        (fine & unmatched).alias("_unmatched"),
     )
 
 
@@ -406,10 +414,13 @@ def changelog_records(spec: PipelineSpec, table: DataFrame) -> DataFrame:
         F.lit(None).cast("string").alias("_error"),
         F.lit(None).cast("bigint").alias("_first_window_end"),
         F.lit(None).cast("bigint").alias("_window_end"),
+        F.lit(None).cast("bigint").alias("_order"),
     )
 
 
-def build_query_frame(spec: PipelineSpec, source: DataFrame, seeds: DataFrame) -> DataFrame:
+def build_query_frame(
+    spec: PipelineSpec, source: DataFrame, seeds: DataFrame, table_seeds: DataFrame | None = None
+) -> DataFrame:
     """The frame whose micro-batches the driver writes (`_kind, _key, _value` and lineage): the
     source classified once, one shuffle feeding both the aggregation and the dead letters.
     Records the filter skips are `filtered` rows of no content, for the writer to count; a
@@ -417,6 +428,10 @@ def build_query_frame(spec: PipelineSpec, source: DataFrame, seeds: DataFrame) -
     least one of their windows (`_first_window_end`, `_window_end`: the last)."""
     from pyspark.sql import functions as F
 
+    tables = None
+    if spec.joined is not None:
+        assert table_seeds is not None
+        source, tables = join_stream(spec, source, table_seeds)
     classified = classify(spec, source)
     good = F.col("_error").isNull() & ~F.col("_filtered")
     lineage = F.struct(*[F.col(c).alias(f"_{c}") for c in ("key", "value", "partition", "offset")])
@@ -429,6 +444,7 @@ def build_query_frame(spec: PipelineSpec, source: DataFrame, seeds: DataFrame) -
     narrow = classified.select(
         F.col("_error"),
         F.col("_filtered"),
+        F.col("_unmatched"),
         F.when(good, F.struct(*partial_columns(spec))).alias("_row"),
         lineage.alias("_lineage"),
         first_end.alias("_first_window_end"),
@@ -439,13 +455,21 @@ def build_query_frame(spec: PipelineSpec, source: DataFrame, seeds: DataFrame) -
     table = aggregate(spec, rows)
     records = shared if spec.window is not None else shared.where(~good)
     kind = (
-        F.when(F.col("_filtered"), F.lit("filtered"))
+        F.when(F.col("_unmatched"), F.lit("unmatched"))
+        .when(F.col("_filtered"), F.lit("filtered"))
         .when(good, F.lit("candidate"))
         .otherwise(F.lit("dead"))
     )
     ends = ["_first_window_end", "_window_end"]
-    dead = records.select(kind.alias("_kind"), "_lineage.*", "_error", *ends)
-    return changelog_records(spec, table).unionByName(dead)
+    dead = records.select(
+        kind.alias("_kind"),
+        "_lineage.*",
+        "_error",
+        *ends,
+        F.lit(None).cast("bigint").alias("_order"),
+    )
+    output = changelog_records(spec, table).unionByName(dead)
+    return output if tables is None else output.unionByName(tables)
 
 
 def _shared(frame: DataFrame, partitions: int) -> DataFrame:

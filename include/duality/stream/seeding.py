@@ -131,6 +131,13 @@ def state_layout(spec: PipelineSpec) -> str:
         layout["fields"] = spec.fields
     if spec.where is not None:
         layout["where"] = spec.where
+    if spec.joined is not None:  # the join's operator and seed source are in the query's plan
+        layout["join"] = [
+            spec.joined.topic,
+            spec.joined.columns,
+            spec.joined.key,
+            spec.joined.on.text,
+        ]
     return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -1,9 +1,11 @@
-"""The topics a stream creates: changelog, dead letters and heartbeats (never its source)."""
+"""The topics a stream creates: changelog, dead letters, its copy of a joined table's rows and
+heartbeats (never its source, nor the table's own)."""
 
 from __future__ import annotations
 
 from duality import kafka
 from duality.config import Settings
+from duality.errors import UsageError
 from duality.spec import PipelineSpec
 from duality.stream import heartbeat
 
@@ -28,4 +30,18 @@ def ensure_topics(settings: Settings, spec: PipelineSpec) -> None:
         exist_ok=True,
     )
     kafka.create_topic(settings, spec.dlq_topic, source_partitions, exist_ok=True)
+    if spec.joined is not None:
+        table = spec.joined.topic
+        if not kafka.topic_exists(settings, table):
+            raise UsageError(
+                f"pipeline {spec.name} joins table {spec.joined.name}, whose topic {table!r} "
+                "does not exist: create it (or start the pipeline that writes it) first"
+            )
+        kafka.create_topic(
+            settings,
+            spec.table_topic,
+            kafka.partition_count(settings, table),
+            config=dict(kafka.FAST_COMPACTION),
+            exist_ok=True,
+        )
     heartbeat.ensure_topic(settings)

@@ -1,0 +1,83 @@
+"""The joined table's rows when a stream starts without checkpoint: seed files that the query
+reads before anything else (docs/streams.md#joins).
+
+After a micro-batch has committed, they are the pipeline's own copy of the table
+(`spec.table_topic`), written in each micro-batch's transaction and so exactly the rows the
+committed offsets of the table's topic stand for, however much its own topic has been compacted
+since. At a first start (or after a reset), they are the table's topic read to its end: the
+stream starts with the whole table, and the first micro-batch writes it to the copy."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from duality import kafka
+from duality.config import Settings
+from duality.join.frame import SEED, TABLE, seed_schema
+from duality.spec import PipelineSpec
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+
+def seed_folder(checkpoint: Path) -> Path:
+    return checkpoint / "table-seed"
+
+
+def seeds_stream(spark: SparkSession, checkpoint: Path) -> DataFrame:
+    folder = seed_folder(checkpoint)
+    folder.mkdir(parents=True, exist_ok=True)
+    return spark.readStream.schema(seed_schema()).parquet(str(folder))
+
+
+def write_seed(
+    spark: SparkSession,
+    settings: Settings,
+    spec: PipelineSpec,
+    checkpoint: Path,
+    committed: dict[int, int],
+) -> tuple[int, dict[int, int]]:
+    """Seed files of the table's rows, given the table topic's `committed` offsets (empty
+    before the first commit); returns their number and where the stream reads the table's
+    topic from."""
+    from pyspark.sql import functions as F
+
+    joined = spec.joined
+    assert joined is not None
+    if committed:
+        topic, side, starts = spec.table_topic, SEED, committed
+        ends = kafka.end_offsets(settings, topic, "read_committed")
+    else:
+        topic, side = joined.topic, TABLE
+        ends = starts = kafka.end_offsets(settings, topic, "read_committed")
+    folder = seed_folder(checkpoint)
+    shutil.rmtree(folder, ignore_errors=True)
+    first = kafka.beginning_offsets(settings, topic)
+    if all(end <= first.get(p, 0) for p, end in ends.items()):
+        folder.mkdir(parents=True)
+        return 0, starts
+    raw = (
+        spark.read.format("kafka")
+        .options(**settings.spark_kafka_source_options())
+        .option("subscribe", topic)
+        .option("startingOffsets", "earliest")
+        .option("endingOffsets", json.dumps({topic: {str(p): e for p, e in ends.items()}}))
+        .option("kafka.isolation.level", "read_committed")
+        .load()
+    )
+    # A key's latest record, in the order the join replays them: timestamp, partition, offset.
+    order = F.struct("timestamp", "partition", "offset")
+    record = F.struct("value", "partition", "offset")
+    latest = raw.groupBy("key").agg(F.max_by(record, order).alias("r"))
+    rows = latest.where(F.col("r.value").isNotNull()).select(
+        "key", "r.value", "r.partition", "r.offset", F.lit(side).alias("_side")
+    )
+    staging = folder.with_name("table-seed.staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    rows.write.parquet(str(staging))
+    count = spark.read.parquet(str(staging)).count()
+    staging.rename(folder)
+    return count, starts
