@@ -11,7 +11,7 @@ import time
 from argparse import Namespace
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
@@ -30,6 +30,9 @@ from duality.errors import DualityError, UsageError
 from duality.local import stack
 from duality.local.broker import BrokerStatus
 from duality.stream.options import StreamOptions
+
+if TYPE_CHECKING:
+    from duality.stream.control import StreamState
 
 Handler = Callable[[Settings, Namespace, Console], Any]
 
@@ -233,34 +236,57 @@ def _cmd_demo(settings: Settings, args: Namespace, console: Console) -> dict[str
 
     result = demo.run(settings, args.events, console, seed=args.seed)
     if not args.json:
-        produced, snap, moved = result["produced"], result["snapshot"], result["repartition"]
-        bad = sum(produced["bad"].values())
-        table = Table(title=f"duality demo: {result['pipeline']} in {result['seconds']:.0f}s")
-        table.add_column("what")
-        table.add_column("result", overflow="fold")
-        table.add_row("events produced", f"{produced['produced']:,} to {produced['topic']}")
-        table.add_row(
-            "counted / dead letters",
-            f"{produced['valid']:,} counted; {result['dead_letters']:,} dead-lettered "
-            f"(produced bad: {bad:,})",
-        )
-        table.add_row(
-            "skew (max/mean)",
-            f"{moved['skew_before']:.2f} in {moved['source']} -> {moved['skew_after']:.2f} in "
-            f"{moved['target']} (partitions {moved['partitions']}; it holds "
-            f"{moved['target_records']:,} records, {moved['copied_this_run']:,} copied by this "
-            "run)",
-        )
-        table.add_row(
-            "snapshot",
-            f"version {snap['version']} published ({snap['rows']:,} rows, {snap['mode']})",
-        )
-        table.add_row("validation", f"{snap['validation']} ({snap['checks']} checks)")
-        table.add_row("reports", f"{snap['data_docs']}\n{snap['report']}")
-        table.add_row("skew plot", moved["plot"])
-        table.add_row("Airflow", f"{result['airflow']} (DAGs tagged duality)")
-        console.print(table)
+        console.print(demo_summary(result))
     return result
+
+
+def demo_summary(result: Mapping[str, Any]) -> Table:
+    """`duality demo`'s summary: every pipeline it ran, the repartition, where to look."""
+    moved = result["repartition"]
+    table = Table(
+        title=f"duality demo: {len(result['pipelines'])} pipelines in {result['seconds']:.0f}s"
+    )
+    table.add_column("what")
+    table.add_column("result", overflow="fold")
+    writes = {}  # topic -> what went to it (two pipelines may read one topic)
+    for ran in result["pipelines"].values():
+        made = ran["produced"]
+        bad = sum(made["bad"].values())
+        writes[made["topic"]] = f"{made['produced']:,} to {made['topic']} ({bad:,} bad)"
+        if "table" in ran:
+            joined = ran["table"]
+            writes[joined["topic"]] = f"{joined['rows']:,} table rows to {joined['topic']}"
+    table.add_row("events produced", "; ".join(writes.values()))
+    table.add_row(
+        "skew (max/mean)",
+        f"{moved['skew_before']:.2f} in {moved['source']} -> {moved['skew_after']:.2f} in "
+        f"{moved['target']} (partitions {moved['partitions']}; it holds "
+        f"{moved['target_records']:,} records, {moved['copied_this_run']:,} copied by this "
+        "run)",
+    )
+    for name, ran in result["pipelines"].items():
+        stream, published = ran["stream"], ran["snapshot"]
+        keys = stream.get("keys")
+        text = (
+            f"{stream['source_records']:,} records of {ran['source']}"
+            + (f" into {keys:,} rows of state" if isinstance(keys, int) else "")
+            + f", {ran['dead_letters']:,} dead-lettered"
+        )
+        joined = ran.get("table")
+        if joined is not None:
+            text += f"; {joined['join']} join with table {joined['name']} ({joined['topic']})"
+            if isinstance(stream.get("unmatched"), int):
+                text += f", {stream['unmatched']:,} events without a row"
+        text += (
+            f"\nsnapshot version {published['version']} published ({published['rows']:,} rows, "
+            f"{published['mode']}); validation {published['validation']} "
+            f"({published['checks']} checks); Data Docs {published['data_docs']}"
+        )
+        table.add_row(name, text)
+    table.add_row("skew plot", moved["plot"])
+    table.add_row("Airflow", f"{result['airflow']} (DAGs tagged duality)")
+    table.add_row("pipelines page", result["pipelines_page"])
+    return table
 
 
 def _cmd_spec_validate(settings: Settings, args: Namespace, console: Console) -> dict[str, Any]:
@@ -351,35 +377,50 @@ def _cmd_stream(settings: Settings, args: Namespace, console: Console) -> Any:
         return stopped
     state = control.describe(settings, pipeline)
     if not args.json:
-        beat = state.heartbeat
-        console.print(
-            f"stream {pipeline.name}: {state.state}"
-            + (f" (pid {state.pid})" if state.pid else "")
-            + (
-                f"; last heartbeat {state.heartbeat_age_s}s ago: {beat.get('state')}, "
-                f"batch {beat.get('batch_id', '-')}, {beat.get('state_rows', '-')} rows in state"
-                f" ({beat.get('state_partitions', '-')} partitions)"
-                if beat
-                else "; no heartbeat yet"
-            )
-            + (f"; lag {state.lag:,}" if state.lag is not None else "")
-            + (
-                f"; metrics http://{beat['host']}:{beat['metrics_port']}/metrics"
-                if beat and beat.get("metrics_port")
-                else ""
-            )
-            + (
-                f"; active driver pid {beat.get('pid')} on {beat.get('host')}"
-                if beat and state.standby
-                else ""
-            )
-            + (
-                f"; standby driver pid {state.standby.get('pid')} on {state.standby.get('host')}"
-                if state.standby
-                else ""
-            )
-        )
+        console.print(stream_status_line(state))
     return state
+
+
+def stream_status_line(state: StreamState) -> str:
+    """`duality stream status`'s line: a `control.StreamState` as people read it."""
+    beat = state.heartbeat
+    return (
+        f"stream {state.pipeline}: {state.state}"
+        + (f" (pid {state.pid})" if state.pid else "")
+        + (
+            f"; last heartbeat {state.heartbeat_age_s}s ago: {beat.get('state')}, "
+            f"batch {beat.get('batch_id', '-')}, {beat.get('state_rows', '-')} rows in state"
+            f" ({beat.get('state_partitions', '-')} partitions)"
+            if beat
+            else "; no heartbeat yet"
+        )
+        + (f"; lag {state.lag:,}" if state.lag is not None else "")
+        + "".join(
+            f"; table {t.name} (topic {t.topic}, {t.join} join): lag "
+            + (f"{t.lag:,}" if t.lag is not None else "unknown (no topic)")
+            for t in state.tables
+        )
+        + (
+            f"; {beat['unmatched']:,} events unmatched (no row in the table)"
+            if beat and state.tables and isinstance(beat.get("unmatched"), int)
+            else ""
+        )
+        + (
+            f"; metrics http://{beat['host']}:{beat['metrics_port']}/metrics"
+            if beat and beat.get("metrics_port")
+            else ""
+        )
+        + (
+            f"; active driver pid {beat.get('pid')} on {beat.get('host')}"
+            if beat and state.standby
+            else ""
+        )
+        + (
+            f"; standby driver pid {state.standby.get('pid')} on {state.standby.get('host')}"
+            if state.standby
+            else ""
+        )
+    )
 
 
 def _cmd_rescale(settings: Settings, args: Namespace, console: Console) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """`duality demo`: through Airflow on the stack `duality up` started, a skewed workload with bad
-records is streamed, snapshotted, validated, published and repartitioned, then summed up; a
-second pipeline (`regional_sales`: a filter, computed fields, hopping windows) is streamed and
-snapshotted side by side with it."""
+records is streamed, snapshotted, validated, published and repartitioned, then summed up; two
+more pipelines are streamed and snapshotted side by side with it: `regional_sales` (a filter,
+computed fields, hopping windows) and `tier_sales` (the same orders joined with a `customers`
+table the demo fills)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 from rich.console import Console
 
-from duality import kafka, skew, spec, workload
+from duality import kafka, overview, skew, spec, workload
 from duality.airflow_api import AirflowClient
 from duality.config import Settings
 from duality.errors import CheckFailed, LocalStackError, UsageError
@@ -23,7 +24,20 @@ PIPELINE = "product_sales"
 # its workload's statuses are mostly the ones its filter keeps.
 RICH_PIPELINE = "regional_sales"
 RICH_VALUES = {"status": ["paid", "paid", "paid", "refunded"]}
+# The pipeline of issue #47: the first pipeline's orders joined with a table of customers, by
+# tier. The demo writes the rows of the first CUSTOMER_ROWS of the orders' 1,000 customers; the
+# others have none, and the inner join counts their orders as unmatched.
+JOIN_PIPELINE = "tier_sales"
+CUSTOMER_ROWS = 950
+CUSTOMER_VALUES = {
+    "tier": ["gold"] + ["silver"] * 3 + ["bronze"] * 6,
+    "region": ["north", "south", "east", "west"],
+}
+PIPELINES = (PIPELINE, RICH_PIPELINE, JOIN_PIPELINE)
 _CATCH_UP_TIMEOUT_S = 600.0
+# After the committed offsets cover the topics, how long to wait for a heartbeat that says so
+# (its counts are then the last batch's).
+_HEARTBEAT_WAIT_S = 30.0
 
 
 def run(
@@ -32,7 +46,8 @@ def run(
     if events < 1:
         raise UsageError(f"--events must be at least 1, got {events}")
     kafka.ensure_reachable(settings)
-    pipeline = spec.find_spec(settings, PIPELINE)
+    specs = {name: spec.find_spec(settings, name) for name in PIPELINES}
+    pipeline, rich, joined = specs[PIPELINE], specs[RICH_PIPELINE], specs[JOIN_PIPELINE]
     airflow = LocalAirflow(settings)
     if airflow.health() is None:
         raise LocalStackError(
@@ -47,15 +62,17 @@ def run(
             "repartitions the demo pipeline's source; add it there"
         )
     started = time.monotonic()
-    result: dict[str, Any] = {"pipeline": PIPELINE, "airflow": settings.airflow_url}
+    result: dict[str, Any] = {
+        "pipeline": PIPELINE,
+        "airflow": settings.airflow_url,
+        "pipelines_page": overview.page_url(settings.airflow_url),
+    }
 
     def step(text: str) -> Callable[[str], None]:
         console.print(f"[bold]>[/] {text}")
         return lambda detail: status_line.update(f"{text}: {detail}")
 
-    rich = spec.find_spec(settings, RICH_PIPELINE)
-    both = (pipeline, rich)
-    dead_before = _records(settings, pipeline.dlq_topic)
+    dead_before = {p.name: _records(settings, p.dlq_topic) for p in specs.values()}
     with console.status("") as status_line:
         say = step(f"producing {events:,} orders with skewed products and bad records")
         report = workload.produce(
@@ -70,7 +87,7 @@ def run(
         )
         result["produced"] = report.as_dict()
         say = step(f"producing {events:,} orders by region for {RICH_PIPELINE}")
-        workload.produce(
+        rich_report = workload.produce(
             settings,
             rich,
             events=events,
@@ -80,25 +97,42 @@ def run(
             values=RICH_VALUES,
             progress=lambda done: say(f"{done:,} of {events:,}"),
         )
+        assert joined.joined is not None
+        say = step(
+            f"writing {CUSTOMER_ROWS:,} customers to the compacted topic {joined.joined.topic} "
+            f"that {JOIN_PIPELINE} joins {joined.source.topic} with"
+        )
+        table = workload.produce_table(
+            settings, joined, rows=CUSTOMER_ROWS, values=CUSTOMER_VALUES, seed=seed
+        )
 
-        say = step(f"the supervisor DAGs start the streams of {PIPELINE} and {RICH_PIPELINE}")
-        _run_dags(client, {f"duality_{p.name}_stream": {"action": "start"} for p in both}, say)
-        stopped = [p for p in both if control.desired(settings, p) == "stopped"]  # by hand
-        _run_dags(client, {f"duality_{p.name}_stream": {"action": "start"} for p in stopped}, say)
+        names = " and ".join([", ".join(PIPELINES[:-1]), PIPELINES[-1]])
+        say = step(f"the supervisor DAGs start the streams of {names}")
+        every = tuple(specs.values())
+        _run_dags(client, {p.dag_id("stream"): {"action": "start"} for p in every}, say)
+        stopped = [p for p in every if control.desired(settings, p) == "stopped"]  # by hand
+        _run_dags(client, {p.dag_id("stream"): {"action": "start"} for p in stopped}, say)
         say = step("waiting for the streams to count every event")
-        counted = {p.name: _wait_caught_up(settings, p, say) for p in both}
+        counted = {p.name: _wait_caught_up(settings, p, say) for p in every}
 
         say = step("the snapshot DAGs build, validate and publish Delta snapshots")
-        dags = {p.name: f"duality_{p.name}_snapshot" for p in both}
+        dags = {p.name: p.dag_id("snapshot") for p in every}
         runs = _run_dags(client, {dag_id: {} for dag_id in dags.values()}, say)
-        published = {
-            name: _published(client, dag_id, runs[dag_id]) for name, dag_id in dags.items()
+        result["pipelines"] = {
+            p.name: {
+                "source": p.source.topic,
+                "produced": (rich_report if p is rich else report).as_dict(),
+                "stream": counted[p.name],
+                "snapshot": _published(client, dags[p.name], runs[dags[p.name]]),
+                "dead_letters": _records(settings, p.dlq_topic) - dead_before[p.name],
+            }
+            for p in every
         }
-        result["stream"] = counted[PIPELINE]
-        result["snapshot"] = published[PIPELINE]
-        result[RICH_PIPELINE] = {
-            "stream": counted[RICH_PIPELINE],
-            "snapshot": published[RICH_PIPELINE],
+        result["pipelines"][JOIN_PIPELINE]["table"] = {
+            "name": joined.joined.name,
+            "topic": table.topic,
+            "join": joined.joined.type,
+            "rows": table.produced,
         }
 
         say = step(f"the repartition DAG checks {move.source} and copies it into {move.target}")
@@ -115,7 +149,7 @@ def run(
             "skew_after": round(after.skew_size, 3),
             "plot": str(settings.reports / "skew" / f"{move.source}.png"),
         }
-    result["dead_letters"] = _records(settings, pipeline.dlq_topic) - dead_before
+    result["dead_letters"] = result["pipelines"][PIPELINE]["dead_letters"]
     result["seconds"] = round(time.monotonic() - started, 1)
     return result
 
@@ -166,23 +200,42 @@ def _start_run(
 def _wait_caught_up(
     settings: Settings, pipeline: spec.PipelineSpec, say: Callable[[str], None]
 ) -> dict[str, Any]:
+    """Wait until the stream's committed offsets cover its source (and the table it joins),
+    then, briefly, for a heartbeat that says so; what it counted."""
     deadline = time.monotonic() + _CATCH_UP_TIMEOUT_S
     while True:
         info = control.describe(settings, pipeline)
-        behind = info.lag or 0
+        behind = (info.lag or 0) + sum(t.lag or 0 for t in info.tables)
         if behind == 0:
-            return {
-                "source_records": sum(kafka.end_offsets(settings, pipeline.source.topic).values()),
-                "keys": (info.heartbeat or {}).get("state_rows"),
-                "pid": info.pid,
-            }
+            break
         if time.monotonic() > deadline:
             raise CheckFailed(
                 f"the stream of {pipeline.name} is still {behind:,} records behind after "
                 f"{_CATCH_UP_TIMEOUT_S:g}s; see {control.log_file(settings, pipeline)}"
             )
-        say(f"{behind:,} records to go")
+        say(f"{pipeline.name}: {behind:,} records to go")
         time.sleep(1)
+    ends = kafka.end_offsets(settings, pipeline.source.topic)
+    patience = time.monotonic() + _HEARTBEAT_WAIT_S
+    while not _beat_covers(info.heartbeat, ends) and time.monotonic() < patience:
+        say(f"{pipeline.name}: waiting for its heartbeat")
+        time.sleep(1)
+        info = control.describe(settings, pipeline)
+    beat = info.heartbeat or {}
+    counted: dict[str, Any] = {
+        "source_records": sum(ends.values()),
+        "keys": beat.get("state_rows"),
+        "pid": info.pid,
+    }
+    if pipeline.joined is not None:
+        counted["unmatched"] = beat.get("unmatched")
+    return counted
+
+
+def _beat_covers(beat: dict[str, Any] | None, ends: dict[int, int]) -> bool:
+    """Whether a heartbeat's committed offsets (JSON: partitions as text) reach `ends`."""
+    committed = (beat or {}).get("committed_offsets") or {}
+    return all(int(committed.get(str(p), committed.get(p, 0))) >= end for p, end in ends.items())
 
 
 def _published(client: AirflowClient, dag_id: str, run_id: str) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """What the pipelines page shows (docs/pipelines-page.md): every pipeline's stream, from its
-latest heartbeat and lag, its published snapshot and last verdict, from the Delta log without
-Spark, and its input rate and lag over the last hour, from Prometheus or the heartbeats."""
+latest heartbeat and lag, the table it joins and that table's lag, its published snapshot and
+last verdict, from the Delta log without Spark, and its input rate and lag over the last hour,
+from Prometheus or the heartbeats."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from duality.errors import DualityError
 from duality.snapshot import delta_log, publish
 from duality.spec import DAG_KINDS, PipelineSpec, load_spec, spec_files
 from duality.stream import control, heartbeat
+from duality.stream.control import TableLag
 from duality.stream.health import STALL_AFTER_S
 
 # The page answers within a few seconds when Kafka is down: it waits this long for a broker.
@@ -29,6 +31,8 @@ _STEP_S = 30.0  # Prometheus' resolution over that span: 120 points
 # PromQL of the two charted series, per pipeline (the streams' metrics, duality.metrics).
 RATE_QUERY = "sum by (pipeline) (rate(duality_records_read_total[1m]))"
 LAG_QUERY = "sum by (pipeline) (duality_consumer_lag_records)"
+# Where Airflow's UI shows the page (the plugin's navigation entry, plugins/duality_airflow).
+PAGE_ROUTE = "/plugin/duality-pipelines"
 
 HistorySource = Literal["prometheus", "heartbeats", "none"]
 _FROM_HEARTBEATS = "from the heartbeats on _duality-status, which keeps the last hour of them whole"
@@ -55,6 +59,7 @@ class StreamView:
     dead_letters: int | None = None  # since its driver started
     state_rows: int | None = None
     error: str | None = None
+    unmatched: int | None = None  # events an inner join found no row for, since its start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +90,7 @@ class PipelineView:
     rate: list[Point] = dataclasses.field(default_factory=list)  # records/s
     lag: list[Point] = dataclasses.field(default_factory=list)  # records
     spec_error: str | None = None
+    tables: list[TableLag] = dataclasses.field(default_factory=list)  # the table it joins
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +108,11 @@ class Overview:
 
 
 Series = dict[str, list[Point]]  # pipeline -> points
+
+
+def page_url(airflow_url: str) -> str:
+    """The pipelines page inside Airflow's UI at `airflow_url`."""
+    return airflow_url.rstrip("/") + PAGE_ROUTE
 
 
 def query_range(
@@ -142,6 +153,7 @@ class Sources:
     heartbeats: Callable[[Settings], dict[str, dict[str, Any]]] = heartbeat.latest
     history: Callable[[Settings, int], dict[str, list[dict[str, Any]]]] = heartbeat.history
     lag: Callable[[Settings, PipelineSpec], int | None] = control.lag
+    table_lag: Callable[[Settings, PipelineSpec], int | None] = control.table_lag
     prometheus: Callable[[str, str, float, float, float], Series] = query_range
     clock: Callable[[], float] = time.time
 
@@ -171,10 +183,13 @@ def overview(settings: Settings, sources: Sources | None = None) -> Overview:
         if spec is None:
             views.append(PipelineView(name, None, {}, None, None, spec_error=spec_error))
             continue
-        stream = None
+        stream, tables = None, control.tables(spec)
         if kafka_error is None:
             try:
                 stream = _stream(quick, spec, beats.get(name), sources, now)
+                if tables:
+                    lag_now = sources.table_lag(quick, spec)
+                    tables = [dataclasses.replace(t, lag=lag_now) for t in tables]
             except DualityError as error:
                 kafka_error = str(error)
         views.append(
@@ -186,6 +201,7 @@ def overview(settings: Settings, sources: Sources | None = None) -> Overview:
                 _snapshot(settings, spec, now),
                 rate.get(name, []),
                 lag.get(name, []),
+                tables=tables,
             )
         )
     if kafka_error is not None:
@@ -259,6 +275,7 @@ def _stream(
         dead_letters=beat.get("dead_lettered"),
         state_rows=beat.get("state_rows"),
         error=str(beat["error"]) if beat.get("error") else None,
+        unmatched=beat.get("unmatched") if spec.joined is not None else None,
     )
 
 

@@ -8,6 +8,7 @@ import time
 import urllib.parse
 
 from duality.overview import Overview, PipelineView, Point, SnapshotView, StreamView
+from duality.stream.control import TableLag
 
 REFRESH_S = 30
 _CHART_W, _CHART_H = 220, 64  # one chart: rate above, lag below, each half of the height
@@ -76,9 +77,12 @@ def _row(pipeline: PipelineView, overview: Overview, airflow_root: str, reports_
         f'<a href="{_text(airflow_root)}/dags/{_url(dag)}" title="{_text(dag)}">{_text(kind)}</a>'
         for kind, dag in pipeline.dags.items()
     )
+    unmatched = pipeline.stream.unmatched if pipeline.stream is not None else None
+    tables = "".join(_table(t, unmatched) for t in pipeline.tables)
     first = (
-        f'<td><strong>{name}</strong><div class="small">{_text(pipeline.source_topic or "")}'
-        f'</div><div class="dags small">DAGs: {dags}</div></td>'
+        f'<td data-field="pipeline"><strong>{name}</strong><div class="small">'
+        f"{_text(pipeline.source_topic or '')}</div>{tables}"
+        f'<div class="dags small">DAGs: {dags}</div></td>'
     )
     if pipeline.spec_error is not None:
         cells = f'<td colspan="9">the spec does not load: {_text(pipeline.spec_error)}</td>'
@@ -87,6 +91,20 @@ def _row(pipeline: PipelineView, overview: Overview, airflow_root: str, reports_
     cells += _snapshot_cells(pipeline.snapshot, reports_url)
     cells += f'<td class="chart">{chart(pipeline.rate, pipeline.lag, overview)}</td>'
     return f'<tr id="pipeline-{name}" data-pipeline="{name}">{first}{cells}</tr>'
+
+
+def _table(table: TableLag, unmatched: int | None) -> str:
+    """A joined table: its name, topic and join, its lag and, for an inner join, the events
+    that found no row."""
+    name = _text(table.name)
+    whose = f", the table of pipeline {_text(table.pipeline)}" if table.pipeline else ""
+    line = (
+        f"joins {name} (topic {_text(table.topic)}{whose}, {_text(table.join)}): "
+        f"lag {_count(table.lag)}"
+    )
+    if table.join == "inner" and unmatched is not None:
+        line += f", {_count(unmatched)} events without a row"
+    return f'<div class="small" data-table="{name}">{line}</div>'
 
 
 def _stream_cells(stream: StreamView | None, kafka_up: bool) -> str:

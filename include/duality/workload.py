@@ -1,5 +1,6 @@
 """Demo workloads (`duality produce`): events for a pipeline's source with Zipf-skewed keys, an
-optional rate limit, and a fraction of bad records of every kind the stream must dead-letter.
+optional rate limit, and a fraction of bad records of every kind the stream must dead-letter;
+and the rows of a table a pipeline joins, keyed by the values its events carry (`duality demo`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ BAD_KINDS = (
 _TRAILING = (" {}", "x", ',{"second":1}', "\n]")
 # Doubles that JSON cannot hold: literals JSON does not have, strings, and an overflow.
 _NON_FINITE = ("NaN", "Infinity", "-Infinity", '"NaN"', '"Infinity"', "1e999")
+# The values of an event's string field (not its key): `<field>-000` to `<field>-999`.
+STRING_VALUES = 1000
+
+
+def string_value(field: str, index: int) -> str:
+    """The `index`th value the workload gives string field `field` (`customer-007`)."""
+    return f"{field}-{index:03d}"
 
 
 @dataclasses.dataclass
@@ -94,11 +102,17 @@ class Workload:
         weights = 1.0 / np.arange(1, keys + 1) ** zipf
         self.key_probabilities = weights / weights.sum()
         fields = spec.source.fields
+        # The records' Kafka key: the first key field, or the first field of a source keyed by
+        # a joined table's column (`key: customers.tier`), which no record carries to leave out.
+        first_key = spec.source.key[0]
+        self.key_field = first_key if first_key in fields else next(iter(fields))
         self.doubles = [f for f, t in fields.items() if t == "double" and f in spec.required_fields]
         self.kinds = [
             k
             for k in BAD_KINDS
-            if (k != "late" or spec.window is not None) and (k != "non_finite" or self.doubles)
+            if (k != "late" or spec.window is not None)
+            and (k != "non_finite" or self.doubles)
+            and (k != "missing_key" or first_key in fields)
         ]
         self.typed_fields = [
             f
@@ -124,7 +138,7 @@ class Workload:
                 jitter = float(self.rng.uniform(0, 30))  # a little disorder, inside any watermark
                 record[field] = _iso(now - timedelta(seconds=jitter))
             else:
-                record[field] = f"{field}-{int(self.rng.integers(0, 1000)):03d}"
+                record[field] = string_value(field, int(self.rng.integers(0, STRING_VALUES)))
         return record
 
     def _bad(self, kind: str, record: dict[str, Any]) -> bytes | None:
@@ -160,7 +174,7 @@ class Workload:
         indexes = self.rng.choice(self.keys, size=count, p=self.key_probabilities)
         bad_draws = self.rng.random(count) < self.bad_fraction
         kinds = self.rng.integers(0, len(self.kinds), size=count)
-        key_field = self.spec.source.key[0]
+        key_field = self.key_field
         now = datetime.now(UTC)
         out: list[tuple[bytes | None, bytes | None, str]] = []
         for i in range(count):
@@ -225,3 +239,72 @@ def produce(
     report.produced = produced
     report.seconds = time.monotonic() - start
     return report
+
+
+def produce_table(
+    settings: Settings,
+    spec: PipelineSpec,
+    *,
+    rows: int = STRING_VALUES,
+    values: Mapping[str, Sequence[Any]] | None = None,
+    seed: int | None = None,
+    partitions: int = 3,
+) -> WorkloadReport:
+    """Rows of the table `spec` joins, for the events its workload makes: the join's `on` is a
+    string source field, whose values are `<field>-000` to `<field>-999`; the first `rows` of
+    them get a row (the others none: an inner join finds nothing for their events), its other
+    columns drawn from `values`, or made as an event's are. To the table's topic, created
+    compacted when missing; producing again writes the same rows (for a seed)."""
+    joined = spec.joined
+    if joined is None:
+        raise UsageError(f"pipeline {spec.name} joins no table")
+    if joined.pipeline is not None:
+        raise UsageError(
+            f"table {joined.name} of pipeline {spec.name} is pipeline {joined.pipeline}'s: its "
+            "stream writes it"
+        )
+    on = joined.on.text.strip()
+    if spec.source.fields.get(on) != "string" or on in spec.source.key:
+        raise UsageError(
+            f"pipeline {spec.name} joins on {joined.on.text!r}: the demo's table rows are for "
+            "a join on a string field of the source that is not its key"
+        )
+    if not 0 <= rows <= STRING_VALUES:
+        raise UsageError(f"rows must be between 0 and {STRING_VALUES}, got {rows}")
+    choices = dict(values or {})
+    rng = np.random.default_rng(seed)
+    kafka.create_topic(
+        settings, joined.topic, partitions, config={"cleanup.policy": "compact"}, exist_ok=True
+    )
+    producer = kafka.producer(settings)
+    start = time.monotonic()
+    now = _iso(datetime.now(UTC))
+    for index in range(rows):
+        row: dict[str, Any] = {}
+        for column, kind in joined.columns.items():
+            if column == joined.key:
+                row[column] = string_value(on, index)
+            elif column in choices:
+                row[column] = choices[column][int(rng.integers(0, len(choices[column])))]
+            elif kind in ("long", "int"):
+                row[column] = int(rng.integers(1, 10))
+            elif kind == "double":
+                row[column] = round(float(rng.uniform(0, 500)), 2)
+            elif kind == "boolean":
+                row[column] = bool(rng.integers(0, 2))
+            elif kind == "timestamp":
+                row[column] = now
+            else:
+                row[column] = string_value(column, int(rng.integers(0, STRING_VALUES)))
+        kafka.send(producer, joined.topic, key=str(row[joined.key]), value=json.dumps(row))
+        producer.poll(0)
+    undelivered = producer.flush(120)
+    if undelivered:
+        raise RuntimeError(f"{undelivered} records to {joined.topic} were not delivered")
+    return WorkloadReport(
+        topic=joined.topic,
+        produced=rows,
+        valid=rows,
+        keys=rows,
+        seconds=time.monotonic() - start,
+    )

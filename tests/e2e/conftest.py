@@ -19,7 +19,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """The stack with the demo's pipelines and repartition config, as `make demo` has them."""
     root = tmp_path_factory.mktemp("stack")
     env = stack_env(root)
-    for pipeline in ("product_sales", "regional_sales"):
+    for pipeline in ("product_sales", "regional_sales", "tier_sales"):
         shutil.copy(SHIPPED_PIPELINES / f"{pipeline}.yaml", root / "pipelines")
     shutil.copy(ROOT / "include" / "repartition.yaml", root / "repartition.yaml")
     with running_stack(root, env) as running:

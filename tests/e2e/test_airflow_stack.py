@@ -69,9 +69,13 @@ def test_reduced_demo_tells_the_whole_story(stack: Stack, demo: dict[str, Any]):
     assert reasons.keys() == bad.keys()
     wrong = [(w, reasons[w], kind) for w, kind in bad.items() if not reasons[w].startswith(kind)]
     assert not wrong, wrong[:5]
-    assert demo["stream"]["source_records"] == DEMO_EVENTS
+    ran = demo["pipelines"]
+    assert set(ran) == {"product_sales", "regional_sales", "tier_sales"}  # each one it ran
+    assert demo["pipelines_page"] == f"{settings.airflow_url}/plugin/duality-pipelines"
+    assert ran["product_sales"]["stream"]["source_records"] == DEMO_EVENTS
+    assert ran["product_sales"]["dead_letters"] == demo["dead_letters"]
 
-    snap = demo["snapshot"]
+    snap = ran["product_sales"]["snapshot"]
     assert snap["validation"] == "passed" and snap["checks"] >= 10
     assert Path(snap["data_docs"]).is_file() and Path(snap["report"]).is_file()
     read = stack.duality("read", "product_sales", "--json", "--limit", "0")
@@ -82,12 +86,14 @@ def test_reduced_demo_tells_the_whole_story(stack: Stack, demo: dict[str, Any]):
     assert published["rows"] == snap["rows"] == len(table)
     truth.assert_tables_equal(truth.changelog_table(spec, latest), table)
 
-    rich = demo["regional_sales"]  # a filter, computed fields, hopping windows
+    rich = ran["regional_sales"]  # a filter, computed fields, hopping windows
     assert rich["stream"]["source_records"] == DEMO_EVENTS
     rich_spec = find_spec(settings, "regional_sales")
     rows = _regional_rows(settings, rich_spec)
     assert rich["snapshot"]["validation"] == "passed"
     assert rich["snapshot"]["rows"] == rows, (rich, rows)
+
+    _assert_tiers(settings, ran["tier_sales"], source)
 
     moved = demo["repartition"]
     copied = read_topic(settings, moved["target"])
@@ -95,6 +101,34 @@ def test_reduced_demo_tells_the_whole_story(stack: Stack, demo: dict[str, Any]):
     assert kafka.partition_count(settings, moved["target"]) == 12
     assert moved["skew_before"] > moved["skew_after"]
     assert Path(moved["plot"]).is_file()
+
+
+def _assert_tiers(settings: Settings, ran: dict[str, Any], source: list[Any]) -> None:
+    """tier_sales (the same orders, an inner join with the customers the demo wrote, by tier):
+    the orders counted per tier, and those of customers without a row unmatched."""
+    spec = find_spec(settings, "tier_sales")
+    rows = {
+        key.decode(): json.loads(value)
+        for _, _, key, value in read_topic(settings, "customers")
+        if key is not None and value is not None
+    }
+    assert ran["table"]["rows"] == len(rows) < 1000
+    per_tier: dict[str, int] = {}
+    unmatched = 0
+    for *_, value in source:
+        reason, order = truth.classify_record(spec, value)
+        if reason is not None:
+            continue
+        row = rows.get(order["customer"])
+        if row is None:
+            unmatched += 1
+        else:
+            per_tier[row["tier"]] = per_tier.get(row["tier"], 0) + 1
+    assert ran["stream"]["unmatched"] == unmatched > 0
+    latest = read_latest(settings, spec)
+    assert sorted(v["orders"] for v in latest.values()) == sorted(per_tier.values())
+    assert ran["snapshot"]["validation"] == "passed"
+    assert ran["snapshot"]["rows"] == len(per_tier) == 3
 
 
 HOUR, QUARTER, TEN_MINUTES = 3_600_000, 900_000, 600_000  # regional_sales.yaml's window

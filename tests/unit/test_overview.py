@@ -1,7 +1,7 @@
 """The pipelines page's data (`duality.overview`) with fakes of Kafka and Prometheus: every spec
 gets a row, a running stream, one that never ran, Kafka down (faked, and a closed port for
 real, within seconds), a spec that does not load, the snapshot read from a Delta log written by
-hand, and the charts from the heartbeats or Prometheus."""
+hand, the charts from the heartbeats or Prometheus, and a joined pipeline's table and its lag."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from duality.errors import BrokerUnavailable, DualityError
 from duality.local.ports import free_port
 from duality.overview import Point, Sources
 from duality.spec import PipelineSpec
+from duality.stream.control import TableLag
 from duality.stream.health import STALL_AFTER_S
 from tests.harness import make_pipeline
 
@@ -61,10 +62,15 @@ def _sources(
         "heartbeats": lambda settings: beats or {},
         "history": lambda settings, since_ms: history or {},
         "lag": lambda settings, spec: lag,
+        "table_lag": _no_table_lag,
         "prometheus": _no_prometheus,
         "clock": lambda: NOW,
     }
     return Sources(**{**fakes, **overrides})
+
+
+def _no_table_lag(_: Settings, spec: PipelineSpec) -> int | None:
+    raise AssertionError(f"a table's lag was read for {spec.name}, which joins no table")
 
 
 def _no_prometheus(*_: Any) -> overview.Series:
@@ -129,6 +135,43 @@ def test_a_silent_or_failed_stream_is_said(settings, specs):
     assert silent is not None and silent.silent and silent.state == "running"
     assert failed is not None and failed.state == "failed" and failed.error == "the query died"
     assert not failed.silent
+
+
+def test_a_joined_pipeline_names_its_table_its_lag_and_the_unmatched(settings, specs):
+    plain, _ = specs
+    joined = make_pipeline(settings, settings.pipelines, "tier_sales")  # an inner join
+    beats = {joined.name: _beat(batch_id=3, unmatched=11), plain.name: _beat(unmatched=0)}
+    asked: list[str] = []
+
+    def table_lag(_: Settings, spec: PipelineSpec) -> int:
+        asked.append(spec.name)
+        return 5
+
+    found = overview.overview(settings, _sources(beats, table_lag=table_lag))
+    row = _row(found, joined)
+    assert row.tables == [TableLag("customers", "customers", "inner", None, 5)]
+    assert asked == [joined.name]  # read for the joined pipeline alone
+    assert row.stream is not None and row.stream.unmatched == 11 and row.stream.lag == 7
+    unjoined = _row(found, plain)
+    assert unjoined.tables == [] and unjoined.stream is not None
+    assert unjoined.stream.unmatched is None  # joins nothing: not said
+    shown = json.loads(json.dumps(found.as_dict()))  # what pipelines.json serves
+    (table,) = next(p for p in shown["pipelines"] if p["name"] == joined.name)["tables"]
+    assert table == {
+        "name": "customers",
+        "topic": "customers",
+        "join": "inner",
+        "pipeline": None,
+        "lag": 5,
+    }
+
+    def down(_: Settings) -> int:
+        raise BrokerUnavailable("timed out after 2s waiting for Kafka at localhost:9")
+
+    # Kafka down: the table is still named, its lag unknown.
+    found = overview.overview(settings, _sources(reachable=down, table_lag=table_lag))
+    row = _row(found, joined)
+    assert row.stream is None and row.tables == [TableLag("customers", "customers", "inner")]
 
 
 def _write_delta_log(path: Path, spec: PipelineSpec, *, passed: bool = True) -> None:

@@ -1,6 +1,6 @@
 """The pipelines page's HTML (`duality.overview_page`): a row per pipeline with what its stream and
-snapshot say, Kafka down said, links to the DAGs and Data Docs, charts as inline SVG, text
-escaped, and nothing loaded from elsewhere."""
+snapshot say, a joined table and its lag, Kafka down said, links to the DAGs and Data Docs,
+charts as inline SVG, text escaped, and nothing loaded from elsewhere."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import re
 
 from duality.overview import Overview, PipelineView, Point, SnapshotView, StreamView
 from duality.overview_page import age, chart, render
+from duality.stream.control import TableLag
 
 NOW = 1_800_000_000.0
 DAGS = {"stream": "duality_a_stream", "snapshot": "duality_a_snapshot", "reset": "duality_a_reset"}
@@ -105,6 +106,7 @@ def test_a_running_pipeline_and_one_that_never_ran():
     page = render(_overview(RUNNING, NEVER_RAN), airflow_root="", reports_url="reports")
     cells = _cells(page)
     assert cells.rows["a"] == {
+        "pipeline": "a orders DAGs: stream snapshot reset",
         "state": "running heartbeat 4s ago",
         "input-rate": "1,234.5/s",
         "lag": "12,000",
@@ -123,6 +125,42 @@ def test_a_running_pipeline_and_one_that_never_ran():
     assert 'href="pipelines.json"' in page
     assert 'id="kafka-down"' not in page
     assert "from the heartbeats" in page
+
+
+def test_a_joined_pipeline_names_its_table_and_its_lag():
+    inner = PipelineView(
+        "j",
+        "orders",
+        {},
+        StreamView(state="running", lag=0, unmatched=152),
+        None,
+        tables=[TableLag("customers", "customers", "inner", lag=1234)],
+    )
+    left = PipelineView(
+        "l",
+        "orders",
+        {},
+        StreamView(state="running", unmatched=0),
+        None,
+        tables=[TableLag("tiers", "tiers-changelog", "left", pipeline="tiers")],
+    )
+    down = PipelineView(
+        "d", "orders", {}, None, None, tables=[TableLag("customers", "customers", "inner")]
+    )
+    cells = _cells(render(_overview(inner, left, down))).rows
+    assert cells["j"]["pipeline"] == (
+        "j orders joins customers (topic customers, inner): lag 1,234, 152 events without a row "
+        "DAGs:"
+    )
+    assert cells["j"]["lag"] == "0"  # the source's
+    # A left join has no unmatched events; another pipeline's table says whose it is.
+    assert cells["l"]["pipeline"] == (
+        "l orders joins tiers (topic tiers-changelog, the table of pipeline tiers, left): lag "
+        "\N{EN DASH} DAGs:"
+    )
+    assert (
+        "joins customers (topic customers, inner): lag \N{EN DASH} DAGs:" in cells["d"]["pipeline"]
+    )
 
 
 def test_airflow_under_a_path_gets_its_dag_links_there():

@@ -83,3 +83,5 @@ def test_the_plugin_mounts_the_app_and_links_it_in_the_navigation(page):  # type
     (view,) = plugin.external_views
     assert view["href"] == "/duality/pipelines" and view["destination"] == "nav"
     assert view["url_route"] == "duality-pipelines"
+    # Where `duality demo` says the page is.
+    assert overview.page_url("http://h:8080/") == "http://h:8080/plugin/duality-pipelines"

@@ -29,6 +29,19 @@ _STOP_GRACE_S = 90.0
 _START_TIMEOUT_S = 180.0
 
 
+@dataclasses.dataclass(frozen=True)
+class TableLag:
+    """A table a pipeline joins (docs/streams.md#joins): its name in the spec, the topic it is
+    read from, the join's type (left or inner), the pipeline whose changelog it is (if any), and
+    its lag: table records the stream's committed offsets do not cover yet (None: unknown)."""
+
+    name: str
+    topic: str
+    join: str
+    pipeline: str | None = None
+    lag: int | None = None
+
+
 @dataclasses.dataclass
 class StreamState:
     """One pipeline's stream: its supervisor's process, last heartbeat and lag."""
@@ -41,6 +54,7 @@ class StreamState:
     heartbeat_age_s: float | None = None
     lag: int | None = None  # source records not yet covered by the committed offsets
     standby: dict[str, Any] | None = None  # the latest heartbeat of a driver waiting to take over
+    tables: list[TableLag] = dataclasses.field(default_factory=list)  # the table it joins
     already_running: bool | None = None  # set by `start`
 
 
@@ -184,6 +198,13 @@ def start(
             f"{settings.bootstrap_servers}: create it, or produce to it with "
             f"`duality produce {spec.name}`"
         )
+    joined = spec.joined
+    if joined is not None and not kafka.topic_exists(settings, joined.topic, wait_if_missing=True):
+        writer = f"start pipeline {joined.pipeline}" if joined.pipeline else "create it"
+        raise LocalStackError(
+            f"pipeline {spec.name} joins table {joined.name}, whose topic {joined.topic!r} does "
+            f"not exist on {settings.bootstrap_servers}: {writer} first"
+        )
     streams_folder(settings).mkdir(parents=True, exist_ok=True)
     log = log_file(settings, spec, standby)
     process = start_daemon(
@@ -278,16 +299,38 @@ def describe(settings: Settings, spec: PipelineSpec) -> StreamState:
     if waiting is not None and waiting.get("state") == "standby":
         result.standby = waiting
     result.lag = lag(settings, spec)
+    result.tables = [dataclasses.replace(t, lag=table_lag(settings, spec)) for t in tables(spec)]
     return result
 
 
 def lag(settings: Settings, spec: PipelineSpec) -> int | None:
     """Source records not yet covered by the stream's committed offsets; None when the source
     topic does not exist."""
-    if not kafka.topic_exists(settings, spec.source.topic):
+    return _lag(settings, spec.consumer_group, spec.source.topic)
+
+
+def tables(spec: PipelineSpec) -> list[TableLag]:
+    """The table the pipeline joins, if any, as its spec names it (its lag not read)."""
+    joined = spec.joined
+    if joined is None:
+        return []
+    return [TableLag(joined.name, joined.topic, joined.type, joined.pipeline)]
+
+
+def table_lag(settings: Settings, spec: PipelineSpec) -> int | None:
+    """Records of the joined table's topic not yet covered by the stream's committed offsets
+    (the group commits the table's offsets with each micro-batch); None when the pipeline joins
+    no table or its topic does not exist."""
+    if spec.joined is None:
         return None
-    ends = kafka.end_offsets(settings, spec.source.topic)
-    committed = kafka.committed_offsets(settings, spec.consumer_group, spec.source.topic)
+    return _lag(settings, spec.consumer_group, spec.joined.topic)
+
+
+def _lag(settings: Settings, group: str, topic: str) -> int | None:
+    if not kafka.topic_exists(settings, topic):
+        return None
+    ends = kafka.end_offsets(settings, topic)
+    committed = kafka.committed_offsets(settings, group, topic)
     return sum(max(0, end - committed.get(p, (0, None))[0]) for p, end in ends.items())
 
 
