@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from broker_loss import broker_loss_scenario
 from commands import command_scenarios
+from joins import join_scenarios
 
 from baselines import Figure, consumer_perf, order_events, preload, python_copy
 from duality import kafka
@@ -55,7 +56,7 @@ LATENCY_RATE = 5_000.0
 LATENCY_SECONDS = 60.0
 TRIGGER_SECONDS = 0.5
 # Scenario groups beside the baselines, which always run (everything is compared with them).
-GROUPS = ("repartition", "streams", "snapshots", "commands", "broker-loss")
+GROUPS = ("repartition", "streams", "join", "snapshots", "commands", "broker-loss")
 
 
 def scenario_groups(text: str) -> tuple[str, ...]:
@@ -277,6 +278,13 @@ def main(argv: list[str] | None = None) -> int:
             set_throughput_target(cold, by_name["python-copy"], by_name["spark-aggregation"])
             set_warm_ratio(warm, cold)
             figures.extend(streams)
+        if "join" in groups:
+            # Against the streams group's stream-throughput, else one measured by the group.
+            measured = next((f for f in figures if f.scenario == "stream-throughput"), None)
+            bench = Bench(scoped, scratch / "pipelines", scratch / "logs", progress, stamp)
+            figures.extend(
+                join_scenarios(bench, source, args.records, args.keys, megabytes, measured)
+            )
         figures.extend(repartitioned)
 
         pipelines = scratch / "pipelines"

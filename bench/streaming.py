@@ -108,12 +108,17 @@ LATENCY_P99_TARGET_S = 2.0
 
 
 def bench_spec(
-    name: str, topic: str, folder: Path | None = None, rich: bool = False
+    name: str,
+    topic: str,
+    folder: Path | None = None,
+    rich: bool = False,
+    table_topic: str | None = None,
 ) -> PipelineSpec:
     """A copy of the product_sales spec's plain aggregation reading `topic`; written to
     `folder` when given, so that a stream process finds it there through DUALITY_PIPELINES.
     `rich` adds a filter, a computed field in the key, `count_distinct`, `latest` and `stddev`
-    (the `stream-rich` scenario)."""
+    (the `stream-rich` scenario). `table_topic` adds a left join on the events' product with the
+    table `products` read from it (bench/joins.py) and an aggregate of its `list_price`."""
     data = yaml.safe_load(SPEC.read_text())
     # The plain aggregation: without the shipped spec's computed field and filter.
     data.pop("fields", None)
@@ -130,6 +135,16 @@ def bench_spec(
             "last_amount": "latest(amount)",
             "amount_sd": "stddev(amount)",
         }
+    if table_topic is not None:
+        data["tables"] = {
+            "products": {
+                "topic": table_topic,
+                "schema": {"product": "string", "category": "string", "list_price": "double"},
+                "key": "product",
+            }
+        }
+        data["join"] = [{"table": "products", "on": "product", "type": "left"}]
+        data["aggregates"] |= {"list_value": "sum(quantity * products.list_price)"}
     if folder is not None:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"{name}.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
@@ -197,6 +212,8 @@ class Point:
     # A second backlog given to the running stream at once (stream-throughput-warm), if any.
     warm_events: int = 0
     warm_seconds: float = 0.0
+    # The stream's last heartbeat before it was stopped (a join's state figures, bench/joins.py).
+    heartbeat: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -545,6 +562,7 @@ def consume_backlog(
     label: str,
     distinct_keys: int | None = None,
     warm_events: Iterable[tuple[bytes, bytes]] | None = None,
+    join_rows: int = 0,
 ) -> Point:
     """Start the stream on a preloaded source and run it until the committed offsets cover
     the whole backlog, sampling its process tree's memory; then stop it gracefully.
@@ -552,7 +570,8 @@ def consume_backlog(
     `keys` is the workload's key space; `distinct_keys` how many of them occur (all, when
     None): the state holds that many rows once the backlog is covered. `warm_events`, when
     given, are produced in one transaction once the backlog is covered, and the still-running
-    stream is timed from its commit until they are covered too (`Point.warm_seconds`)."""
+    stream is timed from its commit until they are covered too (`Point.warm_seconds`).
+    `join_rows`: the heartbeat's `join_state_rows` is awaited too (a joined table's rows)."""
     distinct = keys if distinct_keys is None else distinct_keys
     settings = bench.settings
     ends = kafka.end_offsets(settings, spec.source.topic)
@@ -573,18 +592,22 @@ def consume_backlog(
                 bench.progress.update(task, completed=done)
                 return done >= total
 
-            wait_for(
-                stream, heartbeats, caught_up, backlog_timeout(total), f"{label}: backlog covered"
-            )
+            # A joined table's rows are read and stored as well (in the first micro-batch).
+            timeout = backlog_timeout(total + join_rows)
+            wait_for(stream, heartbeats, caught_up, timeout, f"{label}: backlog covered")
             covered_at = time.perf_counter()
             covered_rss = memory.sample()
             memory.close()
             # The heartbeat of the batch that covered the backlog follows its commit closely.
             deadline = time.monotonic() + 15
-            while (heartbeats.state_rows() or 0) < distinct and time.monotonic() < deadline:
+            while (
+                (heartbeats.state_rows() or 0) < distinct
+                or (heartbeats.latest.get("join_state_rows") or 0) < join_rows
+            ) and time.monotonic() < deadline:
                 stream.check()
                 time.sleep(POLL_S)
             state_rows = heartbeats.state_rows()
+            last_heartbeat = dict(heartbeats.latest)
             if warm_events is not None:
                 warm_count, warm_seconds = consume_at_once(
                     bench, stream, heartbeats, spec, warm_events, label
@@ -609,6 +632,7 @@ def consume_backlog(
         peak_processes=memory.peak_processes,
         warm_events=warm_count,
         warm_seconds=warm_seconds,
+        heartbeat=last_heartbeat,
     )
 
 

@@ -38,6 +38,8 @@ log = logging.getLogger("duality.stream")
 WARM_UP_RECORDS = 20
 # A query asked to stop that has not stopped this long after is left behind: the process exits.
 QUERY_STOP_S = 60.0
+# The name progress.stateOperators gives the join's operator (TableJoin.java).
+JOIN_OPERATOR = "flatMapGroupsWithState"
 
 
 class ElectionLost(Exception):
@@ -67,7 +69,11 @@ def _heartbeat_listener(
             kafka_source = next(
                 (s for s in progress.sources if "kafka" in s.description.lower()), None
             )
-            operators = progress.stateOperators
+            # A join's operator (TableJoin.java, `flatMapGroupsWithState`) keeps the joined
+            # table's rows; the aggregation's is the other one. Which comes first in the list
+            # is the plan's business, so they are told apart by name.
+            join = [o for o in progress.stateOperators if o.operatorName == JOIN_OPERATOR]
+            operators = [o for o in progress.stateOperators if o.operatorName != JOIN_OPERATOR]
             if operators:
                 # Rows in Spark's state store: the table's keys (or windows) on the executors.
                 self.state = {
@@ -78,6 +84,14 @@ def _heartbeat_listener(
                 }
                 if metrics is not None:
                     metrics.state(operators[0].numRowsTotal, operators[0].memoryUsedBytes)
+            if join:
+                # The joined table's rows in the join's state store, and what that store
+                # reports using (RocksDB: its memory, and its SST files on disk).
+                self.state |= {
+                    "join_state_rows": join[0].numRowsTotal,
+                    "join_state_memory_bytes": join[0].memoryUsedBytes,
+                    "join_state_sst_bytes": (join[0].customMetrics or {}).get("rocksdbSstFileSize"),
+                }
             self.last_batch = {
                 "batch_id": progress.batchId,
                 "last_batch_ms": int(time.time() * 1000),
