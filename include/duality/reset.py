@@ -28,6 +28,8 @@ class ResetPlan:
     changelog_topic: str
     changelog_partitions: int | None
     changelog_records: int
+    # A joined pipeline's copy of its table: emptied, the next start reads the table to its end.
+    table_copy: str | None = None
 
     def steps(self) -> list[str]:
         steps = []
@@ -41,6 +43,11 @@ class ResetPlan:
             steps.append(
                 f"recreate {self.changelog_topic} empty ({self.changelog_partitions} partitions, "
                 f"{self.changelog_records} records now)"
+            )
+        if self.table_copy is not None:
+            steps.append(
+                f"recreate {self.table_copy} empty (the next start reads the joined table's "
+                "topic to its end)"
             )
         return steps
 
@@ -101,6 +108,11 @@ def plan(
             kafka.partition_count(settings, spec.changelog_topic) if exists else None
         ),
         changelog_records=records,
+        table_copy=(
+            spec.table_topic
+            if spec.joined is not None and kafka.topic_exists(settings, spec.table_topic)
+            else None
+        ),
     )
 
 
@@ -119,4 +131,10 @@ def execute(settings: Settings, spec: PipelineSpec, reset: ResetPlan) -> None:
                 spec.changelog_topic,
                 reset.changelog_partitions,
                 config=changelog_config(spec),
+            )
+        if reset.table_copy is not None:
+            partitions = kafka.partition_count(settings, reset.table_copy)
+            kafka.delete_topic(settings, reset.table_copy)
+            kafka.create_topic(
+                settings, reset.table_copy, partitions, config=dict(kafka.FAST_COMPACTION)
             )

@@ -641,9 +641,10 @@ class PipelineSpec(BaseModel):
 
     @cached_property
     def required_fields(self) -> list[str]:
-        """The source fields the spec uses anywhere: key, computed fields, where, aggregates,
-        event time, in that order (for today's specs: key, aggregated fields, event time)."""
+        """The source fields the spec uses anywhere: key, a join's `on`, computed fields, where,
+        aggregates, event time, in that order."""
         names = list(self.source.key)
+        names += self._joined.on.fields if self._joined is not None else []
         for expression in [
             *self._computed.values(),
             *([self._where] if self._where else []),

@@ -4,8 +4,9 @@ reads before anything else (docs/streams.md#joins).
 After a micro-batch has committed, they are the pipeline's own copy of the table
 (`spec.table_topic`), written in each micro-batch's transaction and so exactly the rows the
 committed offsets of the table's topic stand for, however much its own topic has been compacted
-since. At a first start (or after a reset), they are the table's topic read to its end: the
-stream starts with the whole table, and the first micro-batch writes it to the copy."""
+since. At a first start, after a reset (which empties the copy), or while the copy is empty,
+they are the table's topic read to its end: the stream starts with the whole table, and the
+first micro-batch writes it to the copy."""
 
 from __future__ import annotations
 
@@ -47,16 +48,16 @@ def write_seed(
 
     joined = spec.joined
     assert joined is not None
-    if committed:
-        topic, side, starts = spec.table_topic, SEED, committed
-        ends = kafka.end_offsets(settings, topic, "read_committed")
-    else:
+    copy = spec.table_topic
+    copied = kafka.end_offsets(settings, copy, "read_committed")
+    if committed and not _empty(settings, copy, copied):
+        topic, side, starts, ends = copy, SEED, committed, copied
+    else:  # a first start, a reset (which empties the copy), or a table that was empty
         topic, side = joined.topic, TABLE
         ends = starts = kafka.end_offsets(settings, topic, "read_committed")
     folder = seed_folder(checkpoint)
     shutil.rmtree(folder, ignore_errors=True)
-    first = kafka.beginning_offsets(settings, topic)
-    if all(end <= first.get(p, 0) for p, end in ends.items()):
+    if _empty(settings, topic, ends):
         folder.mkdir(parents=True)
         return 0, starts
     raw = (
@@ -81,3 +82,8 @@ def write_seed(
     count = spark.read.parquet(str(staging)).count()
     staging.rename(folder)
     return count, starts
+
+
+def _empty(settings: Settings, topic: str, ends: dict[int, int]) -> bool:
+    first = kafka.beginning_offsets(settings, topic)
+    return all(end <= first.get(p, 0) for p, end in ends.items())

@@ -38,8 +38,11 @@ class Partial:
 
 
 def _label(argument: Expression) -> str:
-    """A column-safe name of an aggregate argument: the field, or a digest of its text."""
-    return argument.field or hashlib.sha256(argument.text.encode()).hexdigest()[:12]
+    """A column-safe name of an aggregate argument: the field (a joined table's `customers.tier`
+    as `customers__tier`: a dot would name a struct's field), or a digest of its text."""
+    if argument.field:
+        return argument.field.replace(".", "__")
+    return hashlib.sha256(argument.text.encode()).hexdigest()[:12]
 
 
 def _parts(spec: PipelineSpec, aggregate: Aggregate) -> list[Partial]:
@@ -189,6 +192,12 @@ def _evaluate(spec: PipelineSpec, frame: DataFrame, error: Column) -> DataFrame:
         failures.append(failed)
     if failures:
         stages.append(F.when(kept, F.coalesce(*failures)))
+    # An inner join's event without a row is unmatched, whatever its fields would have given
+    # (a key from the table's columns is null then); a record that does not parse is bad.
+    joined = spec.joined
+    unmatched = F.col("_t").isNull() if joined is not None and joined.type == "inner" else None
+    if unmatched is not None and len(stages) > 1:
+        stages = [stages[0], F.when(~unmatched, F.coalesce(*stages[1:]))]
     stage = F.struct(
         F.coalesce(*stages).alias("error"),
         F.coalesce(kept, F.lit(False)).alias("kept"),
@@ -199,10 +208,8 @@ def _evaluate(spec: PipelineSpec, frame: DataFrame, error: Column) -> DataFrame:
     frame = frame.withColumn("_x", _once(stage))
     computed = [F.col(f"_x.fields.{n}").alias(n) for n in spec.computed_fields]
     # An inner join's event without a row is counted as unmatched, and not aggregated.
-    joined = spec.joined
-    unmatched = (
-        F.col("_t").isNull() if joined is not None and joined.type == "inner" else F.lit(False)
-    )
+    if unmatched is None:
+        unmatched = F.lit(False)
     fine = F.col("_x.error").isNull()
     return frame.select(
         *[c for c in frame.columns if c not in ("_p", "_x", "_t")],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -18,9 +19,11 @@ import yaml
 from duality import kafka
 from duality.config import Settings
 from duality.spec import PipelineSpec, load_spec
+from duality.stream import heartbeat
 from tests.harness import (
     StreamProcess,
     assert_eventually,
+    duality_json,
     read_latest,
     read_messages,
 )
@@ -29,15 +32,16 @@ SOURCE_PARTITIONS, TABLE_PARTITIONS = 6, 3
 TIERS = ("gold", "silver", "bronze")
 
 
-def _spec(folder: Path, join_type: str) -> PipelineSpec:
-    """A pipeline keyed by order: each changelog row tells which row its one event met."""
+def _spec(folder: Path, join_type: str, key: str = "order_id") -> PipelineSpec:
+    """A pipeline keyed by order (each changelog row tells which row its one event met), or by
+    `key`."""
     name = f"j{uuid.uuid4().hex[:10]}"
     data: dict[str, Any] = {
         "name": name,
         "source": {
             "topic": f"{name}-orders",
             "schema": {"order_id": "string", "customer": "string", "quantity": "int"},
-            "key": "order_id",
+            "key": key,
         },
         "tables": {
             "customers": {
@@ -51,6 +55,8 @@ def _spec(folder: Path, join_type: str) -> PipelineSpec:
             "orders": "count()",
             **{tier: f"count_if(customers.tier = '{tier}')" for tier in TIERS},
             "no_row": "count_if(customers.tier is null)",
+            # A table's column itself as an argument (its state column named without the dot).
+            "tiers": "count_distinct(customers.tier)",
         },
         "changelog": {"partitions": 3},
     }
@@ -70,13 +76,17 @@ class Feed:
         self.spec, self.table = spec, spec.joined.topic
         self.producer = kafka.transactional_producer(settings, f"feed-{uuid.uuid4().hex}")
         self.phases: list[list[dict[str, Any]]] = []
-        self.clock = 1_700_000_000_000
+        # Timestamps near now, or the brokers' time retention would delete the records.
+        self.clock = 0
         self.orders = 0
 
     def phase(self, *records: tuple[str, str, str | None, int]) -> None:
         """(side, key, tier or customer, timestamp step) each: side "table" writes the key's
         row (a tombstone when the tier is None), "event" an order of customer `key`."""
         written: list[dict[str, Any]] = []
+        # Now (not ahead: a segment with records from the future is not rolled, so not
+        # compacted), and after the previous phase.
+        self.clock = max(self.clock + 100, int(time.time() * 1000))
         self.producer.begin_transaction()
         for side, key, detail, step in records:
             ts = self.clock + step
@@ -103,15 +113,13 @@ class Feed:
             )
             written.append(record)
         self.producer.commit_transaction(60)
-        self.clock += 10_000
         self.phases.append(written)
 
     def bad_table_record(self, key: str) -> None:
         """A table record that does not parse (in a phase of its own)."""
         self.producer.begin_transaction()
-        self.producer.produce(self.table, key=key, value=b"{not json", timestamp=self.clock)
+        self.producer.produce(self.table, key=key, value=b"{not json")
         self.producer.commit_transaction(60)
-        self.clock += 10_000
 
 
 def oracle(feed: Feed, first_start_phases: int) -> dict[str, str | None]:
@@ -150,7 +158,9 @@ def _assert_changelog(settings: Settings, spec: PipelineSpec, met: dict[str, str
             continue
         counts = {t: int(tier == t) for t in TIERS}
         expected[order] = {"orders": 1, **counts, "no_row": int(tier is None)}
-    got = {k: {c: v[c] for c in ("orders", *TIERS, "no_row")} for k, v in latest.items()}
+        expected[order]["tiers"] = int(tier is not None)
+    columns = ("orders", *TIERS, "no_row", "tiers")
+    got = {k: {c: v[c] for c in columns} for k, v in latest.items()}
     assert got == expected
 
 
@@ -257,10 +267,64 @@ def test_a_left_join_meets_the_oracle_through_kills_and_a_lost_checkpoint(
 
 
 def _compacted(settings: Settings, topic: str) -> bool:
-    """Whether compaction has removed a superseded record of `topic` (a filler record rolls the
-    active segment meanwhile)."""
+    """Whether compaction has removed c1's and c2's superseded records from `topic` (a filler
+    record in each partition rolls its active segment meanwhile)."""
     producer = kafka.producer(settings)
-    producer.produce(topic, key="filler", value=json.dumps({"customer": "filler", "tier": "x"}))
+    for partition in range(TABLE_PARTITIONS):
+        key = f"filler{partition}"
+        value = json.dumps({"customer": key, "tier": "x"})
+        producer.produce(topic, key=key, value=value, partition=partition)
     producer.flush(10)
     keys = Counter(m.key() for m in read_messages(settings, topic))
     return keys[b"c1"] == 1 and keys[b"c2"] == 1
+
+
+def test_an_inner_join_by_tier_counts_unmatched_events_and_resets(
+    settings: Settings, tmp_path: Path
+):
+    """Keyed by the table's column: unmatched events are counted, not aggregated nor
+    dead-lettered; after `duality reset`, the source is read again against the table as it is
+    now (read to its end at the start)."""
+    pipelines = tmp_path / "pipelines"
+    spec = _spec(pipelines, "inner", key="customers.tier")
+    assert spec.joined is not None
+    kafka.create_topic(settings, spec.source.topic, SOURCE_PARTITIONS)
+    kafka.create_topic(settings, spec.joined.topic, TABLE_PARTITIONS, config=kafka.FAST_COMPACTION)
+    feed = Feed(settings, spec)
+    feed.phase(*[("table", f"c{i}", TIERS[i % 3], i) for i in range(6)])
+    feed.phase(*[("event", f"c{i % 9}", None, i) for i in range(27)])  # c6-c8: no row
+    stream = StreamProcess(settings, spec, pipelines, tmp_path / "stream.log")
+
+    def by_tier(met: dict[str, str | None]) -> dict[str, int]:
+        return dict(Counter(tier for tier in met.values() if tier is not None))
+
+    def caught_up() -> None:
+        assert_eventually(
+            lambda: stream.check() or _covered(settings, spec),
+            timeout=240,
+            message=f"the stream did not catch up; {stream.log}",
+        )
+
+    def changelog() -> dict[str, int]:
+        return {k.decode(): v["orders"] for k, v in read_latest(settings, spec).items()}
+
+    stream.start()
+    try:
+        caught_up()
+        assert changelog() == by_tier(oracle(feed, 2))
+        beat = heartbeat.latest(settings)[spec.name]
+        assert beat["unmatched"] == 9 and beat["dead_lettered"] == 0, beat
+        # The table changes while the stream is stopped; a reset reads the source again.
+        stream.stop()
+        feed.phase(("table", "c6", "gold", 0), ("table", "c0", "bronze", 1))
+        done = duality_json(settings.replace(pipelines=pipelines), "reset", spec.name)
+        assert any(spec.table_topic in step for step in done["steps"]), done
+        stream.start()
+        caught_up()
+        # Every order now meets the table as it stands at the restart.
+        rows = {f"c{i}": TIERS[i % 3] for i in range(6)} | {"c6": "gold", "c0": "bronze"}
+        orders = [r for phase in feed.phases for r in phase if r["side"] == "event"]
+        assert changelog() == dict(Counter(rows[o["key"]] for o in orders if o["key"] in rows))
+    finally:
+        stream.kill()
+    assert read_messages(settings, spec.dlq_topic) == []
