@@ -185,6 +185,12 @@ def recompute(
 
     from duality.stream import query, seeding
 
+    if spec.joined is not None:
+        # Recomputing would need the table as each event met it, which only the stream kept.
+        raise UsageError(
+            f"cannot reconcile {spec.name}: it joins table {spec.joined.name}, and the rows its "
+            "events met are not kept; validate it without --reconcile"
+        )
     topic = spec.source.topic
     types = column_types(spec)
     wanted = {p: end for p, end in coverage.source.items() if end > 0}
