@@ -27,4 +27,9 @@ JAVA_CLIENT = {
 SPARK_SOURCE = {
     "fetchOffset.numRetries": "12",
     "fetchOffset.retryIntervalMs": "500",
+    # An executor's fetch of records the micro-batch planned waits this long for them (by
+    # default spark.network.timeout, 120 s). Its partition's leader killed under it, a task
+    # waited so, 90 s and more, before its retry found the new leader; the records exist, so a
+    # healthy leader gives them at once, and a task that times out is retried.
+    "kafkaConsumer.pollTimeoutMs": "10000",
 }

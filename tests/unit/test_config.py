@@ -53,6 +53,8 @@ def test_environment_overrides(tmp_path: Path):
         **options,
         "fetchOffset.numRetries": "12",
         "fetchOffset.retryIntervalMs": "500",
+        # An executor's fetch from a dead leader fails after 10 s, not 120 (decision 33).
+        "kafkaConsumer.pollTimeoutMs": "10000",
         "kafka.fetch.max.wait.ms": "10",
     }
 
