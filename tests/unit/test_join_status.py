@@ -13,7 +13,8 @@ import pytest
 from rich.console import Console
 
 from duality import kafka, workload
-from duality.cli import demo_summary, stream_status_line
+from duality.cli.stack import demo_summary
+from duality.cli.streams import stream_status_line
 from duality.config import Settings
 from duality.errors import UsageError
 from duality.spec import PipelineSpec
