@@ -17,8 +17,8 @@ from pathlib import Path
 
 from rich.progress import Progress
 
-from duality import kafka
 from duality.config import Settings, java_properties
+from duality.kafka import client, offsets, records
 
 
 @dataclass
@@ -89,7 +89,7 @@ def preload(
 
     `total` is the number of events when `events` is a generator (for the progress bar).
     """
-    producer = kafka.producer(
+    producer = client.producer(
         settings, queue_buffering_max_messages=500_000, batch_num_messages=10_000, linger_ms=50
     )
     if total is None:
@@ -98,7 +98,7 @@ def preload(
     size = n = 0
     for n, (key, value) in enumerate(events, 1):
         size += len(key) + len(value)
-        kafka.send(producer, topic, key=key, value=value)
+        records.send(producer, topic, key=key, value=value)
         if n % 20_000 == 0:
             producer.poll(0)
             progress.update(task, completed=n)
@@ -160,25 +160,25 @@ def parse_consumer_perf(output: str) -> Figure:
 
 
 def python_copy(
-    settings: Settings, source: str, target: str, records: int, progress: Progress
+    settings: Settings, source: str, target: str, expected: int, progress: Progress
 ) -> Figure:
     """Consume `source` and produce every record to `target` with confluent-kafka."""
-    ends = kafka.end_offsets(settings, source)
-    consumer = kafka.consumer(settings, f"bench-copy-{time.time_ns()}", fetch_max_bytes=52_428_800)
-    producer = kafka.producer(settings, queue_buffering_max_messages=500_000, linger_ms=50)
+    ends = offsets.end_offsets(settings, source)
+    consumer = client.consumer(settings, f"bench-copy-{time.time_ns()}", fetch_max_bytes=52_428_800)
+    producer = client.producer(settings, queue_buffering_max_messages=500_000, linger_ms=50)
     consumer.subscribe([source])
-    task = progress.add_task(f"copying {source} -> {target}", total=records)
+    task = progress.add_task(f"copying {source} -> {target}", total=expected)
     copied = size = 0
     done: set[int] = {p for p, end in ends.items() if end == 0}
     start = time.perf_counter()
     try:
         while len(done) < len(ends):
             for msg in consumer.consume(num_messages=10_000, timeout=1.0):
-                if kafka.end_of_partition(msg):  # raises any other error
+                if records.end_of_partition(msg):  # raises any other error
                     done.add(msg.partition())
                     continue
                 key, value = msg.key(), msg.value()
-                kafka.send(producer, target, key=key, value=value)
+                records.send(producer, target, key=key, value=value)
                 copied += 1
                 size += len(key or b"") + len(value or b"")
                 if msg.offset() + 1 >= ends[msg.partition()]:
@@ -189,5 +189,5 @@ def python_copy(
     finally:
         consumer.close()
     seconds = time.perf_counter() - start
-    assert copied == records, f"copied {copied} records, expected {records}"
+    assert copied == expected, f"copied {copied} records, expected {expected}"
     return Figure("python-copy", copied, seconds, size / 1e6)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from rich.progress import Progress
 
-from duality import kafka
 from duality.config import Settings
+from duality.kafka import client, offsets, topics
 from duality.local.kraft import ephemeral_cluster
 from duality.spec import PipelineSpec
 from duality.stream import control
@@ -47,7 +47,7 @@ class _Commits(threading.Thread):
         last = None
         while not self.stopping.wait(0.2):
             try:
-                committed = kafka.committed_offsets(
+                committed = offsets.committed_offsets(
                     self.settings,
                     self.spec.consumer_group,
                     self.spec.source.topic,
@@ -71,7 +71,7 @@ def _leaders_moved(settings: Settings, topics: list[str], victim: int, since: fl
     """Seconds from `since` until no partition of `topics` is led by `victim`."""
 
     def moved() -> bool:
-        metadata = kafka.admin(settings).list_topics(timeout=5)
+        metadata = client.admin(settings).list_topics(timeout=5)
         return all(
             entry.leader != victim
             for topic in topics
@@ -95,7 +95,7 @@ def broker_loss_scenario(
         )
         pipelines = scratch / "broker-loss" / "pipelines"
         spec = bench_spec(f"bench_broker_loss_{stamp}", f"bench-broker-loss-{stamp}", pipelines)
-        kafka.create_topic(settings, spec.source.topic, PARTITIONS)
+        topics.create_topic(settings, spec.source.topic, PARTITIONS)
         stream = StreamProcess(
             settings,
             spec,
@@ -122,13 +122,13 @@ def broker_loss_scenario(
             commits.start()
             steady_from = time.monotonic()
             time.sleep(STEADY_S)  # a benchmark's measuring window, not a synchronisation
-            metadata = kafka.admin(settings).list_topics(spec.source.topic, timeout=10)
+            metadata = client.admin(settings).list_topics(spec.source.topic, timeout=10)
             victim = metadata.topics[spec.source.topic].partitions[0].leader
             node = cluster.node(victim)
             os.kill(node.pid() or 0, signal.SIGKILL)
             killed = time.monotonic()
-            topics = [spec.source.topic, spec.changelog_topic]
-            detection = _leaders_moved(settings, topics, victim, killed)
+            watched = [spec.source.topic, spec.changelog_topic]
+            detection = _leaders_moved(settings, watched, victim, killed)
             time.sleep(max(0.0, killed + AFTER_KILL_S - time.monotonic()))
             watched_to = time.monotonic()
             stream.check()

@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from baselines import Figure
-from duality import kafka
 from duality.config import Settings
+from duality.kafka import topics
 from duality.local.batch_server import LocalBatchServer
 from duality.snapshot import delta_log
 from duality.snapshot.publish import PUBLISHED_VERSION
@@ -173,7 +173,7 @@ def _sequence(
     rounds: int = 1,
 ) -> list[CommandFigure]:
     spec = bench_spec(name, source, pipelines)
-    kafka.create_topic(
+    topics.create_topic(
         settings, spec.changelog_topic, 6, config={"cleanup.policy": "compact"}, exist_ok=True
     )
     rng = random.Random(21)

@@ -25,7 +25,7 @@ import random
 from collections.abc import Iterator
 
 from baselines import Figure, order_events, preload
-from duality import kafka
+from duality.kafka import topics
 from duality.stream.options import MAX_OFFSETS_PER_TRIGGER
 from streaming import (
     PARTITIONS,
@@ -71,8 +71,8 @@ def _joined_backlog(
     settings, progress = bench.settings, bench.progress
     topic = f"bench-{tag}-{bench.stamp}"
     table_topic = f"bench-{tag}-products-{bench.stamp}"
-    kafka.create_topic(settings, topic, PARTITIONS)
-    kafka.create_topic(settings, table_topic, PARTITIONS, config=TABLE_TOPIC_CONFIG)
+    topics.create_topic(settings, topic, PARTITIONS)
+    topics.create_topic(settings, table_topic, PARTITIONS, config=TABLE_TOPIC_CONFIG)
     table_megabytes = preload(settings, table_topic, table_rows(rows), progress, total=rows)
     megabytes = preload(settings, topic, events, progress)
     spec = bench_spec(

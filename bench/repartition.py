@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from rich.progress import Progress
 
 from baselines import Figure, order_events, preload
-from duality import kafka, repartition, skew
+from duality import repartition, skew
 from duality.config import Settings
+from duality.kafka import offsets, topics
 
 HOT_SHARE = 0.3
 
@@ -61,7 +62,7 @@ def _copy(
         plan,
         progress=lambda done, total: progress.update(task, completed=done, total=total),
     )
-    sizes = kafka.end_offsets(settings, plan.source, "read_uncommitted")
+    sizes = offsets.end_offsets(settings, plan.source, "read_uncommitted")
     before = skew.ratio(list(sizes.values()))
     progress.console.print(
         f"{scenario}: {report.copied:,} records in {report.seconds:.1f}s, "
@@ -86,7 +87,7 @@ def repartition_scenarios(
     figures.append(_copy(settings, "repartition-key-hash", plan, megabytes, progress))
 
     hot_topic = f"{source}-hot"
-    kafka.create_topic(settings, hot_topic, 6)
+    topics.create_topic(settings, hot_topic, 6)
     hot_megabytes = preload(settings, hot_topic, hot_events(records, keys), progress)
     plan = repartition.plan(settings, hot_topic, f"{hot_topic}-salted", 6, "salted", "auto")
     figures.append(_copy(settings, "repartition-salted", plan, hot_megabytes, progress))

@@ -34,8 +34,8 @@ from commands import command_scenarios
 from joins import join_scenarios
 
 from baselines import Figure, consumer_perf, order_events, preload, python_copy
-from duality import kafka
 from duality.config import Settings
+from duality.kafka import client, topics
 from duality.local.broker import ephemeral_broker
 from repartition import repartition_scenarios
 from snapshots import snapshot_scenarios, validation_scenarios
@@ -74,7 +74,7 @@ def scenario_groups(text: str) -> tuple[str, ...]:
 def cluster(settings: Settings) -> Iterator[Settings]:
     """The cluster DUALITY_BOOTSTRAP_SERVERS names, else a throw-away broker of our own."""
     if os.environ.get("DUALITY_BOOTSTRAP_SERVERS"):
-        kafka.ensure_reachable(settings)
+        client.ensure_reachable(settings)
         yield settings
     else:
         with ephemeral_broker(settings) as scoped:
@@ -239,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     with scratch_dir, cluster(settings) as scoped, Progress(*columns, console=console) as progress:
         source, copy = f"bench-orders-{run_id}", f"bench-copy-{run_id}"
-        kafka.create_topic(scoped, source, PARTITIONS)
-        kafka.create_topic(scoped, copy, PARTITIONS)
+        topics.create_topic(scoped, source, PARTITIONS)
+        topics.create_topic(scoped, copy, PARTITIONS)
         events = order_events(args.records, args.keys)
         megabytes = preload(scoped, source, events, progress)
         distinct_keys = len({key for key, _ in events})

@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from baselines import Figure
-from duality import changelog, kafka, validate
+from duality import changelog, validate
 from duality.config import Settings
+from duality.kafka import client, records, topics
 from duality.snapshot import build, delta_log
 from duality.spec import PipelineSpec
 from streaming import bench_spec
@@ -109,7 +110,7 @@ def _row(rng: random.Random) -> dict[str, float | int]:
 def write_changelog(
     settings: Settings, spec: PipelineSpec, changes: dict[str, dict[str, float | int] | None]
 ) -> None:
-    producer = kafka.producer(settings, linger_ms=20)
+    producer = client.producer(settings, linger_ms=20)
     for product, row in changes.items():
         key = changelog.encode_key(spec, [product])
         value = (
@@ -117,7 +118,7 @@ def write_changelog(
             if row is None
             else changelog.encode_value(spec, [product], row, {"count": row["orders"]}, 0)
         )
-        kafka.send(producer, spec.changelog_topic, key, value)
+        records.send(producer, spec.changelog_topic, key, value)
     producer.flush(120)
 
 
@@ -132,7 +133,7 @@ def snapshot_scenarios(
     rng = random.Random(12)
     warm_up = bench_spec(f"{spec.name}_warmup", spec.source.topic)
     _warm_up(settings, warm_up, spark, rng, max(1_000, keys // 10))
-    kafka.create_topic(
+    topics.create_topic(
         settings, spec.changelog_topic, 6, config={"cleanup.policy": "compact"}, exist_ok=True
     )
     products = [f"p{i:07d}" for i in range(keys)]
@@ -181,7 +182,7 @@ def _warm_up(
     table's), so that both kinds of timed run are measured warm: the JVM's one-time costs of its
     first Delta writes and MERGEs (class loading, code generation, compiling the hot loops: a
     few seconds) would otherwise fall on whichever kind runs first in the process."""
-    kafka.create_topic(settings, spec.changelog_topic, 6, config={"cleanup.policy": "compact"})
+    topics.create_topic(settings, spec.changelog_topic, 6, config={"cleanup.policy": "compact"})
     products = [f"w{i:07d}" for i in range(keys)]
     write_changelog(settings, spec, {p: _row(rng) for p in products})
     build.build(settings, spec, "full", spark=spark)

@@ -74,8 +74,8 @@ from rich.progress import Progress, TaskID
 from spark_aggregation import spec_table
 
 from baselines import Figure, order_events, preload, unique_events
-from duality import kafka
 from duality.config import SHIPPED_PIPELINES, Settings
+from duality.kafka import client, offsets, records, topics
 from duality.process import kill_group
 from duality.spec import PipelineSpec, parse_spec
 from duality.stream import heartbeat
@@ -334,8 +334,8 @@ def spark_aggregation(bench: Bench, spec: PipelineSpec, megabytes: float) -> Fig
     (a new JVM) of its own like the stream, timed from its query's start to its end."""
     settings = bench.settings
     target_topic = f"{spec.source.topic}-spark-aggregation"
-    kafka.create_topic(settings, target_topic, PARTITIONS)
-    records = sum(kafka.end_offsets(settings, spec.source.topic).values())
+    topics.create_topic(settings, target_topic, PARTITIONS)
+    records = sum(offsets.end_offsets(settings, spec.source.topic).values())
     log = bench.logs / "spark-aggregation.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     command = [
@@ -404,15 +404,18 @@ class Heartbeats:
         self.running_at: float | None = None  # perf_counter of the first `running` heartbeat
         self.error: BaseException | None = None
         heartbeat.ensure_topic(settings)
-        ends = kafka.end_offsets(settings, heartbeat.STATUS_TOPIC, "read_uncommitted")
-        self.consumer = kafka.consumer(
+        ends = offsets.end_offsets(settings, heartbeat.STATUS_TOPIC, "read_uncommitted")
+        self.consumer = client.consumer(
             settings,
             f"bench-status-{uuid.uuid4().hex}",
             isolation_level="read_uncommitted",
             enable_partition_eof=False,
         )
         self.consumer.assign(
-            [kafka.TopicPartition(heartbeat.STATUS_TOPIC, p, offset) for p, offset in ends.items()]
+            [
+                offsets.TopicPartition(heartbeat.STATUS_TOPIC, p, offset)
+                for p, offset in ends.items()
+            ]
         )
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._follow, daemon=True)
@@ -521,7 +524,7 @@ class TreeMemory:
 
 def covered(settings: Settings, spec: PipelineSpec, ends: dict[int, int]) -> int:
     """How many of the records below `ends` the pipeline's committed offsets cover."""
-    committed = kafka.committed_offsets(settings, spec.consumer_group, spec.source.topic)
+    committed = offsets.committed_offsets(settings, spec.consumer_group, spec.source.topic)
     return sum(min(committed.get(p, (0, None))[0], end) for p, end in ends.items())
 
 
@@ -574,7 +577,7 @@ def consume_backlog(
     `join_rows`: the heartbeat's `join_state_rows` is awaited too (a joined table's rows)."""
     distinct = keys if distinct_keys is None else distinct_keys
     settings = bench.settings
-    ends = kafka.end_offsets(settings, spec.source.topic)
+    ends = offsets.end_offsets(settings, spec.source.topic)
     total = sum(ends.values())
     task = bench.progress.add_task(f"{label}: {total:,} records", total=total)
     heartbeats = Heartbeats(settings, spec.name)
@@ -650,7 +653,7 @@ def consume_at_once(
     settings = bench.settings
     count = produce(settings, spec.source.topic, events, at_once=True)
     visible = time.perf_counter()
-    ends = kafka.end_offsets(settings, spec.source.topic)
+    ends = offsets.end_offsets(settings, spec.source.topic)
     total = sum(ends.values())
     task = bench.progress.add_task(f"{label}, warm: {count:,} more records", total=total)
 
@@ -669,15 +672,15 @@ def produce(
     """Produce `events` to `topic`; returns how many. `at_once`: in one transaction, so that a
     read_committed consumer sees none of them until it sees them all."""
     if at_once:
-        producer = kafka.transactional_producer(
+        producer = client.transactional_producer(
             settings, f"bench-at-once-{uuid.uuid4().hex}", queue_buffering_max_messages=500_000
         )
         producer.begin_transaction()
     else:
-        producer = kafka.producer(settings, linger_ms=5)
+        producer = client.producer(settings, linger_ms=5)
     count = 0
     for key, value in events:
-        kafka.send(producer, topic, key=key, value=value)
+        records.send(producer, topic, key=key, value=value)
         count += 1
     if at_once:
         producer.commit_transaction(settings.connect_timeout_s * 12)
@@ -700,7 +703,7 @@ def restart(
     Then, unless `with_failover` is false, the failovers."""
     settings = bench.settings
     count = produce(settings, spec.source.topic, events)
-    ends = kafka.end_offsets(settings, spec.source.topic)
+    ends = offsets.end_offsets(settings, spec.source.topic)
     total = sum(ends.values())
     bench.progress.console.print(f"{label}: restarting with the checkpoint after {count:,} events")
     memory: TreeMemory | None = None
@@ -750,9 +753,9 @@ def failover(
     stop = threading.Event()
 
     def trickle() -> None:  # about 200 events a second, new keys
-        out = kafka.producer(settings)
+        out = client.producer(settings)
         for n, (key, value) in enumerate(unique_events(10**9, f"f{spec.name}-")):
-            kafka.send(out, spec.source.topic, key, value)
+            records.send(out, spec.source.topic, key, value)
             if n % 10 == 9:
                 out.flush(10)
                 if stop.wait(0.05):
@@ -866,7 +869,7 @@ def restore_versus_recompute(bench: Bench, keys: int) -> list[Figure]:
     restarted without its checkpoint, and the table recomputed from the source with Spark."""
     settings = bench.settings
     topic = f"bench-restore-{bench.stamp}"
-    kafka.create_topic(settings, topic, PARTITIONS)
+    topics.create_topic(settings, topic, PARTITIONS)
     megabytes = preload(
         settings, topic, unique_events(keys, "r", seed=21), bench.progress, total=keys
     )
@@ -878,7 +881,7 @@ def restore_versus_recompute(bench: Bench, keys: int) -> list[Figure]:
         raise RuntimeError(f"{label}: the stream left no checkpoint folder {checkpoint}")
     shutil.rmtree(checkpoint)
 
-    ends = kafka.end_offsets(settings, topic)
+    ends = offsets.end_offsets(settings, topic)
     total = sum(ends.values())
     task = bench.progress.add_task(f"restoring {keys:,} keys from the changelog", total=keys)
     heartbeats = Heartbeats(settings, spec.name)
@@ -957,7 +960,7 @@ def recompute_from_source(bench: Bench, spec: PipelineSpec) -> tuple[int, float,
 
 
 def spec_records(settings: Settings, spec: PipelineSpec) -> int:
-    return sum(kafka.end_offsets(settings, spec.source.topic).values())
+    return sum(offsets.end_offsets(settings, spec.source.topic).values())
 
 
 def _recompute(spec_file: str) -> None:
@@ -1012,8 +1015,8 @@ class ChangelogFollower:
         self.warmup_latencies: list[float] = []
         self.overcounted = 0
         self.error: BaseException | None = None
-        starts = kafka.beginning_offsets(settings, spec.changelog_topic)
-        self.consumer = kafka.consumer(
+        starts = offsets.beginning_offsets(settings, spec.changelog_topic)
+        self.consumer = client.consumer(
             settings,
             f"bench-latency-{uuid.uuid4().hex}",
             isolation_level="read_committed",
@@ -1021,7 +1024,7 @@ class ChangelogFollower:
             fetch_wait_max_ms=10,
         )
         self.consumer.assign(
-            [kafka.TopicPartition(spec.changelog_topic, p, o) for p, o in starts.items()]
+            [offsets.TopicPartition(spec.changelog_topic, p, o) for p, o in starts.items()]
         )
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._follow, daemon=True)
@@ -1081,7 +1084,7 @@ class PacedProducer:
 
     def __init__(self, settings: Settings, topic: str, keys: int, rate: float):
         self.topic, self.keys, self.rate = topic, keys, rate
-        self.producer = kafka.producer(settings, linger_ms=1)
+        self.producer = client.producer(settings, linger_ms=1)
         self.rng = random.Random(31)
         self.stamps: dict[bytes, list[float]] = {}
         self.produced = 0
@@ -1130,7 +1133,7 @@ def latency_scenario(
 ) -> StreamFigure:
     settings, progress = bench.settings, bench.progress
     topic = f"bench-latency-{bench.stamp}"
-    kafka.create_topic(settings, topic, PARTITIONS)
+    topics.create_topic(settings, topic, PARTITIONS)
     spec = bench_spec(f"bench_latency_{bench.stamp}", topic, bench.pipelines)
     source = PacedProducer(settings, topic, keys, rate)
     warmup_seconds = max(LATENCY_WARMUP_MIN_S, min(LATENCY_WARMUP_MAX_S, seconds / 3))
@@ -1146,7 +1149,7 @@ def latency_scenario(
                 heartbeats,
                 lambda: (
                     heartbeats.running_at is not None
-                    and kafka.topic_exists(settings, spec.changelog_topic)
+                    and topics.topic_exists(settings, spec.changelog_topic)
                 ),
                 300,
                 f"latency: stream {spec.name} running",
@@ -1239,7 +1242,7 @@ def same_backlog(
     own and consumed by a pipeline of its own (`rich`: the rich spec)."""
     settings = bench.settings
     topic = f"bench-{tag}-{bench.stamp}"
-    kafka.create_topic(settings, topic, PARTITIONS)
+    topics.create_topic(settings, topic, PARTITIONS)
     preload(settings, topic, order_events(records, keys), bench.progress)
     spec = bench_spec(f"bench_{tag}_{bench.stamp}", topic, bench.pipelines, rich=rich)
     point = consume_backlog(bench, spec, keys, megabytes, scenario, 0)
@@ -1324,7 +1327,7 @@ def stream_scenarios(
 
     large_keys = keys * state_scale_factor
     large_topic = f"bench-state-{bench.stamp}"
-    kafka.create_topic(settings, large_topic, PARTITIONS)
+    topics.create_topic(settings, large_topic, PARTITIONS)
     large_megabytes = preload(
         settings, large_topic, unique_events(large_keys, "u"), progress, total=large_keys
     )

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from duality import kafka
 from duality.config import Settings
+from duality.kafka import client
 from duality.local.broker import ephemeral_broker
 from tests.harness import AIRFLOW_HOMES, assert_eventually, unique_name
 
@@ -142,7 +142,7 @@ def base_settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
 def settings(base_settings: Settings) -> Iterator[Settings]:
     """Settings pointing at a running broker: the named cluster, or a broker of our own."""
     if os.environ.get("DUALITY_BOOTSTRAP_SERVERS"):
-        kafka.ensure_reachable(base_settings)
+        client.ensure_reachable(base_settings)
         yield base_settings
         return
     with ephemeral_broker(base_settings) as scoped:

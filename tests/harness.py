@@ -29,8 +29,9 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
-from duality import kafka, process, workload
+from duality import process, workload
 from duality.config import SHIPPED_PIPELINES, Settings
+from duality.kafka import client, offsets
 from duality.spec import PipelineSpec, load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,7 +160,7 @@ def read_messages(
     settings: Settings,
     topic: str,
     *,
-    isolation: kafka.Isolation = "read_committed",
+    isolation: client.Isolation = "read_committed",
     timeout: float = 60.0,
 ) -> list[Message]:
     """Every record of `topic` up to its end offsets of the moment of the call (under
@@ -213,7 +214,7 @@ def read_topic(
     settings: Settings,
     topic: str,
     *,
-    isolation: kafka.Isolation = "read_committed",
+    isolation: client.Isolation = "read_committed",
     timeout: float = 60.0,
 ) -> list[tuple[int, int, bytes | None, bytes | None]]:
     """Every record of `topic` up to its current end (read_messages): (partition, offset, key,
@@ -341,7 +342,7 @@ class StreamProcess:
 
     def covered(self) -> int:
         """How many source records the committed offsets cover (all partitions)."""
-        committed = kafka.committed_offsets(
+        committed = offsets.committed_offsets(
             self.settings, self.spec.consumer_group, self.spec.source.topic
         )
         return sum(offset for offset, _ in committed.values())
@@ -349,8 +350,8 @@ class StreamProcess:
     def wait_caught_up(self, timeout: float = 240) -> None:
         def caught_up() -> bool:
             self.check()
-            ends = kafka.end_offsets(self.settings, self.spec.source.topic)
-            committed = kafka.committed_offsets(
+            ends = offsets.end_offsets(self.settings, self.spec.source.topic)
+            committed = offsets.committed_offsets(
                 self.settings, self.spec.consumer_group, self.spec.source.topic
             )
             return all(committed.get(p, (0, None))[0] >= end for p, end in ends.items())
@@ -381,11 +382,11 @@ class StreamProcess:
 def first_commit_after(settings: Settings, topic: str, since: float) -> float:
     """Seconds from `since` (monotonic) until a read_committed consumer, placed at the topic's
     stable end now, reads a record: the next transaction committed."""
-    ends = kafka.end_offsets(settings, topic)
+    ends = offsets.end_offsets(settings, topic)
     group = f"first-commit-{uuid.uuid4().hex}"
-    reader = kafka.consumer(settings, group, enable_partition_eof=False)
+    reader = client.consumer(settings, group, enable_partition_eof=False)
     try:
-        reader.assign([kafka.TopicPartition(topic, p, o) for p, o in ends.items()])
+        reader.assign([offsets.TopicPartition(topic, p, o) for p, o in ends.items()])
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             message = reader.poll(0.05)

@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from duality import kafka
 from duality.config import Settings
+from duality.kafka import records
 from duality.spec import PipelineSpec
 
 
@@ -53,7 +53,7 @@ def read_latest(
     Tombstones remove their key. Keys are the raw changelog keys.
     """
     latest: dict[bytes, dict[str, Any]] = {}
-    for message in kafka.read_to_end(settings, spec.changelog_topic, timeout=timeout):
+    for message in records.read_to_end(settings, spec.changelog_topic, timeout=timeout):
         key, value = message.key(), message.value()
         if key is None:
             continue

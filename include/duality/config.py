@@ -10,8 +10,8 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from duality import kafka_failover
 from duality.errors import UsageError
+from duality.kafka import failover
 
 PREFIX = "DUALITY_"
 
@@ -354,8 +354,8 @@ class Settings:
 
     def spark_kafka_options(self) -> dict[str, str]:
         """The same connection as options of Spark's Kafka source and sink (Java client names),
-        with the timeouts that let them ride through a broker's loss (`duality.kafka_failover`)."""
-        config = {**self.java_client_config(), **kafka_failover.JAVA_CLIENT}
+        with the timeouts that let them ride through a broker's loss (`duality.kafka.failover`)."""
+        config = {**self.java_client_config(), **failover.JAVA_CLIENT}
         return {f"kafka.{key}": value for key, value in config.items()}
 
     def spark_kafka_source_options(self) -> dict[str, str]:
@@ -365,7 +365,7 @@ class Settings:
         (docs/decisions/0018-stream-latency.md)."""
         return {
             **self.spark_kafka_options(),
-            **kafka_failover.SPARK_SOURCE,
+            **failover.SPARK_SOURCE,
             "kafka.fetch.max.wait.ms": "10",
         }
 

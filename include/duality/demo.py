@@ -12,10 +12,11 @@ from typing import Any
 
 from rich.console import Console
 
-from duality import kafka, overview, skew, spec, workload
+from duality import overview, skew, spec, workload
 from duality.airflow_api import AirflowClient
 from duality.config import Settings
 from duality.errors import CheckFailed, LocalStackError, UsageError
+from duality.kafka import client, offsets, records, topics
 from duality.local.airflow import AIRFLOW_USER, LocalAirflow
 from duality.stream import control
 
@@ -45,7 +46,7 @@ def run(
 ) -> dict[str, Any]:
     if events < 1:
         raise UsageError(f"--events must be at least 1, got {events}")
-    kafka.ensure_reachable(settings)
+    client.ensure_reachable(settings)
     specs = {name: spec.find_spec(settings, name) for name in PIPELINES}
     pipeline, rich, joined = specs[PIPELINE], specs[RICH_PIPELINE], specs[JOIN_PIPELINE]
     airflow = LocalAirflow(settings)
@@ -53,7 +54,7 @@ def run(
         raise LocalStackError(
             f"Airflow does not answer at {settings.airflow_url}: start the stack with `duality up`"
         )
-    client = AirflowClient(settings.airflow_url, AIRFLOW_USER, airflow.password())
+    api = AirflowClient(settings.airflow_url, AIRFLOW_USER, airflow.password())
     moves = spec.load_repartition_config(settings).topics
     move = next((m for m in moves if m.source == pipeline.source.topic), None)
     if move is None:
@@ -109,21 +110,21 @@ def run(
         names = " and ".join([", ".join(PIPELINES[:-1]), PIPELINES[-1]])
         say = step(f"the supervisor DAGs start the streams of {names}")
         every = tuple(specs.values())
-        _run_dags(client, {p.dag_id("stream"): {"action": "start"} for p in every}, say)
+        _run_dags(api, {p.dag_id("stream"): {"action": "start"} for p in every}, say)
         stopped = [p for p in every if control.desired(settings, p) == "stopped"]  # by hand
-        _run_dags(client, {p.dag_id("stream"): {"action": "start"} for p in stopped}, say)
+        _run_dags(api, {p.dag_id("stream"): {"action": "start"} for p in stopped}, say)
         say = step("waiting for the streams to count every event")
         counted = {p.name: _wait_caught_up(settings, p, say) for p in every}
 
         say = step("the snapshot DAGs build, validate and publish Delta snapshots")
         dags = {p.name: p.dag_id("snapshot") for p in every}
-        runs = _run_dags(client, {dag_id: {} for dag_id in dags.values()}, say)
+        runs = _run_dags(api, {dag_id: {} for dag_id in dags.values()}, say)
         result["pipelines"] = {
             p.name: {
                 "source": p.source.topic,
                 "produced": (rich_report if p is rich else report).as_dict(),
                 "stream": counted[p.name],
-                "snapshot": _published(client, dags[p.name], runs[dags[p.name]]),
+                "snapshot": _published(api, dags[p.name], runs[dags[p.name]]),
                 "dead_letters": _records(settings, p.dlq_topic) - dead_before[p.name],
             }
             for p in every
@@ -136,13 +137,13 @@ def run(
         }
 
         say = step(f"the repartition DAG checks {move.source} and copies it into {move.target}")
-        runs = _run_dags(client, {"duality_repartition": {"topic": move.source}}, say)
-        moved = _moved(client, runs["duality_repartition"], move.source)
+        runs = _run_dags(api, {"duality_repartition": {"topic": move.source}}, say)
+        moved = _moved(api, runs["duality_repartition"], move.source)
         after = skew.analyse(settings, move.target)
         result["repartition"] = {
             "source": move.source,
             "target": move.target,
-            "partitions": f"{kafka.partition_count(settings, move.source)} -> {move.partitions}",
+            "partitions": f"{topics.partition_count(settings, move.source)} -> {move.partitions}",
             "copied_this_run": moved["result"].get("copied", 0),
             "target_records": _records(settings, move.target),
             "skew_before": moved["skew"]["skew_size"],
@@ -215,7 +216,7 @@ def _wait_caught_up(
             )
         say(f"{pipeline.name}: {behind:,} records to go")
         time.sleep(1)
-    ends = kafka.end_offsets(settings, pipeline.source.topic)
+    ends = offsets.end_offsets(settings, pipeline.source.topic)
     patience = time.monotonic() + _HEARTBEAT_WAIT_S
     while not _beat_covers(info.heartbeat, ends) and time.monotonic() < patience:
         say(f"{pipeline.name}: waiting for its heartbeat")
@@ -262,9 +263,9 @@ def _published(client: AirflowClient, dag_id: str, run_id: str) -> dict[str, Any
 
 def _records(settings: Settings, topic: str) -> int:
     """Records in a topic, read_committed (offsets would count transaction markers too)."""
-    if not kafka.topic_exists(settings, topic):
+    if not topics.topic_exists(settings, topic):
         return 0
-    return sum(1 for _ in kafka.read_to_end(settings, topic))
+    return sum(1 for _ in records.read_to_end(settings, topic))
 
 
 def _moved(client: AirflowClient, run_id: str, source: str) -> dict[str, Any]:

@@ -14,9 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from duality import kafka
 from duality.config import Settings
 from duality.errors import DualityError
+from duality.kafka import client
 from duality.snapshot import delta_log, publish
 from duality.spec import DAG_KINDS, PipelineSpec, load_spec, spec_files
 from duality.stream import control, heartbeat
@@ -149,7 +149,7 @@ def query_range(
 class Sources:
     """Where the overview reads Kafka and Prometheus (the library's readers; tests give fakes)."""
 
-    reachable: Callable[[Settings], object] = kafka.ensure_reachable
+    reachable: Callable[[Settings], object] = client.ensure_reachable
     heartbeats: Callable[[Settings], dict[str, dict[str, Any]]] = heartbeat.latest
     history: Callable[[Settings, int], dict[str, list[dict[str, Any]]]] = heartbeat.history
     lag: Callable[[Settings, PipelineSpec], int | None] = control.lag
@@ -206,7 +206,7 @@ def overview(settings: Settings, sources: Sources | None = None) -> Overview:
         )
     if kafka_error is not None:
         # The api-server lives on: its admin client must not keep reconnecting (and logging).
-        kafka.forget(quick)
+        client.forget(quick)
     return Overview(now, WINDOW_S, kafka_error is None, kafka_error, history_source, note, views)
 
 

@@ -11,9 +11,10 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from duality import kafka, skew
+from duality import skew
 from duality.config import Settings
 from duality.errors import UsageError
+from duality.kafka import client, offsets, records, topics
 from duality.partitioning import Partitioner
 
 if TYPE_CHECKING:
@@ -121,7 +122,7 @@ def plan(
 ) -> Plan:
     """Check every argument against the cluster and decide the plan; creates nothing."""
     check_arguments(source, target, partitions, strategy, hot_keys, salts)
-    kafka.partition_count(settings, source)  # UsageError when the source is missing
+    topics.partition_count(settings, source)  # UsageError when the source is missing
     chosen: tuple[str, ...] = ()
     resumed = _resumable_auto_plan(settings, source, target, partitions, hot_keys, salts)
     if resumed is not None:
@@ -130,8 +131,8 @@ def plan(
     if strategy == "salted":
         assert hot_keys
         if hot_keys.strip() == "auto":
-            ends = kafka.end_offsets(settings, source, "read_uncommitted")
-            starts = kafka.beginning_offsets(settings, source)
+            ends = offsets.end_offsets(settings, source, "read_uncommitted")
+            starts = offsets.beginning_offsets(settings, source)
             estimates = skew.key_estimates(
                 skew.sample(settings, source), {p: ends[p] - starts[p] for p in ends}
             )
@@ -150,8 +151,8 @@ def plan(
     result = Plan(source, target, partitions, strategy, chosen, spread)
     if len(result.metadata()) > _PLAN_METADATA_LIMIT:
         raise UsageError("--hot-keys names too many or too long keys: name fewer keys")
-    if kafka.topic_exists(settings, target):
-        existing = kafka.partition_count(settings, target)
+    if topics.topic_exists(settings, target):
+        existing = topics.partition_count(settings, target)
         if existing != partitions:
             raise UsageError(
                 f"--to {target!r} exists with {existing} partitions, not {partitions}: "
@@ -175,7 +176,7 @@ def _resumable_auto_plan(
     salts: int | None,
 ) -> Plan | None:
     """The stored salted plan of TARGET when `--hot-keys auto` asks to go on with it."""
-    if (hot_keys or "").strip() != "auto" or not kafka.topic_exists(settings, target):
+    if (hot_keys or "").strip() != "auto" or not topics.topic_exists(settings, target):
         return None
     probe = Plan(source, target, partitions, "salted", (), salts or partitions)
     stored = stored_plan(settings, probe)
@@ -183,16 +184,16 @@ def _resumable_auto_plan(
         return None
     if stored.source != source or (salts is not None and stored.salts != salts):
         return None
-    if kafka.partition_count(settings, target) != partitions:
+    if topics.partition_count(settings, target) != partitions:
         return None
     return stored
 
 
 def dry_run(settings: Settings, plan: Plan) -> dict[str, Any]:
     """What a run of `plan` would copy now, and the skew it would leave; changes nothing."""
-    ends = kafka.end_offsets(settings, plan.source, "read_committed")
+    ends = offsets.end_offsets(settings, plan.source, "read_committed")
     todo = remaining(settings, plan, ends)
-    starts = kafka.beginning_offsets(settings, plan.source)
+    starts = offsets.beginning_offsets(settings, plan.source)
     estimates = skew.key_estimates(
         skew.sample(settings, plan.source), {p: ends[p] - starts.get(p, 0) for p in ends}
     )
@@ -201,7 +202,7 @@ def dry_run(settings: Settings, plan: Plan) -> dict[str, Any]:
     return {
         "dry_run": True,
         "plan": plan.as_dict(),
-        "target_exists": kafka.topic_exists(settings, plan.target),
+        "target_exists": topics.topic_exists(settings, plan.target),
         "to_copy": sum(todo.values()),
         "per_source_partition": {str(p): n for p, n in sorted(todo.items())},
         "predicted_skew_after": round(skew.ratio(loads), 3),
@@ -211,7 +212,7 @@ def dry_run(settings: Settings, plan: Plan) -> dict[str, Any]:
 def stored_plan(settings: Settings, requested: Plan) -> Plan | None:
     """The plan recorded with the committed progress of an earlier run, if any."""
     # read_uncommitted: a killed run's open transaction must not hold up the argument checks.
-    committed = kafka.committed_offsets(
+    committed = offsets.committed_offsets(
         settings, requested.group, requested.source, "read_uncommitted"
     )
     for _, metadata in committed.values():
@@ -265,7 +266,7 @@ def copy_slice(
     started = time.monotonic()
     timeout = settings.connect_timeout_s
     # Fences (and aborts the open transaction of) a task of an earlier, killed run.
-    producer = kafka.transactional_producer(
+    producer = client.transactional_producer(
         settings,
         plan.transactional_id(source_partition),
         transaction_timeout_ms=120_000,
@@ -273,11 +274,11 @@ def copy_slice(
         batch_num_messages=10_000,
         linger_ms=50,
     )
-    reader = kafka.consumer(
+    reader = client.consumer(
         settings, plan.group, isolation_level="read_committed", fetch_max_bytes=52_428_800
     )
     group_metadata = reader.consumer_group_metadata()
-    committed = kafka.committed_offsets(settings, plan.group, plan.source)
+    committed = offsets.committed_offsets(settings, plan.group, plan.source)
     start = committed[source_partition][0] if source_partition in committed else 0
     result = SliceResult(source_partition, start, end, 0, 0, {}, 0.0)
     metadata = plan.metadata()
@@ -291,8 +292,8 @@ def copy_slice(
 
     def commit() -> None:
         nonlocal in_transaction
-        offsets = [kafka.TopicPartition(plan.source, source_partition, next_offset, metadata)]
-        producer.send_offsets_to_transaction(offsets, group_metadata, timeout * 3)
+        consumed = [offsets.TopicPartition(plan.source, source_partition, next_offset, metadata)]
+        producer.send_offsets_to_transaction(consumed, group_metadata, timeout * 3)
         producer.commit_transaction(timeout * 6)
         result.transactions += 1
         in_transaction = 0
@@ -300,11 +301,11 @@ def copy_slice(
     try:
         if start >= end:
             return result
-        reader.assign([kafka.TopicPartition(plan.source, source_partition, start)])
+        reader.assign([offsets.TopicPartition(plan.source, source_partition, start)])
         done = False
         while not done:
             for message in reader.consume(num_messages=200 if throttle else 10_000, timeout=1.0):
-                eof = kafka.end_of_partition(message)
+                eof = records.end_of_partition(message)
                 offset = message.offset()
                 assert offset is not None
                 if eof:
@@ -427,9 +428,11 @@ class Report:
 def ensure_target(settings: Settings, plan: Plan) -> bool:
     """Create TARGET with N partitions and SOURCE's own configs, replicated as the settings say
     (`kafka.durability`); False when it existed."""
-    configs = kafka.topic_overrides(settings, plan.source)
+    configs = topics.topic_overrides(settings, plan.source)
     configs.pop("min.insync.replicas", None)
-    return kafka.create_topic(settings, plan.target, plan.partitions, config=configs, exist_ok=True)
+    return topics.create_topic(
+        settings, plan.target, plan.partitions, config=configs, exist_ok=True
+    )
 
 
 def fence(settings: Settings, plan: Plan) -> None:
@@ -438,14 +441,14 @@ def fence(settings: Settings, plan: Plan) -> None:
     Until then, their uncommitted offset commits keep read_committed offset fetches waiting
     (UNSTABLE_OFFSET_COMMIT), so the driver fences before it reads the progress.
     """
-    for partition in range(kafka.partition_count(settings, plan.source)):
-        kafka.transactional_producer(settings, plan.transactional_id(partition))
+    for partition in range(topics.partition_count(settings, plan.source)):
+        client.transactional_producer(settings, plan.transactional_id(partition))
 
 
 def remaining(settings: Settings, plan: Plan, ends: dict[int, int]) -> dict[int, int]:
     """Per source partition, the records between the committed progress and `ends`."""
-    committed = kafka.committed_offsets(settings, plan.group, plan.source)
-    starts = kafka.beginning_offsets(settings, plan.source)
+    committed = offsets.committed_offsets(settings, plan.group, plan.source)
+    starts = offsets.beginning_offsets(settings, plan.source)
     return {
         p: max(0, end - max(committed.get(p, (0, None))[0], starts.get(p, 0)))
         for p, end in ends.items()
@@ -465,7 +468,7 @@ def run_once(
 
     started = time.monotonic()
     ensure_target(settings, plan)
-    ends = kafka.end_offsets(settings, plan.source, "read_committed")
+    ends = offsets.end_offsets(settings, plan.source, "read_committed")
     todo = remaining(settings, plan, ends)
     total = sum(todo.values())
     work = sorted(p for p, n in todo.items() if n > 0)
@@ -565,7 +568,7 @@ def run(
     stop = stop or threading.Event()
     rounds = 1
     while not stop.wait(poll_s):
-        ends = kafka.end_offsets(settings, plan.source, "read_committed")
+        ends = offsets.end_offsets(settings, plan.source, "read_committed")
         if not sum(remaining(settings, plan, ends).values()):
             continue
         more = run_once(settings, plan, transaction_records=transaction_records, throttle=throttle)

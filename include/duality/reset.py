@@ -8,9 +8,9 @@ import shutil
 from datetime import UTC, datetime
 from typing import Any
 
-from duality import kafka
 from duality.config import Settings
 from duality.errors import UsageError
+from duality.kafka import client, offsets, topics
 from duality.spec import PipelineSpec
 from duality.stream import control
 from duality.stream.seeding import checkpoint_dir
@@ -78,39 +78,39 @@ def plan(
 ) -> ResetPlan:
     if to_datetime is not None and to_offsets is not None:
         raise UsageError("give --to-datetime or --to-offsets, not both")
-    kafka.ensure_reachable(settings)
+    client.ensure_reachable(settings)
     source = spec.source.topic
-    partitions = kafka.partition_count(settings, source)
-    earliest = kafka.beginning_offsets(settings, source)
+    partitions = topics.partition_count(settings, source)
+    earliest = offsets.beginning_offsets(settings, source)
     if to_offsets is not None:
-        offsets = {**earliest, **parse_offsets(to_offsets, partitions)}
+        start = {**earliest, **parse_offsets(to_offsets, partitions)}
     elif to_datetime is not None:
         moment = to_datetime if to_datetime.tzinfo else to_datetime.replace(tzinfo=UTC)
-        offsets = kafka.offsets_for_time(settings, source, int(moment.timestamp() * 1000))
+        start = offsets.offsets_for_time(settings, source, int(moment.timestamp() * 1000))
     else:
-        offsets = earliest
-    exists = kafka.topic_exists(settings, spec.changelog_topic)
+        start = earliest
+    exists = topics.topic_exists(settings, spec.changelog_topic)
     records = 0
     if exists:
-        ends = kafka.end_offsets(settings, spec.changelog_topic, "read_uncommitted")
-        starts = kafka.beginning_offsets(settings, spec.changelog_topic)
+        ends = offsets.end_offsets(settings, spec.changelog_topic, "read_uncommitted")
+        starts = offsets.beginning_offsets(settings, spec.changelog_topic)
         records = sum(ends[p] - starts[p] for p in ends)
     checkpoint = checkpoint_dir(settings, spec)
     return ResetPlan(
         pipeline=spec.name,
         stop_pid=control.running_pid(settings, spec),
         source_topic=source,
-        offsets=offsets,
+        offsets=start,
         checkpoint=str(checkpoint),
         checkpoint_exists=checkpoint.exists(),
         changelog_topic=spec.changelog_topic,
         changelog_partitions=(
-            kafka.partition_count(settings, spec.changelog_topic) if exists else None
+            topics.partition_count(settings, spec.changelog_topic) if exists else None
         ),
         changelog_records=records,
         table_copy=(
             spec.table_topic
-            if spec.joined is not None and kafka.topic_exists(settings, spec.table_topic)
+            if spec.joined is not None and topics.topic_exists(settings, spec.table_topic)
             else None
         ),
     )
@@ -121,20 +121,20 @@ def execute(settings: Settings, spec: PipelineSpec, reset: ResetPlan) -> None:
     with control.held(settings, spec):
         if reset.stop_pid is not None or control.running_pid(settings, spec) is not None:
             control.stop(settings, spec, hold=False)
-        kafka.commit_offsets(settings, spec.consumer_group, spec.source.topic, reset.offsets)
+        offsets.commit_offsets(settings, spec.consumer_group, spec.source.topic, reset.offsets)
         shutil.rmtree(reset.checkpoint, ignore_errors=True)
         if reset.changelog_partitions is not None:
             # KRaft has removed a topic when it answers the deletion: the name is free again.
-            kafka.delete_topic(settings, spec.changelog_topic)
-            kafka.create_topic(
+            topics.delete_topic(settings, spec.changelog_topic)
+            topics.create_topic(
                 settings,
                 spec.changelog_topic,
                 reset.changelog_partitions,
                 config=changelog_config(spec),
             )
         if reset.table_copy is not None:
-            partitions = kafka.partition_count(settings, reset.table_copy)
-            kafka.delete_topic(settings, reset.table_copy)
-            kafka.create_topic(
-                settings, reset.table_copy, partitions, config=dict(kafka.FAST_COMPACTION)
+            partitions = topics.partition_count(settings, reset.table_copy)
+            topics.delete_topic(settings, reset.table_copy)
+            topics.create_topic(
+                settings, reset.table_copy, partitions, config=dict(topics.FAST_COMPACTION)
             )

@@ -9,9 +9,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from duality import kafka
 from duality.config import Settings
 from duality.errors import UsageError
+from duality.kafka import offsets, records, topics
 from duality.partitioning import key_partition
 
 # A partition is hot when its load is this much above the mean; a recommendation aims below it.
@@ -134,7 +134,7 @@ def sample(settings: Settings, topic: str) -> dict[int, tuple[Counter[bytes | No
     keys: dict[int, Counter[bytes | None]] = {}
     counts: Counter[int] = Counter()
     sizes: Counter[int] = Counter()
-    for message in kafka.read_to_end(
+    for message in records.read_to_end(
         settings, topic, isolation="read_uncommitted", last=SAMPLE_PER_PARTITION, timeout=60
     ):
         partition, key = message.partition(), message.key()
@@ -144,7 +144,7 @@ def sample(settings: Settings, topic: str) -> dict[int, tuple[Counter[bytes | No
         sizes[partition] += len(key or b"") + len(message.value() or b"")
     return {
         p: (keys.get(p, Counter()), counts[p], sizes[p])
-        for p in range(kafka.partition_count(settings, topic))
+        for p in range(topics.partition_count(settings, topic))
     }
 
 
@@ -258,11 +258,11 @@ def analyse(
     settings: Settings, topic: str, *, group: str | None = None, window_s: float = 60.0
 ) -> SkewReport:
     """Load per partition of `topic` and a recommendation; reads only a bounded sample."""
-    count = kafka.partition_count(settings, topic)  # UsageError when the topic is missing
-    ends = kafka.end_offsets(settings, topic, "read_uncommitted")
-    starts = kafka.beginning_offsets(settings, topic)
-    since = kafka.offsets_for_time(settings, topic, int((time.time() - window_s) * 1000))
-    committed = kafka.committed_offsets(settings, group, topic) if group else {}
+    count = topics.partition_count(settings, topic)  # UsageError when the topic is missing
+    ends = offsets.end_offsets(settings, topic, "read_uncommitted")
+    starts = offsets.beginning_offsets(settings, topic)
+    since = offsets.offsets_for_time(settings, topic, int((time.time() - window_s) * 1000))
+    committed = offsets.committed_offsets(settings, group, topic) if group else {}
     sampled = sample(settings, topic)
     records = {p: ends[p] - starts[p] for p in range(count)}
     loads = []

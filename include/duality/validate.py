@@ -13,9 +13,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from duality import kafka
 from duality.config import Settings
 from duality.errors import CheckFailed, UsageError
+from duality.kafka import offsets
 from duality.snapshot import delta_log
 from duality.snapshot.build import Progress, column_types, quiet, read_changelog
 from duality.snapshot.coverage import Coverage
@@ -195,7 +195,7 @@ def recompute(
     types = column_types(spec)
     wanted = {p: end for p, end in coverage.source.items() if end > 0}
     if wanted:
-        beginning = kafka.beginning_offsets(settings, topic)
+        beginning = offsets.beginning_offsets(settings, topic)
         lost = {p: beginning[p] for p in wanted if beginning.get(p, 0) > 0}
         if lost:
             raise UsageError(

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from duality import kafka
 from duality.config import Settings
 from duality.errors import UsageError
+from duality.kafka import client, records, topics
 from duality.spec import PipelineSpec
 
 BAD_KINDS = (
@@ -211,8 +211,8 @@ def produce(
         spec, keys=keys, zipf=zipf, bad_fraction=bad_fraction, seed=seed, values=values
     )
     topic = spec.source.topic
-    kafka.create_topic(settings, topic, partitions, exist_ok=True)
-    producer = kafka.producer(settings, queue_buffering_max_messages=500_000)
+    topics.create_topic(settings, topic, partitions, exist_ok=True)
+    producer = client.producer(settings, queue_buffering_max_messages=500_000)
     report = WorkloadReport(topic=topic, keys=keys)
     start = time.monotonic()
     chunk = 10_000 if rate is None else max(1, int(rate // 10))
@@ -220,7 +220,7 @@ def produce(
     while produced < events:
         batch = workload.records(min(chunk, events - produced))
         for key, value, kind in batch:
-            kafka.send(producer, topic, key=key, value=value)
+            records.send(producer, topic, key=key, value=value)
             if kind == "valid":
                 report.valid += 1
             else:
@@ -273,10 +273,10 @@ def produce_table(
         raise UsageError(f"rows must be between 0 and {STRING_VALUES}, got {rows}")
     choices = dict(values or {})
     rng = np.random.default_rng(seed)
-    kafka.create_topic(
+    topics.create_topic(
         settings, joined.topic, partitions, config={"cleanup.policy": "compact"}, exist_ok=True
     )
-    producer = kafka.producer(settings)
+    producer = client.producer(settings)
     start = time.monotonic()
     now = _iso(datetime.now(UTC))
     for index in range(rows):
@@ -296,7 +296,7 @@ def produce_table(
                 row[column] = now
             else:
                 row[column] = string_value(column, int(rng.integers(0, STRING_VALUES)))
-        kafka.send(producer, joined.topic, key=str(row[joined.key]), value=json.dumps(row))
+        records.send(producer, joined.topic, key=str(row[joined.key]), value=json.dumps(row))
         producer.poll(0)
     undelivered = producer.flush(120)
     if undelivered:

@@ -13,8 +13,9 @@ from typing import Any
 import psutil
 import pytest
 
-from duality import kafka, process
+from duality import process
 from duality.config import Settings
+from duality.kafka import offsets, topics
 from duality.spec import PipelineSpec, find_spec
 from duality.stream import control
 from tests import truth
@@ -98,7 +99,7 @@ def test_reduced_demo_tells_the_whole_story(stack: Stack, demo: dict[str, Any]):
     moved = demo["repartition"]
     copied = read_topic(settings, moved["target"])
     assert len(copied) == DEMO_EVENTS == moved["target_records"]
-    assert kafka.partition_count(settings, moved["target"]) == 12
+    assert topics.partition_count(settings, moved["target"]) == 12
     assert moved["skew_before"] > moved["skew_after"]
     assert Path(moved["plot"]).is_file()
 
@@ -201,8 +202,8 @@ def test_supervisor_restarts_a_killed_stream_and_the_changelog_stays_exact(
     )
 
     def caught_up() -> bool:
-        ends = kafka.end_offsets(settings, spec.source.topic)
-        committed = kafka.committed_offsets(settings, spec.consumer_group, spec.source.topic)
+        ends = offsets.end_offsets(settings, spec.source.topic)
+        committed = offsets.committed_offsets(settings, spec.consumer_group, spec.source.topic)
         return all(committed.get(p, (0, None))[0] >= end for p, end in ends.items())
 
     assert_eventually(caught_up, timeout=300, interval=1.0, message="stream did not catch up")

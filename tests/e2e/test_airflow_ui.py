@@ -14,7 +14,7 @@ import pytest
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 
-from duality import kafka
+from duality.kafka import offsets, topics
 from tests.e2e.browser import Browser, chromium
 from tests.harness import make_pipeline, read_topic
 from tests.stack import Stack
@@ -152,9 +152,9 @@ def test_trigger_repartition_from_the_form_and_see_it_succeed(
         assert run["conf"] == typed, run["conf"]
 
     with ui.step("the target topic holds the source's records"):
-        assert kafka.partition_count(stack.settings, target) == PARTITIONS
-        source_ends = kafka.end_offsets(stack.settings, source)
-        target_ends = kafka.end_offsets(stack.settings, target)
+        assert topics.partition_count(stack.settings, target) == PARTITIONS
+        source_ends = offsets.end_offsets(stack.settings, source)
+        target_ends = offsets.end_offsets(stack.settings, target)
         assert set(target_ends) == set(range(PARTITIONS)), target_ends
         # The copy is transactional: commit markers take offsets too, so count the records.
         copied = len(read_topic(stack.settings, target))

@@ -138,20 +138,20 @@ class _Metadata:
 def test_durability_follows_the_cluster_unless_set(
     monkeypatch: pytest.MonkeyPatch, brokers: int, environ: dict[str, str], expected: tuple
 ):
-    from duality import kafka
+    from duality.kafka import client, topics
 
-    monkeypatch.setattr(kafka, "_metadata", lambda *_: _Metadata(brokers))
-    durable = kafka.durability(Settings.from_env(environ))
+    monkeypatch.setattr(client, "metadata", lambda *_: _Metadata(brokers))
+    durable = topics.durability(Settings.from_env(environ))
     assert (durable.replication_factor, durable.min_insync_replicas, durable.chosen_by) == expected
     assert durable.brokers == brokers
 
 
 def test_more_replicas_than_brokers_is_a_usage_error(monkeypatch: pytest.MonkeyPatch):
-    from duality import kafka
+    from duality.kafka import client, topics
 
-    monkeypatch.setattr(kafka, "_metadata", lambda *_: _Metadata(1))
+    monkeypatch.setattr(client, "metadata", lambda *_: _Metadata(1))
     with pytest.raises(UsageError) as error:
-        kafka.durability(Settings.from_env({"DUALITY_REPLICATION_FACTOR": "3"}))
+        topics.durability(Settings.from_env({"DUALITY_REPLICATION_FACTOR": "3"}))
     assert "has 1 broker:" in str(error.value) and "lower it to 1" in str(error.value)
 
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from duality import kafka
 from duality.config import Settings
+from duality.kafka import client, topics
 from duality.stream import election
 
 
@@ -32,7 +32,7 @@ def test_the_session_follows_the_brokers_floor(
         asked.append(name)
         return floor
 
-    monkeypatch.setattr(kafka, "broker_setting", broker_setting)
+    monkeypatch.setattr(topics, "broker_setting", broker_setting)
     assert election.session_timeout_ms(Settings.from_env()) == expected
     assert asked == ["group.min.session.timeout.ms"]
 
@@ -70,8 +70,8 @@ def test_a_driver_the_group_tells_nothing_joins_again(monkeypatch: pytest.Monkey
         members.append(_Member())
         return members[-1]
 
-    monkeypatch.setattr(kafka, "consumer", consumer)
-    monkeypatch.setattr(kafka, "broker_setting", lambda settings, name: "3000")
+    monkeypatch.setattr(client, "consumer", consumer)
+    monkeypatch.setattr(topics, "broker_setting", lambda settings, name: "3000")
     monkeypatch.setattr(election, "ensure_topic", lambda settings: None)
     monkeypatch.setattr(election, "REJOIN_AFTER_S", 0.5)
     _Member.joins = 0

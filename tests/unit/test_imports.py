@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = ROOT / "include"
-KAFKA_MODULE = "duality.kafka"
+KAFKA_PACKAGE = "duality.kafka"
 LOCAL_STACK = "duality.local"
 CLI = "duality.cli"
 
@@ -95,12 +95,12 @@ def _python_files(root: Path, *folders: str) -> list[Path]:
 
 
 def confluent_kafka_importers(root: Path) -> list[str]:
-    """Files of the library, jobs, DAGs, plugins and bench other than `duality.kafka` that
-    import confluent_kafka at run time."""
+    """Files of the library, jobs, DAGs, plugins and bench outside the package `duality.kafka`
+    that import confluent_kafka at run time."""
     paths = _python_files(root, "include/duality", "jobs", "dags", "plugins", "bench")
-    kafka_module = modules(root / "include", "duality")[KAFKA_MODULE]
+    own = root / "include" / "duality" / "kafka"
     found = importers(paths, root, "confluent_kafka", count_typing=False)
-    return [name for name in found if name != str(kafka_module.relative_to(root))]
+    return [name for name in found if own not in (root / name).parents]
 
 
 def local_stack_importers(root: Path) -> list[str]:
@@ -135,14 +135,14 @@ def test_the_library_never_imports_airflow():
     assert found == [], f"these library modules import Airflow: {found}"
 
 
-def test_only_the_kafka_module_imports_confluent_kafka():
-    assert KAFKA_MODULE in {
+def test_only_the_kafka_package_imports_confluent_kafka():
+    assert {
         _module_name(path, LIBRARY)
         for path in _python_files(LIBRARY, "duality")
         if any(target == "confluent_kafka" for target, _ in imports(path, LIBRARY))
-    }
+    } >= {f"{KAFKA_PACKAGE}.client", f"{KAFKA_PACKAGE}.topics", f"{KAFKA_PACKAGE}.offsets"}
     found = confluent_kafka_importers(ROOT)
-    assert found == [], f"confluent_kafka is imported outside {KAFKA_MODULE}: {found}"
+    assert found == [], f"confluent_kafka is imported outside {KAFKA_PACKAGE}: {found}"
 
 
 def test_only_the_cli_and_the_demo_import_the_local_stack():
@@ -160,7 +160,9 @@ def test_each_rule_fails_on_a_planted_violation(tmp_path: Path):
     fails its rule, naming the file."""
     files = {
         "include/duality/__init__.py": "",
-        "include/duality/kafka.py": "import confluent_kafka\n",
+        "include/duality/kafka/__init__.py": "",
+        "include/duality/kafka/client.py": "import confluent_kafka\n",
+        "include/duality/kafka/topics.py": "from confluent_kafka.admin import NewTopic\n",
         "include/duality/cli/__init__.py": "from duality.cli import stack\n",
         "include/duality/cli/stack.py": "from duality import local\nfrom duality.local import up\n",
         "include/duality/demo.py": "from duality.local.broker import LocalBroker\n",
@@ -169,11 +171,13 @@ def test_each_rule_fails_on_a_planted_violation(tmp_path: Path):
         "include/duality/local/broker.py": "from duality import process\n",
         "include/duality/local/web.py": "",
         "include/duality/process.py": "",
-        "include/duality/stream.py": "from duality import kafka\n",
+        "include/duality/stream.py": "from duality.kafka import client\n",
         "jobs/stream_aggregate.py": "from duality.arguments import stream\n",
         "plugins/duality_airflow/operators.py": "CLI = ['python', '-m', 'duality.cli']\n",
         "dags/pipelines.py": "from duality import spec\n",
-        "bench/streaming.py": "from duality import kafka\nfrom duality.local import broker\n",
+        "bench/streaming.py": (
+            "from duality.kafka import topics\nfrom duality.local import broker\n"
+        ),
     }
 
     def checkout(root: Path, planted: dict[str, str]) -> Path:
@@ -187,6 +191,7 @@ def test_each_rule_fails_on_a_planted_violation(tmp_path: Path):
     assert [rule(clean) for rule in (kafka, local, cli)] == [[], [], []]
     planted = [
         (kafka, "bench/baselines.py", "from confluent_kafka import KafkaError\n"),
+        (kafka, "include/duality/stream/topics.py", "from confluent_kafka import Producer\n"),
         (kafka, "plugins/duality_airflow/hooks.py", "import confluent_kafka\n"),
         (local, "include/duality/stream.py", "from duality.local import free_port\n"),
         (local, "include/duality/status.py", "def f():\n    from .local import stack\n"),

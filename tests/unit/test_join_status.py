@@ -12,11 +12,12 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from duality import kafka, workload
+from duality import workload
 from duality.cli.stack import demo_summary
 from duality.cli.streams import stream_status_line
 from duality.config import Settings
 from duality.errors import UsageError
+from duality.kafka import client, offsets, records, topics
 from duality.spec import PipelineSpec
 from duality.stream import control, heartbeat
 from tests.harness import make_pipeline
@@ -40,13 +41,13 @@ class FakeKafka:
         self.committed: dict[tuple[str, str], dict[int, int]] = {}
         self.created: dict[str, tuple[int, dict[str, str]]] = {}
         self.sent: list[tuple[str, str, str]] = []
-        monkeypatch.setattr(kafka, "ensure_reachable", lambda settings: 1)
-        monkeypatch.setattr(kafka, "topic_exists", self.topic_exists)
-        monkeypatch.setattr(kafka, "end_offsets", lambda settings, topic: dict(self.ends[topic]))
-        monkeypatch.setattr(kafka, "committed_offsets", self.committed_offsets)
-        monkeypatch.setattr(kafka, "create_topic", self.create_topic)
-        monkeypatch.setattr(kafka, "producer", lambda settings, **_: self)
-        monkeypatch.setattr(kafka, "send", self.send)
+        monkeypatch.setattr(client, "ensure_reachable", lambda settings: 1)
+        monkeypatch.setattr(topics, "topic_exists", self.topic_exists)
+        monkeypatch.setattr(offsets, "end_offsets", lambda settings, topic: dict(self.ends[topic]))
+        monkeypatch.setattr(offsets, "committed_offsets", self.committed_offsets)
+        monkeypatch.setattr(topics, "create_topic", self.create_topic)
+        monkeypatch.setattr(client, "producer", lambda settings, **_: self)
+        monkeypatch.setattr(records, "send", self.send)
 
     def topic_exists(self, settings: Settings, name: str, **_: Any) -> bool:
         return name in self.ends

@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
-from duality import kafka, skew
+from duality import skew
 from duality.config import Settings
 from duality.errors import BrokerUnavailable, UsageError
+from duality.kafka import client, offsets, topics
 from duality.local.ports import free_port
 
 PASSWORD = "s3cret-never-printed"
@@ -43,9 +44,9 @@ def sasl(tmp_path: Path) -> Settings:
     ("call", "doing"),
     [
         (lambda s: skew.analyse(s, "orders"), "describe topic 'orders'"),
-        (lambda s: kafka.create_topic(s, "orders", 1), "create topic 'orders'"),
-        (lambda s: kafka.consumer_groups(s), "list the consumer groups"),
-        (lambda s: kafka.lag(s, ["g"]), "list its topics"),
+        (lambda s: topics.create_topic(s, "orders", 1), "create topic 'orders'"),
+        (lambda s: offsets.consumer_groups(s), "list the consumer groups"),
+        (lambda s: offsets.lag(s, ["g"]), "list its topics"),
     ],
     ids=["skew", "create_topic", "consumer_groups", "lag"],
 )
@@ -66,7 +67,7 @@ def _exception(code: int, text: str) -> KafkaException:
 
 def test_a_refused_login_names_mechanism_and_user_never_the_password(sasl: Settings):
     cause = _exception(KafkaError.SASL_AUTHENTICATION_FAILED, "Authentication failed")
-    error = kafka.failure(sasl, "list its topics", cause)
+    error = client.failure(sasl, "list its topics", cause)
     assert isinstance(error, UsageError)
     message = str(error)
     assert "kafka-1:9092,kafka-2:9092 refused the SASL SCRAM-SHA-512 login of user 'bob'" in message
@@ -84,20 +85,20 @@ def test_a_refused_login_names_mechanism_and_user_never_the_password(sasl: Setti
     ],
 )
 def test_a_denied_operation_names_the_user_and_the_operation(sasl: Settings, code: int):
-    error = kafka.failure(sasl, "describe topic 'orders'", _exception(code, "denied"))
+    error = client.failure(sasl, "describe topic 'orders'", _exception(code, "denied"))
     assert isinstance(error, UsageError)
     assert "does not allow user 'bob' to describe topic 'orders' (denied)" in str(error)
     assert PASSWORD not in str(error)
     tls = sasl.replace(
         security_protocol="SSL", sasl_mechanism=None, sasl_username=None, sasl_password=None
     )
-    anonymous = kafka.failure(tls, "x", _exception(code, "denied"))
+    anonymous = client.failure(tls, "x", _exception(code, "denied"))
     assert "no DUALITY_SASL_USERNAME" in str(anonymous)
 
 
 def test_other_errors_are_passed_on_as_they_are(sasl: Settings):
     cause = _exception(KafkaError.INVALID_REPLICATION_FACTOR, "3 > 1 broker")
-    assert kafka.failure(sasl, "create topic 't'", cause) is cause
+    assert client.failure(sasl, "create topic 't'", cause) is cause
 
 
 def _answering(answers: list[Any]) -> Callable[[], str]:
@@ -118,7 +119,7 @@ def test_retrying_asks_again_while_kafka_says_not_yet(sasl: Settings):
         _exception(KafkaError.UNSTABLE_OFFSET_COMMIT, "a transaction commits offsets"),
         "the offsets",
     ]
-    assert kafka.retrying(sasl, "read offsets", _answering(answers)) == "the offsets"
+    assert client.retrying(sasl, "read offsets", _answering(answers)) == "the offsets"
     assert answers == []
 
 
@@ -167,9 +168,9 @@ def test_offsets_are_asked_again_while_a_partition_leader_moves(
         readers.append(Reader())
         return readers[-1]
 
-    monkeypatch.setattr(kafka, "partition_count", lambda settings, topic: 1)
-    monkeypatch.setattr(kafka, "consumer", new_reader)
-    assert kafka.end_offsets(sasl, "orders") == {0: 42}
+    monkeypatch.setattr(topics, "partition_count", lambda settings, topic: 1)
+    monkeypatch.setattr(client, "consumer", new_reader)
+    assert offsets.end_offsets(sasl, "orders") == {0: 42}
     assert answers == []
     assert [(r.asked, r.closed) for r in readers] == [(1, True)] * 3
 
@@ -181,16 +182,16 @@ def test_retrying_waits_out_the_codes_a_caller_names(sasl: Settings):
     answers: list[Any] = [unknown, unknown, "the configs"]
     call = _answering(answers)
     also = (KafkaError.UNKNOWN_TOPIC_OR_PART,)
-    assert kafka.retrying(sasl, "describe configs", call, also=also) == "the configs"
+    assert client.retrying(sasl, "describe configs", call, also=also) == "the configs"
     assert answers == []
     answers.extend([unknown, "the configs"])
     with pytest.raises(KafkaException):
-        kafka.retrying(sasl, "describe configs", call)
+        client.retrying(sasl, "describe configs", call)
     assert answers == ["the configs"]
     # Still unknown when the time is up: raised as it is, for the caller to explain.
     answers[:] = [unknown] * 100
     with pytest.raises(KafkaException) as raised:
-        kafka.retrying(sasl, "describe configs", call, seconds=0.3, also=also)
+        client.retrying(sasl, "describe configs", call, seconds=0.3, also=also)
     assert raised.value.args[0].code() == KafkaError.UNKNOWN_TOPIC_OR_PART
 
 
@@ -209,23 +210,23 @@ def test_a_topic_one_broker_does_not_know_yet_is_asked_for_again(
             return SimpleNamespace(topics={} if entry is unknown else {"orders": entry})
         return SimpleNamespace(topics={topic: entry})
 
-    monkeypatch.setattr(kafka, "_metadata", metadata)
-    assert kafka.partition_count(sasl, "orders") == 3
+    monkeypatch.setattr(client, "metadata", metadata)
+    assert topics.partition_count(sasl, "orders") == 3
     assert answers == []
 
-    monkeypatch.setattr(kafka, "_NEW_TOPIC_REACHES_BROKERS_S", 0.5)
+    monkeypatch.setattr(topics, "_NEW_TOPIC_REACHES_BROKERS_S", 0.5)
     answers.extend([unknown] * 100)
     with pytest.raises(UsageError, match="topic 'orders' does not exist on kafka-1:9092"):
-        kafka.partition_count(sasl, "orders")
+        topics.partition_count(sasl, "orders")
     assert 2 <= 100 - len(answers) < 10
 
     # A caller that fails on a missing topic asks the same way; any other asks once.
     answers[:] = [unknown, known, unknown]
-    assert kafka.topic_exists(sasl, "orders", wait_if_missing=True)
+    assert topics.topic_exists(sasl, "orders", wait_if_missing=True)
     assert answers == [unknown]
-    assert not kafka.topic_exists(sasl, "orders")
+    assert not topics.topic_exists(sasl, "orders")
     answers.extend([unknown] * 100)
-    assert not kafka.topic_exists(sasl, "orders", wait_if_missing=True)
+    assert not topics.topic_exists(sasl, "orders", wait_if_missing=True)
     assert 2 <= 100 - len(answers) < 10
 
 
@@ -238,7 +239,7 @@ def test_retrying_gives_up_with_a_timeout_and_stops_at_a_real_error(sasl: Settin
         raise _exception(KafkaError.NOT_COORDINATOR, "moving")
 
     with pytest.raises(BrokerUnavailable, match=r"timed out after 0.5s .* to read offsets"):
-        kafka.retrying(sasl, "read offsets", busy, seconds=0.5)
+        client.retrying(sasl, "read offsets", busy, seconds=0.5)
     assert calls >= 2
 
     calls = 0
@@ -249,7 +250,7 @@ def test_retrying_gives_up_with_a_timeout_and_stops_at_a_real_error(sasl: Settin
         raise _exception(KafkaError.GROUP_AUTHORIZATION_FAILED, "no ACL")
 
     with pytest.raises(UsageError, match="does not allow user 'bob' to read offsets"):
-        kafka.retrying(sasl, "read offsets", denied)
+        client.retrying(sasl, "read offsets", denied)
     assert calls == 1
 
 
@@ -265,6 +266,6 @@ def test_committed_metadata_is_bytes_never_decoded(monkeypatch: pytest.MonkeyPat
         def metadata(self) -> str:
             raise UnicodeDecodeError("utf-8", b"MTIz\xa5", 4, 5, "invalid start byte")
 
-    monkeypatch.setattr(kafka, "partition_count", lambda *_: 1)
-    monkeypatch.setattr(kafka, "_committed", lambda *_: [Committed()])
-    assert kafka.committed_offsets(None, "g", "t") == {0: (5, b"MTIz\xa5")}  # type: ignore[arg-type]
+    monkeypatch.setattr(topics, "partition_count", lambda *_: 1)
+    monkeypatch.setattr(offsets, "_committed", lambda *_: [Committed()])
+    assert offsets.committed_offsets(None, "g", "t") == {0: (5, b"MTIz\xa5")}  # type: ignore[arg-type]

@@ -49,14 +49,14 @@ def test_the_stored_plan_is_read_from_bytes_and_other_metadata_is_skipped(
     monkeypatch: pytest.MonkeyPatch,
 ):
     """Committed metadata comes as bytes, possibly followed by a few that were never committed
-    (kafka._metadata_bytes); another client's, binary, is no plan."""
+    (duality.kafka.offsets._metadata_bytes); another client's, binary, is no plan."""
     plan = Plan("s", "t", 6, "salted", ("a",), 2)
     committed = {
         0: (5, b"\x02\xff\xfe binary, not UTF-8"),
         1: (7, plan.metadata().encode() + b"\xa5\x7f"),
         2: (9, None),
     }
-    monkeypatch.setattr(repartition.kafka, "committed_offsets", lambda *_, **__: committed)
+    monkeypatch.setattr(repartition.offsets, "committed_offsets", lambda *_, **__: committed)
     assert repartition.stored_plan(None, Plan("s", "t", 6)) == plan  # type: ignore[arg-type]
     committed.pop(1)
     assert repartition.stored_plan(None, Plan("s", "t", 6)) is None  # type: ignore[arg-type]

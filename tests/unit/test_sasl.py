@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from duality import kafka, kafka_failover
 from duality.config import Settings, jaas_quote, java_properties
 from duality.errors import UsageError
+from duality.kafka import client, failover
 from duality.local.airflow import LocalAirflow
 from duality.local.scram import Scram
 from duality.local.scram import scram_argument as _scram_argument
@@ -63,7 +63,7 @@ def test_the_java_client_gets_an_escaped_jaas_config():
         "kafka.security.protocol": "SASL_PLAINTEXT",
         "kafka.sasl.mechanism": "SCRAM-SHA-512",
         "kafka.sasl.jaas.config": settings.jaas_config(),
-        **{f"kafka.{key}": value for key, value in kafka_failover.JAVA_CLIENT.items()},
+        **{f"kafka.{key}": value for key, value in failover.JAVA_CLIENT.items()},
     }
     plain = settings.replace(sasl_mechanism="PLAIN", sasl_username='b"ob')
     assert plain.jaas_config() == (
@@ -155,13 +155,13 @@ def test_a_refused_login_of_the_java_client_is_named_like_any_refused_login():
         "during authentication due to invalid credentials with SASL mechanism SCRAM-SHA-512\n"
         "\tat org.apache.kafka.clients.admin.KafkaAdminClient..."
     )
-    error = kafka.refused_login_in(settings, failure)
+    error = client.refused_login_in(settings, failure)
     assert isinstance(error, UsageError)
     message = str(error)
     assert "refused the SASL SCRAM-SHA-512 login of user 'alice'" in message
     assert "invalid credentials with SASL mechanism SCRAM-SHA-512)" in message
     assert PASSWORD not in message
-    assert kafka.refused_login_in(settings, RuntimeError("TimeoutException: no answer")) is None
+    assert client.refused_login_in(settings, RuntimeError("TimeoutException: no answer")) is None
 
 
 def test_kafka_default_carries_the_login_through_airflow_and_masks_the_password(
@@ -194,10 +194,10 @@ def test_kafka_default_carries_the_login_through_airflow_and_masks_the_password(
 
 def test_only_a_refusal_reported_during_a_call_ends_it(monkeypatch: pytest.MonkeyPatch):
     settings = Settings(**SCRAM)  # type: ignore[arg-type]
-    connection = kafka._connection(settings)
-    monkeypatch.setattr(kafka, "_refused_logins", {connection: (100.0, "invalid credentials")})
-    assert kafka._refused_login(settings, since=101.0) is None  # an old one: ask on
-    monkeypatch.setattr(kafka, "_refused_logins", {connection: (102.0, "invalid credentials")})
-    refused = kafka._refused_login(settings, since=101.0)
+    connection = client._connection(settings)
+    monkeypatch.setattr(client, "_refused_logins", {connection: (100.0, "invalid credentials")})
+    assert client._refused_login(settings, since=101.0) is None  # an old one: ask on
+    monkeypatch.setattr(client, "_refused_logins", {connection: (102.0, "invalid credentials")})
+    refused = client._refused_login(settings, since=101.0)
     assert refused is not None and "SCRAM-SHA-512 login of user 'alice'" in str(refused)
-    assert kafka._refused_logins == {}
+    assert client._refused_logins == {}

@@ -16,7 +16,7 @@ from typing import Any
 
 from rich.console import Console
 
-from duality import kafka, spec
+from duality import spec
 from duality.arguments import not_negative
 from duality.batch_server import BATCH_COMMANDS, run_remote
 from duality.cli import batch, stack, streams
@@ -24,6 +24,7 @@ from duality.cli.output import print_json
 from duality.cli.parsing import Commands, Parser
 from duality.config import Settings
 from duality.errors import DualityError
+from duality.kafka import client
 
 _out = Console(highlight=False)
 _err = Console(stderr=True, highlight=False)
@@ -147,7 +148,7 @@ def main(
             raise
         except Exception as error:
             # A login that Spark's Kafka client had refused is named like any refused login.
-            refused = None if settings is None else kafka.refused_login_in(settings, error)
+            refused = None if settings is None else client.refused_login_in(settings, error)
             if refused is None:
                 raise
             raise refused from None

@@ -10,11 +10,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from duality import kafka
 from duality.arguments import at_least_one, not_negative
 from duality.cli.output import table
 from duality.cli.parsing import Commands
 from duality.config import AIRFLOW_DBS, Settings
+from duality.kafka import offsets
 from duality.local import stack
 from duality.local.broker import BrokerStatus
 
@@ -213,7 +213,7 @@ def _print_status(report: stack.StackStatus, console: Console) -> None:
 
 
 def _cmd_lag(settings: Settings, args: Namespace, console: Console) -> dict[str, Any]:
-    rows = kafka.lag(settings, args.group or None)
+    rows = offsets.lag(settings, args.group or None)
     result = [{**dataclasses.asdict(r), "lag": r.lag} for r in rows]
     if not args.json:
         columns = ("group", "topic", "partition", "committed", "end", "lag")

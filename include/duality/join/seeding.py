@@ -15,9 +15,9 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from duality import kafka
 from duality.config import Settings
 from duality.join.frame import SEED, TABLE, seed_schema
+from duality.kafka import offsets
 from duality.spec import PipelineSpec
 
 if TYPE_CHECKING:
@@ -49,12 +49,12 @@ def write_seed(
     joined = spec.joined
     assert joined is not None
     copy = spec.table_topic
-    copied = kafka.end_offsets(settings, copy, "read_committed")
+    copied = offsets.end_offsets(settings, copy, "read_committed")
     if committed and not _empty(settings, copy, copied):
         topic, side, starts, ends = copy, SEED, committed, copied
     else:  # a first start, a reset (which empties the copy), or a table that was empty
         topic, side = joined.topic, TABLE
-        ends = starts = kafka.end_offsets(settings, topic, "read_committed")
+        ends = starts = offsets.end_offsets(settings, topic, "read_committed")
     folder = seed_folder(checkpoint)
     shutil.rmtree(folder, ignore_errors=True)
     if _empty(settings, topic, ends):
@@ -85,5 +85,5 @@ def write_seed(
 
 
 def _empty(settings: Settings, topic: str, ends: dict[int, int]) -> bool:
-    first = kafka.beginning_offsets(settings, topic)
+    first = offsets.beginning_offsets(settings, topic)
     return all(end <= first.get(p, 0) for p, end in ends.items())

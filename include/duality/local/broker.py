@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from duality import kafka
 from duality.config import Settings, jaas_quote, java_properties
 from duality.errors import BrokerUnavailable, DualityError, LocalStackError, UsageError
+from duality.kafka import client
 from duality.local.ports import LOCAL_HOSTS, free_port, port_in_use
 from duality.local.scram import BROKER_USER, SCRAM_MECHANISM, Scram, scram_argument
 from duality.local.startup import wait_started
@@ -137,7 +137,7 @@ class LocalBroker:
         reachable = False
         if pid is not None:
             with contextlib.suppress(DualityError):  # no answer, or a refused login
-                kafka.ensure_reachable(self.settings.replace(bootstrap_servers=address), timeout=3)
+                client.ensure_reachable(self.settings.replace(bootstrap_servers=address), timeout=3)
                 reachable = True
         return BrokerStatus(
             state="running" if pid is not None else "stopped",
@@ -317,7 +317,7 @@ class LocalBroker:
 
     def _answers(self) -> bool:
         try:
-            kafka.ensure_reachable(self.settings, timeout=2)
+            client.ensure_reachable(self.settings, timeout=2)
             return True
         except (BrokerUnavailable, UsageError):
             # A login refused while the broker loads its SCRAM users is not the last word.
@@ -363,7 +363,7 @@ def ephemeral(kafka_nodes: LocalBroker | LocalKafkaCluster, root: Path) -> Itera
         yield
     finally:
         kafka_nodes.stop()
-        kafka.forget(kafka_nodes.settings)
+        client.forget(kafka_nodes.settings)
         if not isinstance(sys.exc_info()[1], Exception):
             shutil.rmtree(root, ignore_errors=True)
 

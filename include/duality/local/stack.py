@@ -7,9 +7,10 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from duality import kafka, spec
+from duality import spec
 from duality.config import STACK_FILE, Settings
 from duality.errors import CheckFailed, DualityError, UsageError
+from duality.kafka import client, topics
 from duality.local.airflow import AirflowStatus, AirflowStopped, LocalAirflow
 from duality.local.batch_server import BatchServerStatus, BatchServerStopped, LocalBatchServer
 from duality.local.broker import BrokerStatus, LocalBroker
@@ -184,7 +185,7 @@ def down(settings: Settings) -> StackDown:
 
 
 @dataclasses.dataclass(frozen=True)
-class TopicStatus(kafka.TopicReplication):
+class TopicStatus(topics.TopicReplication):
     # Created before the settings (or the cluster) asked for more replicas, or by hand.
     below_configured: bool
 
@@ -201,7 +202,7 @@ class KafkaStatus:  # the cluster the settings name, and the local nodes behind 
     log: Path | None = None
     brokers: int | None = None  # as the cluster answers
     error: str | None = None  # why it does not answer
-    durability: kafka.Durability | None = None
+    durability: topics.Durability | None = None
     topics: list[TopicStatus] = dataclasses.field(default_factory=list)
 
 
@@ -224,19 +225,19 @@ def status(settings: Settings) -> StackStatus:
     else:
         nodes, pid, log = [local], local.pid, local.log
     try:
-        brokers, error = kafka.ensure_reachable(settings, timeout=5), None
+        brokers, error = client.ensure_reachable(settings, timeout=5), None
     except DualityError as failure:
         brokers, error = None, str(failure)
-    durability, topics = None, []
+    durability, replicated = None, []
     if error is None:
-        durability = kafka.durability(settings)
-        topics = [
+        durability = topics.durability(settings)
+        replicated = [
             TopicStatus(
                 **dataclasses.asdict(t),
                 below_configured=t.replication_factor < durability.replication_factor
                 or t.min_insync_replicas < durability.min_insync_replicas,
             )
-            for t in kafka.replication(settings, _duality_topics(settings))
+            for t in topics.replication(settings, _duality_topics(settings))
         ]
     broker = KafkaStatus(
         state="external" if error is None and local.state == "stopped" else local.state,
@@ -248,7 +249,7 @@ def status(settings: Settings) -> StackStatus:
         brokers=brokers,
         error=error,
         durability=durability,
-        topics=topics,
+        topics=replicated,
     )
     spark = (
         local_spark(settings, topology.spark_workers).status() if topology.spark_workers else None

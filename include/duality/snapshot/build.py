@@ -10,9 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from duality import kafka
 from duality.config import Settings
 from duality.errors import UsageError
+from duality.kafka import offsets, records, topics
 from duality.snapshot import delta_log, dv_commit
 from duality.snapshot.coverage import Coverage, capture_coverage
 from duality.spark import session
@@ -126,7 +126,7 @@ def _latest_changes(
     import pyarrow as pa
 
     latest: dict[bytes, tuple[bytes | None, int]] = {}
-    for message in kafka.read_to_end(settings, topic, start=start, end=end):
+    for message in records.read_to_end(settings, topic, start=start, end=end):
         key = message.key()
         if key is not None:
             latest[key] = (message.value(), latest.get(key, (None, 0))[1] + 1)
@@ -187,7 +187,7 @@ def build(
     a run that finds nothing new starts no Spark session and no Spark job.
     """
     started = time.monotonic()
-    if not kafka.topic_exists(settings, spec.changelog_topic, wait_if_missing=True):
+    if not topics.topic_exists(settings, spec.changelog_topic, wait_if_missing=True):
         raise UsageError(
             f"pipeline {spec.name} has no changelog topic {spec.changelog_topic} yet: start its "
             f"stream first (`duality stream start {spec.name}`)"
@@ -343,7 +343,7 @@ def _incremental_blocker(
     behind = [p for p, offset in base.changelog.items() if now.changelog[p] < offset]
     if behind:
         return f"{now.changelog_topic} ends before the recorded offsets (partitions {behind})"
-    beginning = kafka.beginning_offsets(settings, spec.changelog_topic)
+    beginning = offsets.beginning_offsets(settings, spec.changelog_topic)
     truncated = [p for p, offset in base.changelog.items() if beginning[p] > offset]
     if truncated:
         return (

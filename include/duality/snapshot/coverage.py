@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from duality import kafka
 from duality.config import Settings
 from duality.errors import CheckFailed
+from duality.kafka import offsets, topics
 from duality.spec import PipelineSpec
 
 
@@ -50,13 +50,13 @@ def capture_coverage(settings: Settings, spec: PipelineSpec, attempts: int = 20)
     become visible separately. Reading source, changelog, source, changelog until both repeat
     (with stable offsets, which wait out a committing transaction) gives a matching pair.
     """
-    info = kafka.describe_topic(settings, spec.changelog_topic)
+    info = topics.describe_topic(settings, spec.changelog_topic)
     group, source_topic = spec.consumer_group, spec.source.topic
     for _ in range(attempts):
         source_before = source_offsets(settings, group, source_topic)
-        changelog_before = kafka.end_offsets(settings, spec.changelog_topic)
+        changelog_before = offsets.end_offsets(settings, spec.changelog_topic)
         source_after = source_offsets(settings, group, source_topic)
-        changelog_after = kafka.end_offsets(settings, spec.changelog_topic)
+        changelog_after = offsets.end_offsets(settings, spec.changelog_topic)
         if source_before == source_after and changelog_before == changelog_after:
             return Coverage(
                 spec.changelog_topic, info.topic_id, changelog_after, source_topic, source_after
@@ -69,5 +69,5 @@ def capture_coverage(settings: Settings, spec: PipelineSpec, attempts: int = 20)
 
 def source_offsets(settings: Settings, group: str, topic: str) -> dict[int, int]:
     """The stream's committed offsets of its source topic, per partition."""
-    committed = kafka.committed_offsets(settings, group, topic)
+    committed = offsets.committed_offsets(settings, group, topic)
     return {partition: offset for partition, (offset, _) in committed.items()}

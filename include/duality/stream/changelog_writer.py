@@ -11,8 +11,9 @@ from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from duality import changelog, kafka
+from duality import changelog
 from duality.config import Settings
+from duality.kafka import client, offsets, records, topics
 from duality.metrics import reason_kind
 from duality.spec import PipelineSpec
 
@@ -84,10 +85,10 @@ class ChangelogWriter:
         self.settings = settings
         self.spec = spec
         self.checkpoint = checkpoint
-        self.dead_letter_limit = kafka.max_message_bytes(settings, spec.dlq_topic)
+        self.dead_letter_limit = topics.max_message_bytes(settings, spec.dlq_topic)
         # The transactional id is the pipeline's: a new driver fences any older one still alive,
         # and its open transaction is aborted before anything is read.
-        self.producer = kafka.transactional_producer(
+        self.producer = client.transactional_producer(
             settings,
             f"duality-{spec.name}",
             transaction_timeout_ms=300_000,
@@ -98,31 +99,31 @@ class ChangelogWriter:
             linger_ms=20,
             message_max_bytes=self.dead_letter_limit + _DEAD_LETTER_MARGIN,
         )
-        committed = kafka.committed_offsets(settings, spec.consumer_group, spec.source.topic)
+        committed = offsets.committed_offsets(settings, spec.consumer_group, spec.source.topic)
         self.committed = {p: offset for p, (offset, _) in committed.items()}
         # The joined table's topic: how far the table's rows, in the state, have read it.
         self.table_topic = spec.joined.topic if spec.joined is not None else None
         self.table_committed: dict[int, int] = {}
         if self.table_topic is not None:
-            table = kafka.committed_offsets(settings, spec.consumer_group, self.table_topic)
+            table = offsets.committed_offsets(settings, spec.consumer_group, self.table_topic)
             self.table_committed = {p: offset for p, (offset, _) in table.items()}
         # Since this driver started, for the heartbeat.
         self.filtered = self.late_windows = self.dead_lettered = self.unmatched = 0
         # The group the offsets are committed to; it never subscribes, so it never rebalances.
-        group = kafka.consumer(settings, spec.consumer_group)
+        group = client.consumer(settings, spec.consumer_group)
         self._group_metadata = group.consumer_group_metadata()
         group.close()
 
     def starting_offsets(self, table_starts: dict[int, int] | None = None) -> str:
         """Spark's startingOffsets for a query without checkpoint: the committed offsets; the
         joined table's topic from `table_starts` (where its seed ends)."""
-        partitions = kafka.partition_count(self.settings, self.spec.source.topic)
+        partitions = topics.partition_count(self.settings, self.spec.source.topic)
         # -2 is Spark's "earliest" for a partition the changelog does not cover yet.
         offsets = {str(p): self.committed.get(p, -2) for p in range(partitions)}
         starts = {self.spec.source.topic: offsets}
         if self.table_topic is not None:
             ends = table_starts or {}
-            count = kafka.partition_count(self.settings, self.table_topic)
+            count = topics.partition_count(self.settings, self.table_topic)
             starts[self.table_topic] = {str(p): ends.get(p, -2) for p in range(count)}
         return json.dumps(starts)
 
@@ -131,7 +132,7 @@ class ChangelogWriter:
 
         started = time.perf_counter()
         planned = planned_batch(self.checkpoint, self.spec.source.topic, batch_id, self.table_topic)
-        records = sum(
+        source_records = sum(
             max(0, end - self.committed.get(p, 0)) for p, end in planned.end_offsets.items()
         )
         if all(self.committed.get(p, 0) >= end for p, end in planned.end_offsets.items()) and all(
@@ -148,7 +149,7 @@ class ChangelogWriter:
             wanted = wanted | (F.col("_first_window_end") <= F.lit(planned.watermark_ms))
         rows = output_rows(batch.where(wanted))
         spec, producer = self.spec, self.producer
-        result = BatchResult(batch_id, records)
+        result = BatchResult(batch_id, source_records)
         source = spec.source.topic.encode()
         watermark = changelog.window_iso(planned.watermark_ms)
         delay = spec.window.watermark if spec.window is not None else ""
@@ -165,7 +166,7 @@ class ChangelogWriter:
                 kind = row["_kind"]
                 if kind == "update":
                     value = bytes(row["_value"])[:-1] + through if through else row["_value"]
-                    kafka.send(producer, spec.changelog_topic, row["_key"], value)
+                    records.send(producer, spec.changelog_topic, row["_key"], value)
                     result.updated_keys += 1
                     continue
                 if kind == "filtered":
@@ -204,20 +205,20 @@ class ChangelogWriter:
                 result.reasons[kind] = result.reasons.get(kind, 0) + 1
                 self._dead_letter(row, reason, topic)
             for key, (_, value) in rows_of_table.items():
-                kafka.send(producer, spec.table_topic, key, value)
+                records.send(producer, spec.table_topic, key, value)
             result.table_rows = len(rows_of_table)
             committing = time.perf_counter()
-            offsets = [
-                kafka.TopicPartition(spec.source.topic, p, end)
+            consumed = [
+                offsets.TopicPartition(spec.source.topic, p, end)
                 for p, end in sorted(planned.end_offsets.items())
             ]
             if self.table_topic is not None:
-                offsets += [
-                    kafka.TopicPartition(self.table_topic, p, end)
+                consumed += [
+                    offsets.TopicPartition(self.table_topic, p, end)
                     for p, end in sorted(planned.table_offsets.items())
                 ]
             producer.send_offsets_to_transaction(
-                offsets, self._group_metadata, self.settings.connect_timeout_s * 3
+                consumed, self._group_metadata, self.settings.connect_timeout_s * 3
             )
             producer.commit_transaction(self.settings.connect_timeout_s * 6)
             result.commit_seconds = round(time.perf_counter() - committing, 3)
@@ -259,7 +260,7 @@ class ChangelogWriter:
             ("duality.source.partition", str(row["_partition"]).encode()),
             ("duality.source.offset", str(row["_offset"]).encode()),
         ]
-        kafka.send(self.producer, self.spec.dlq_topic, key, value, headers)
+        records.send(self.producer, self.spec.dlq_topic, key, value, headers)
 
     def close(self) -> None:
         self.producer.flush(10)

@@ -16,9 +16,10 @@ from typing import Any
 
 import psutil
 
-from duality import kafka, metrics
+from duality import metrics
 from duality.config import Settings
 from duality.errors import LocalStackError
+from duality.kafka import client, offsets, topics
 from duality.process import end_processes, live_pid, start_daemon, stop_group
 from duality.spec import PipelineSpec
 from duality.stream import heartbeat, seeding
@@ -191,15 +192,15 @@ def start(
     seeding.checkpoint_usable(
         spec, seeding.checkpoint_dir(settings, spec), seeding.state_partitions(settings, spec)
     )
-    kafka.ensure_reachable(settings)
-    if not kafka.topic_exists(settings, spec.source.topic, wait_if_missing=True):
+    client.ensure_reachable(settings)
+    if not topics.topic_exists(settings, spec.source.topic, wait_if_missing=True):
         raise LocalStackError(
             f"source topic {spec.source.topic!r} of pipeline {spec.name} does not exist on "
             f"{settings.bootstrap_servers}: create it, or produce to it with "
             f"`duality produce {spec.name}`"
         )
     joined = spec.joined
-    if joined is not None and not kafka.topic_exists(settings, joined.topic, wait_if_missing=True):
+    if joined is not None and not topics.topic_exists(settings, joined.topic, wait_if_missing=True):
         writer = f"start pipeline {joined.pipeline}" if joined.pipeline else "create it"
         raise LocalStackError(
             f"pipeline {spec.name} joins table {joined.name}, whose topic {joined.topic!r} does "
@@ -289,7 +290,7 @@ def describe(settings: Settings, spec: PipelineSpec) -> StreamState:
     result = StreamState(
         spec.name, "running" if pid else "stopped", pid, str(log_file(settings, spec))
     )
-    kafka.ensure_reachable(settings)
+    client.ensure_reachable(settings)
     beats = heartbeat.latest(settings)
     beat = beats.get(spec.name)
     if beat is not None:
@@ -327,10 +328,10 @@ def table_lag(settings: Settings, spec: PipelineSpec) -> int | None:
 
 
 def _lag(settings: Settings, group: str, topic: str) -> int | None:
-    if not kafka.topic_exists(settings, topic):
+    if not topics.topic_exists(settings, topic):
         return None
-    ends = kafka.end_offsets(settings, topic)
-    committed = kafka.committed_offsets(settings, group, topic)
+    ends = offsets.end_offsets(settings, topic)
+    committed = offsets.committed_offsets(settings, group, topic)
     return sum(max(0, end - committed.get(p, (0, None))[0]) for p, end in ends.items())
 
 

@@ -17,10 +17,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 
-from duality import kafka
 from duality.config import Settings
 from duality.errors import DualityError
 from duality.join import seeding as join_seeding
+from duality.kafka import client, offsets
 from duality.metrics import MetricsEndpoint, StreamMetrics, spark_ui_config
 from duality.spec import PipelineSpec
 from duality.stream import control, seeding
@@ -172,7 +172,7 @@ class StreamDriver:
         from duality.spark import session
 
         spec, settings = self.spec, self.settings
-        kafka.ensure_reachable(settings)
+        client.ensure_reachable(settings)
         ensure_topics(settings, spec)
         # glibc gives each thread that allocates its own malloc arena; RocksDB's and the JVM's
         # native allocations from many threads then keep growing the JVM's resident memory.
@@ -231,7 +231,7 @@ class StreamDriver:
                     raise
                 except Exception as error:
                     # A refused login does not heal by itself: end with it, no restart loop.
-                    refused = kafka.refused_login_in(settings, error)
+                    refused = client.refused_login_in(settings, error)
                     if refused is not None:
                         heartbeat.end("failed", error=str(refused))
                         raise refused from None
@@ -309,16 +309,17 @@ class StreamDriver:
         # Beside the pipeline's checkpoint, on the storage its executors share.
         scratch = Path(tempfile.mkdtemp(prefix=f".{spec.name}-warm-up-", dir=root))
         try:
-            ends = kafka.end_offsets(settings, topic)
-            begins = kafka.beginning_offsets(settings, topic)
-            offsets = {
-                str(p): max(begins.get(p, 0), end - WARM_UP_RECORDS) for p, end in ends.items()
+            ends = offsets.end_offsets(settings, topic)
+            begins = offsets.beginning_offsets(settings, topic)
+            starts = {
+                topic: {
+                    str(p): max(begins.get(p, 0), end - WARM_UP_RECORDS) for p, end in ends.items()
+                }
             }
-            starts = {topic: offsets}
             if spec.joined is not None:  # the table's last records too
                 table = spec.joined.topic
-                ends = kafka.end_offsets(settings, table)
-                begins = kafka.beginning_offsets(settings, table)
+                ends = offsets.end_offsets(settings, table)
+                begins = offsets.beginning_offsets(settings, table)
                 starts[table] = {
                     str(p): max(begins.get(p, 0), end - WARM_UP_RECORDS) for p, end in ends.items()
                 }
@@ -370,7 +371,7 @@ class StreamDriver:
         endpoint = MetricsEndpoint(
             settings,
             metrics,
-            lambda: kafka.end_offsets(asking, spec.source.topic),
+            lambda: offsets.end_offsets(asking, spec.source.topic),
             spark.sparkContext.uiWebUrl if settings.prometheus_url is not None else None,
         )
         log.info("%s: metrics on port %d (/metrics)", spec.name, endpoint.port)

@@ -10,8 +10,8 @@ import threading
 import time
 from typing import Any
 
-from duality import kafka
 from duality.config import Settings
+from duality.kafka import client, topics
 
 log = logging.getLogger("duality.stream")
 
@@ -32,12 +32,12 @@ REJOIN_AFTER_S = 30.0
 
 
 def session_timeout_ms(settings: Settings) -> int:
-    floor = kafka.broker_setting(settings, "group.min.session.timeout.ms")
+    floor = topics.broker_setting(settings, "group.min.session.timeout.ms")
     return max(SESSION_TIMEOUT_MS, int(floor) if floor else KAFKA_MIN_SESSION_TIMEOUT_MS)
 
 
 def ensure_topic(settings: Settings) -> None:
-    kafka.create_topic(settings, DRIVERS_TOPIC, 1, exist_ok=True)
+    topics.create_topic(settings, DRIVERS_TOPIC, 1, exist_ok=True)
 
 
 class Election:
@@ -58,7 +58,7 @@ class Election:
         self.told.clear()
         self._closing = threading.Event()
         # Sticky assignment: a standby that joins never takes the partition from the active.
-        self._consumer = kafka.consumer(
+        self._consumer = client.consumer(
             self.settings,
             f"duality-{self.pipeline}-active",
             session_timeout_ms=self.session_timeout_ms,

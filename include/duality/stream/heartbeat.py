@@ -11,8 +11,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from duality import kafka
 from duality.config import Settings
+from duality.kafka import client, offsets, records, topics
 
 log = logging.getLogger("duality.stream")
 
@@ -25,10 +25,10 @@ _KEPT = {"min.compaction.lag.ms": str(HISTORY_S * 1000)}
 
 def ensure_topic(settings: Settings) -> None:
     """Create the topic, or give one created before the hour was kept that setting."""
-    config = {**kafka.FAST_COMPACTION, **_KEPT}
-    created = kafka.create_topic(settings, STATUS_TOPIC, 1, config=config, exist_ok=True)
-    if not created and _KEPT.items() - kafka.topic_overrides(settings, STATUS_TOPIC).items():
-        kafka.set_topic_config(settings, STATUS_TOPIC, _KEPT)
+    config = {**topics.FAST_COMPACTION, **_KEPT}
+    created = topics.create_topic(settings, STATUS_TOPIC, 1, config=config, exist_ok=True)
+    if not created and _KEPT.items() - topics.topic_overrides(settings, STATUS_TOPIC).items():
+        topics.set_topic_config(settings, STATUS_TOPIC, _KEPT)
 
 
 class Heartbeat:
@@ -43,7 +43,7 @@ class Heartbeat:
     ):
         self.pipeline = pipeline
         self.ended = False
-        self.producer = kafka.producer(settings, linger_ms=0)
+        self.producer = client.producer(settings, linger_ms=0)
         # ppid: the supervisor that `duality stream start` launched (`supervisor.supervise`).
         self.base = dict(
             pipeline=pipeline,
@@ -83,7 +83,7 @@ class Heartbeat:
 
 def latest(settings: Settings) -> dict[str, dict[str, Any]]:
     """The latest heartbeat of every pipeline (a record that is no JSON object is skipped)."""
-    if not kafka.topic_exists(settings, STATUS_TOPIC):
+    if not topics.topic_exists(settings, STATUS_TOPIC):
         return {}
     return dict(_beats(settings))
 
@@ -91,10 +91,10 @@ def latest(settings: Settings) -> dict[str, dict[str, Any]]:
 def history(settings: Settings, since_ms: int) -> dict[str, list[dict[str, Any]]]:
     """Every pipeline's heartbeats written since `since_ms` (epoch ms), oldest first: all of
     the last `HISTORY_S`; of older ones, only those the topic's cleaner has not compacted yet."""
-    if not kafka.topic_exists(settings, STATUS_TOPIC):
+    if not topics.topic_exists(settings, STATUS_TOPIC):
         return {}
     beats: dict[str, list[dict[str, Any]]] = {}
-    start = kafka.offsets_for_time(settings, STATUS_TOPIC, since_ms)
+    start = offsets.offsets_for_time(settings, STATUS_TOPIC, since_ms)
     for pipeline, document in _beats(settings, start):
         if document.get("last_progress_ms", 0) >= since_ms:
             beats.setdefault(pipeline, []).append(document)
@@ -105,7 +105,7 @@ def _beats(
     settings: Settings, start: dict[int, int] | None = None
 ) -> Iterator[tuple[str, dict[str, Any]]]:
     """(pipeline, heartbeat) of each record of the topic in order, from the offsets `start`."""
-    for message in kafka.read_to_end(settings, STATUS_TOPIC, start=start, timeout=60):
+    for message in records.read_to_end(settings, STATUS_TOPIC, start=start, timeout=60):
         key, value = message.key(), message.value()
         if key is None or value is None:
             continue

@@ -8,9 +8,9 @@ import dataclasses
 import shutil
 from typing import Any
 
-from duality import kafka
 from duality.config import Settings
 from duality.errors import UsageError
+from duality.kafka import client, offsets
 from duality.spec import PipelineSpec
 from duality.stream import control, seeding
 
@@ -72,10 +72,10 @@ def plan(settings: Settings, spec: PipelineSpec, partitions: int | None) -> Resc
             f"pipeline {spec.name} has no checkpoint at {checkpoint}: there is no state to "
             f"rescale; its next start runs with {wanted} state partitions"
         )
-    kafka.ensure_reachable(settings)
+    client.ensure_reachable(settings)
     pid = control.running_pid(settings, spec)
     standby = control.running_pid(settings, spec, standby=True)
-    committed = kafka.committed_offsets(settings, spec.consumer_group, spec.source.topic)
+    committed = offsets.committed_offsets(settings, spec.consumer_group, spec.source.topic)
     return RescalePlan(
         pipeline=spec.name,
         partitions_before=before,

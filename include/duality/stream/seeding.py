@@ -10,9 +10,9 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from duality import kafka
 from duality.config import Settings
 from duality.errors import UsageError
+from duality.kafka import offsets
 from duality.spec import SQL_TYPES, PipelineSpec
 from duality.stream.query import partials_of, row_types, rows_schema
 
@@ -69,8 +69,8 @@ def write_seed(
 
 def _empty(settings: Settings, topic: str) -> bool:
     """No record (committed or not) is stored in any partition of `topic`."""
-    first = kafka.beginning_offsets(settings, topic)
-    ends = kafka.end_offsets(settings, topic, "read_uncommitted")
+    first = offsets.beginning_offsets(settings, topic)
+    ends = offsets.end_offsets(settings, topic, "read_uncommitted")
     return all(ends[p] <= first.get(p, 0) for p in ends)
 
 

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from duality import kafka
 from duality.config import Settings
+from duality.kafka import topics
 from duality.snapshot import delta_log
 from tests.harness import (
     ROOT,
@@ -140,12 +140,12 @@ def test_repartition_dag_moves_every_record_and_a_dry_run_moves_none(
     Path(airflow_env["DUALITY_REPARTITION_CONFIG"]).write_text(yaml.safe_dump({"topics": [move]}))
     dry = dag_test(airflow_env, "duality_repartition", {"dry_run": True})
     assert dry["state"] == "success", dry
-    assert not kafka.topic_exists(settings, target)
+    assert not topics.topic_exists(settings, target)
 
     run = dag_test(airflow_env, "duality_repartition")
     assert run["state"] == "success", run
     assert run["tasks"] == {"select": "success", "repartition[0]": "success"}
-    assert kafka.partition_count(settings, target) == 8
+    assert topics.partition_count(settings, target) == 8
     source = {(p, o) for p, o, _, _ in read_topic(settings, topic)}
     lineage = set()
     for message in read_messages(settings, target):

@@ -8,9 +8,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from duality import kafka
 from duality.airflow_api import AirflowClient
 from duality.config import Settings
+from duality.kafka import topics
 from duality.local.ports import free_port
 from tests.harness import assert_eventually, make_pipeline
 from tests.stack import running_airflow
@@ -57,7 +57,7 @@ def test_an_ended_snapshot_task_leaves_no_process(settings: Settings, tmp_path: 
     )
     spec = make_pipeline(scoped, scoped.pipelines, "product_sales")
     for topic in (spec.source.topic, spec.changelog_topic):
-        kafka.create_topic(scoped, topic, 1)
+        topics.create_topic(scoped, topic, 1)
     dag_id = f"duality_{spec.name}_snapshot"
     with running_airflow(scoped) as client:
         client.wait_for_dag(dag_id)

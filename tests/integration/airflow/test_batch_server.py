@@ -21,12 +21,13 @@ from typing import Any
 
 import pytest
 
-from duality import kafka, process
+from duality import process
 from duality.airflow_api import AirflowClient
 from duality.batch_server import server_report
 from duality.config import Settings
 from duality.demo import _run_dags, _start_run
 from duality.errors import CheckFailed
+from duality.kafka import topics
 from duality.local.batch_server import LocalBatchServer
 from duality.local.ports import free_port
 from duality.snapshot import publish
@@ -77,7 +78,7 @@ def _pipeline(stack: Stack, keys: int, seed: int) -> PipelineSpec:
     commit markers reach the partitions after the commit returns, so a read_committed reader
     at once may not see all of it yet."""
     spec = make_pipeline(stack.settings, stack.settings.pipelines, "product_sales")
-    kafka.create_topic(stack.settings, spec.source.topic, 3)
+    topics.create_topic(stack.settings, spec.source.topic, 3)
     _create_changelog(stack.settings, spec)
     _write_keys(stack, spec, "p", keys, seed)
     return spec

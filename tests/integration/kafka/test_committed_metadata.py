@@ -8,18 +8,18 @@ import base64
 
 from confluent_kafka import Consumer, TopicPartition
 
-from duality import kafka
 from duality.config import Settings
+from duality.kafka import client, offsets, records, topics
 from tests.harness import duality_json
 
 PARTITIONS = 12
 
 
 def test_skew_and_lag_of_a_group_with_binary_metadata(settings: Settings, topic: str):
-    kafka.create_topic(settings, topic, PARTITIONS)
-    producer = kafka.producer(settings)
+    topics.create_topic(settings, topic, PARTITIONS)
+    producer = client.producer(settings)
     for n in range(2400):
-        kafka.send(producer, topic, key=f"k{n}", value=b"v")
+        records.send(producer, topic, key=f"k{n}", value=b"v")
     assert producer.flush(30) == 0
     group = f"{topic}-streams-app"
     # As Kafka Streams does: binary (a magic byte, a timestamp, processor metadata) in Base64.
@@ -28,20 +28,20 @@ def test_skew_and_lag_of_a_group_with_binary_metadata(settings: Settings, topic:
     # fill a heap allocation exactly, which made that likely. The commands run first, each in a
     # fresh process as users run them.
     committer = Consumer({**settings.kafka_client_config(), "group.id": group})
-    offsets = [
+    streams_offsets = [
         TopicPartition(
             topic, p, 10 * p, base64.b64encode(bytes([2, 0xFF, 0xFE]) * (4 * p + 6)).decode()
         )
         for p in range(PARTITIONS)
     ]
     try:
-        committer.commit(offsets=offsets, asynchronous=False)
+        committer.commit(offsets=streams_offsets, asynchronous=False)
     finally:
         committer.close()
 
     skew = duality_json(settings, "skew", topic, "--group", group)
     loads = {load["partition"]: load for load in skew["partitions"]}
-    ends = kafka.end_offsets(settings, topic)
+    ends = offsets.end_offsets(settings, topic)
     assert {p: load["lag"] for p, load in loads.items()} == {
         p: max(0, ends[p] - 10 * p) for p in range(PARTITIONS)
     }
@@ -51,9 +51,9 @@ def test_skew_and_lag_of_a_group_with_binary_metadata(settings: Settings, topic:
         (p, 10 * p) for p in range(PARTITIONS)
     }
 
-    committed = kafka.committed_offsets(settings, group, topic)
+    committed = offsets.committed_offsets(settings, group, topic)
     assert {p: offset for p, (offset, _) in committed.items()} == {
         p: 10 * p for p in range(PARTITIONS)
     }
     for p, (_, metadata) in committed.items():
-        assert metadata is not None and metadata.startswith(offsets[p].metadata.encode())
+        assert metadata is not None and metadata.startswith(streams_offsets[p].metadata.encode())

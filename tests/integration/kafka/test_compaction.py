@@ -3,15 +3,15 @@ the status topic keeps its last hour whole."""
 
 from __future__ import annotations
 
-from duality import kafka
 from duality.config import Settings
+from duality.kafka import client, topics
 from duality.stream import heartbeat
 from tests.harness import assert_eventually, read_topic
 
 
 def test_compacted_topic_keeps_latest_value_per_key(settings: Settings, topic: str):
-    kafka.create_topic(settings, topic, 1, config=kafka.FAST_COMPACTION)
-    producer = kafka.producer(settings)
+    topics.create_topic(settings, topic, 1, config=topics.FAST_COMPACTION)
+    producer = client.producer(settings)
     keys = [f"k{i}" for i in range(50)]
     for version in range(5):
         for key in keys:
@@ -52,9 +52,9 @@ def test_the_status_topic_keeps_the_last_hour_of_heartbeats(settings: Settings):
     pipelines page's hour of heartbeats whole."""
     kept = {"min.compaction.lag.ms": str(heartbeat.HISTORY_S * 1000)}
     heartbeat.ensure_topic(settings)
-    assert kafka.topic_overrides(settings, heartbeat.STATUS_TOPIC).items() >= kept.items()
+    assert topics.topic_overrides(settings, heartbeat.STATUS_TOPIC).items() >= kept.items()
     # As a topic created by an earlier version was: compacted with no lag.
-    kafka.set_topic_config(settings, heartbeat.STATUS_TOPIC, {"min.compaction.lag.ms": "0"})
-    assert kafka.topic_overrides(settings, heartbeat.STATUS_TOPIC)["min.compaction.lag.ms"] == "0"
+    topics.set_topic_config(settings, heartbeat.STATUS_TOPIC, {"min.compaction.lag.ms": "0"})
+    assert topics.topic_overrides(settings, heartbeat.STATUS_TOPIC)["min.compaction.lag.ms"] == "0"
     heartbeat.ensure_topic(settings)
-    assert kafka.topic_overrides(settings, heartbeat.STATUS_TOPIC).items() >= kept.items()
+    assert topics.topic_overrides(settings, heartbeat.STATUS_TOPIC).items() >= kept.items()

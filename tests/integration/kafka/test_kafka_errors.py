@@ -15,9 +15,10 @@ from confluent_kafka.admin import (
     ResourceType,
 )
 
-from duality import cli, kafka, workload
+from duality import cli, workload
 from duality.config import Settings
 from duality.errors import UsageError
+from duality.kafka import client, topics
 from duality.local.broker import ephemeral_broker
 from duality.local.scram import Scram
 from tests.harness import make_pipeline
@@ -54,7 +55,7 @@ def _as(monkeypatch: pytest.MonkeyPatch, settings: Settings, user: str, password
 def test_a_refused_login_says_so_naming_mechanism_and_user_never_the_password(
     secured: Settings, topic: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ):
-    kafka.create_topic(secured, topic, 2)
+    topics.create_topic(secured, topic, 2)
     _as(monkeypatch, secured, "alice", WRONG_PASSWORD)
     assert cli.main(["skew", topic]) == 2
     err = capsys.readouterr().err.replace("\n", " ")
@@ -69,7 +70,7 @@ def test_a_refused_login_says_so_naming_mechanism_and_user_never_the_password(
 def test_an_operation_without_acl_names_the_user_and_the_operation(
     secured: Settings, topic: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ):
-    kafka.create_topic(secured, topic, 2)
+    topics.create_topic(secured, topic, 2)
     group = f"{topic}-group"
     _as(monkeypatch, secured, "alice", ALICE_PASSWORD)
     assert cli.main(["skew", topic, "--group", group]) == 2
@@ -80,7 +81,7 @@ def test_an_operation_without_acl_names_the_user_and_the_operation(
     # Allowed to read the topic, not the group: the group is named now.
     the_topic = (ResourceType.TOPIC, topic, ResourcePatternType.LITERAL)
     read = AclBinding(*the_topic, "User:alice", "*", AclOperation.READ, AclPermissionType.ALLOW)
-    for future in kafka.admin(secured).create_acls([read]).values():
+    for future in client.admin(secured).create_acls([read]).values():
         future.result()
     for command in (["skew", topic, "--group", group], ["lag", "--group", group]):
         assert cli.main(command) == 2
@@ -93,12 +94,12 @@ def test_an_operation_without_acl_names_the_user_and_the_operation(
     with pytest.raises(
         UsageError, match=f"does not allow user 'alice' to create topic '{topic}-2'"
     ):
-        kafka.create_topic(alice, f"{topic}-2", 1)
+        topics.create_topic(alice, f"{topic}-2", 1)
     with pytest.raises(UsageError, match="does not allow user 'alice' to initialise the trans"):
-        kafka.transactional_producer(alice, f"{topic}-tx")
+        client.transactional_producer(alice, f"{topic}-tx")
 
 
-class _CountingAdminClient(kafka.AdminClient):
+class _CountingAdminClient(client.AdminClient):
     built = 0
 
     def __init__(self, config: dict) -> None:
@@ -113,18 +114,18 @@ def test_a_command_builds_one_admin_client(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture,
 ):
-    kafka.create_topic(settings, topic, 4)
+    topics.create_topic(settings, topic, 4)
     spec = make_pipeline(settings, tmp_path, "product_sales", topic=topic)
     workload.produce(settings, spec, events=2_000, keys=50, zipf=1.3, bad_fraction=0, seed=5)
     monkeypatch.setenv("DUALITY_BOOTSTRAP_SERVERS", settings.bootstrap_servers)
-    monkeypatch.setattr(kafka, "AdminClient", _CountingAdminClient)
+    monkeypatch.setattr(client, "AdminClient", _CountingAdminClient)
     commands = [
         ["skew", topic, "--group", spec.consumer_group, "--window", "1h"],
         ["repartition", topic, "--to", f"{topic}-8p", "--partitions", "8", "--dry-run"],
         ["lag"],
     ]
     for command in commands:
-        monkeypatch.setattr(kafka, "_admins", {})  # a new process, as far as clients go
+        monkeypatch.setattr(client, "_admins", {})  # a new process, as far as clients go
         _CountingAdminClient.built = 0
         assert cli.main(command) == 0, capsys.readouterr().err
         assert _CountingAdminClient.built == 1, command

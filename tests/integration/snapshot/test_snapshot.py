@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 
-from duality import changelog, cli, kafka, validate
+from duality import changelog, cli, validate
 from duality.config import Settings
+from duality.kafka import client, offsets, records, topics
 from duality.snapshot import build, delta_log, dv_commit, publish
 from duality.snapshot import maintain as maintain_module
 from duality.snapshot.coverage import Coverage
@@ -39,11 +40,11 @@ from tests.harness import (
 
 
 def _create_changelog(settings: Settings, spec: PipelineSpec) -> None:
-    kafka.create_topic(
+    topics.create_topic(
         settings,
         spec.changelog_topic,
         3,
-        config={"cleanup.policy": "compact", **kafka.FAST_COMPACTION},
+        config={"cleanup.policy": "compact", **topics.FAST_COMPACTION},
     )
 
 
@@ -67,7 +68,7 @@ def _write(
     abort: bool = False,
 ) -> None:
     """One transaction of changelog records: a row per key, None for a tombstone."""
-    producer = kafka.producer(settings, transactional_id=f"test-{spec.name}")
+    producer = client.producer(settings, transactional_id=f"test-{spec.name}")
     producer.init_transactions(30)
     producer.begin_transaction()
     for product, row in changes.items():
@@ -77,7 +78,7 @@ def _write(
             if row is None
             else changelog.encode_value(spec, [product], row, {"count": row["orders"]}, 1_700_000)
         )
-        kafka.send(producer, spec.changelog_topic, key, value)
+        records.send(producer, spec.changelog_topic, key, value)
     if abort:
         producer.flush(30)
         producer.abort_transaction(30)
@@ -145,7 +146,7 @@ def _records_between(settings: Settings, spec: PipelineSpec, start: dict[int, in
 def pipeline(settings: Settings, tmp_path: Path) -> tuple[Settings, PipelineSpec]:
     scoped = settings.replace(reports=tmp_path / "reports", pipelines=tmp_path / "pipelines")
     spec = make_pipeline(scoped, tmp_path / "pipelines", "product_sales")
-    kafka.create_topic(scoped, spec.source.topic, 3)
+    topics.create_topic(scoped, spec.source.topic, 3)
     _create_changelog(scoped, spec)
     return scoped, spec
 
@@ -169,7 +170,7 @@ def test_full_then_incremental_equal_the_changelog(spark, pipeline) -> None:  # 
     assert len(truth) == 400 - 30
     assert _table(delta_log.load(spark, path, full.version), spec) == truth
     # The offsets the version covers are in its commit.
-    ends = kafka.end_offsets(settings, spec.changelog_topic)
+    ends = offsets.end_offsets(settings, spec.changelog_topic)
     recorded = delta_log.history(path)[0].metadata
     assert recorded is not None
     assert Coverage.from_dict(recorded["coverage"]).changelog == ends
@@ -223,7 +224,7 @@ def test_full_then_incremental_equal_the_changelog(spark, pipeline) -> None:  # 
     assert build.build(settings, spec, "incremental", spark=spark).version is None
 
     # A recreated changelog (the reset tool) cannot be merged: full rebuild, and why.
-    kafka.delete_topic(settings, spec.changelog_topic)
+    topics.delete_topic(settings, spec.changelog_topic)
     _create_again(settings, spec)
     _write(settings, spec, _history(rng, range(5)))
     # The job's entry point, run with Python as users run it.
@@ -341,7 +342,7 @@ def test_reconcile_with_the_source(spark, pipeline, tmp_path: Path) -> None:  # 
     from duality import workload
 
     settings, spec = pipeline
-    kafka.delete_topic(settings, spec.changelog_topic)  # the stream creates its own
+    topics.delete_topic(settings, spec.changelog_topic)  # the stream creates its own
     workload.produce(
         settings, spec, events=4_000, keys=300, zipf=1.1, bad_fraction=0.03, seed=5, partitions=3
     )
@@ -356,8 +357,8 @@ def test_reconcile_with_the_source(spark, pipeline, tmp_path: Path) -> None:  # 
     latest = read_latest(settings, spec)
     key, value = next(iter(sorted(latest.items())))
     value = {**value, "orders": value["orders"] + 1}
-    producer = kafka.producer(settings)
-    kafka.send(producer, spec.changelog_topic, key, json.dumps(value).encode())
+    producer = client.producer(settings)
+    records.send(producer, spec.changelog_topic, key, json.dumps(value).encode())
     producer.flush(30)
     tampered = build.build(settings, spec, spark=spark)
     assert tampered.mode == "incremental" and tampered.records_read == 1

@@ -16,8 +16,8 @@ from typing import Any
 
 import yaml
 
-from duality import kafka
 from duality.config import Settings
+from duality.kafka import client, offsets, topics
 from duality.spec import PipelineSpec, load_spec
 from duality.stream import heartbeat
 from tests.harness import (
@@ -74,7 +74,7 @@ class Feed:
     def __init__(self, settings: Settings, spec: PipelineSpec):
         assert spec.joined is not None
         self.spec, self.table = spec, spec.joined.topic
-        self.producer = kafka.transactional_producer(settings, f"feed-{uuid.uuid4().hex}")
+        self.producer = client.transactional_producer(settings, f"feed-{uuid.uuid4().hex}")
         self.phases: list[list[dict[str, Any]]] = []
         # Timestamps near now, or the brokers' time retention would delete the records.
         self.clock = 0
@@ -168,8 +168,8 @@ def _covered(settings: Settings, spec: PipelineSpec) -> bool:
     """Whether the group's committed offsets cover both topics' ends."""
     assert spec.joined is not None
     for topic in (spec.source.topic, spec.joined.topic):
-        ends = kafka.end_offsets(settings, topic)
-        committed = kafka.committed_offsets(settings, spec.consumer_group, topic)
+        ends = offsets.end_offsets(settings, topic)
+        committed = offsets.committed_offsets(settings, spec.consumer_group, topic)
         if any(committed.get(p, (0, None))[0] < end for p, end in ends.items()):
             return False
     return True
@@ -181,8 +181,10 @@ def test_a_left_join_meets_the_oracle_through_kills_and_a_lost_checkpoint(
     pipelines = tmp_path / "pipelines"
     spec = _spec(pipelines, "left")
     assert spec.joined is not None
-    kafka.create_topic(settings, spec.source.topic, SOURCE_PARTITIONS)
-    kafka.create_topic(settings, spec.joined.topic, TABLE_PARTITIONS, config=kafka.FAST_COMPACTION)
+    topics.create_topic(settings, spec.source.topic, SOURCE_PARTITIONS)
+    topics.create_topic(
+        settings, spec.joined.topic, TABLE_PARTITIONS, config=topics.FAST_COMPACTION
+    )
     feed = Feed(settings, spec)
     # Before the first start: rows, then orders, some of customers without a row.
     feed.phase(*[("table", f"c{i}", TIERS[i % 3], i) for i in range(12)])
@@ -262,14 +264,14 @@ def test_a_left_join_meets_the_oracle_through_kills_and_a_lost_checkpoint(
     assert reason.startswith(
         f"table customers (topic {spec.joined.topic}): malformed JSON or not a JSON object"
     )
-    topics = {dict(m.headers() or [])["duality.source.topic"].decode() for m in dead}
-    assert topics == {spec.joined.topic}
+    sources = {dict(m.headers() or [])["duality.source.topic"].decode() for m in dead}
+    assert sources == {spec.joined.topic}
 
 
 def _compacted(settings: Settings, topic: str) -> bool:
     """Whether compaction has removed c1's and c2's superseded records from `topic` (a filler
     record in each partition rolls its active segment meanwhile)."""
-    producer = kafka.producer(settings)
+    producer = client.producer(settings)
     for partition in range(TABLE_PARTITIONS):
         key = f"filler{partition}"
         value = json.dumps({"customer": key, "tier": "x"})
@@ -288,8 +290,10 @@ def test_an_inner_join_by_tier_counts_unmatched_events_and_resets(
     pipelines = tmp_path / "pipelines"
     spec = _spec(pipelines, "inner", key="customers.tier")
     assert spec.joined is not None
-    kafka.create_topic(settings, spec.source.topic, SOURCE_PARTITIONS)
-    kafka.create_topic(settings, spec.joined.topic, TABLE_PARTITIONS, config=kafka.FAST_COMPACTION)
+    topics.create_topic(settings, spec.source.topic, SOURCE_PARTITIONS)
+    topics.create_topic(
+        settings, spec.joined.topic, TABLE_PARTITIONS, config=topics.FAST_COMPACTION
+    )
     feed = Feed(settings, spec)
     feed.phase(*[("table", f"c{i}", TIERS[i % 3], i) for i in range(6)])
     feed.phase(*[("event", f"c{i % 9}", None, i) for i in range(27)])  # c6-c8: no row

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from confluent_kafka import TopicPartition
 
-from duality import cli, kafka, process, repartition, skew, workload
+from duality import cli, process, repartition, skew, workload
 from duality.config import Settings
 from duality.errors import UsageError
+from duality.kafka import client, offsets, records, topics
 from tests import truth
 from tests.harness import (
     ROOT,
@@ -79,27 +80,27 @@ def test_key_hash_copy_is_exact_and_agrees_with_java(
     settings: Settings, spark, topic: str, tmp_path: Path
 ):
     source, target, reference = topic, f"{topic}-6p", f"{topic}-java"
-    kafka.create_topic(settings, source, 4, config={"retention.ms": "86400000"})
+    topics.create_topic(settings, source, 4, config={"retention.ms": "86400000"})
     _produce(settings, tmp_path, source, EVENTS, 1.1, seed=31)
     # Records with headers and null keys too.
-    producer = kafka.producer(settings)
+    producer = client.producer(settings)
     for i in range(200):
-        kafka.send(producer, source, None, f"null-key-{i}", [("trace", str(i).encode())])
-        kafka.send(producer, source, f"h-{i % 7}", f"v{i}", [("trace", str(i).encode())])
+        records.send(producer, source, None, f"null-key-{i}", [("trace", str(i).encode())])
+        records.send(producer, source, f"h-{i % 7}", f"v{i}", [("trace", str(i).encode())])
     assert producer.flush(30) == 0
 
     plan = repartition.plan(settings, source, target, 6)
     report = repartition.run(settings, plan)
     assert report.copied == EVENTS + 400
-    assert kafka.partition_count(settings, target) == 6
-    assert kafka.topic_overrides(settings, target)["retention.ms"] == "86400000"
+    assert topics.partition_count(settings, target) == 6
+    assert topics.topic_overrides(settings, target)["retention.ms"] == "86400000"
     copies = _assert_exact_copy(settings, source, target)
     assert sum(report.target_partitions.values()) == len(copies)
 
     # Where Spark's Kafka sink (the Java producer's default partitioner) puts each key.
     keys = sorted({c["key"] for c in copies if c["key"] is not None})
     frame = spark.createDataFrame([(k, b"x") for k in keys], "key binary, value binary")
-    kafka.create_topic(settings, reference, 6)
+    topics.create_topic(settings, reference, 6)
     options = settings.spark_kafka_options()
     frame.write.format("kafka").options(**options).option("topic", reference).save()
     java = {key: partition for partition, _, key, _ in read_topic(settings, reference)}
@@ -132,14 +133,14 @@ def _job(settings: Settings, log: Path, *args: str) -> subprocess.Popen[bytes]:
 
 def test_sigkill_mid_copy_then_resume(settings: Settings, topic: str, tmp_path: Path):
     source, target = topic, f"{topic}-5p"
-    kafka.create_topic(settings, source, 4)
+    topics.create_topic(settings, source, 4)
     _produce(settings, tmp_path, source, 40_000, 1.1, seed=41)
     plan = repartition.plan(settings, source, target, 5)
     log = tmp_path / "repartition.log"
     args = [source, "--to", target, "--partitions", "5"]
 
     def copied() -> int:
-        return sum(o for o, _ in kafka.committed_offsets(settings, plan.group, source).values())
+        return sum(o for o, _ in offsets.committed_offsets(settings, plan.group, source).values())
 
     first = _job(settings, log, *args, "--throttle", "2500", "--transaction-records", "500")
     try:
@@ -166,7 +167,7 @@ def test_salted_evens_a_hot_key_and_aggregates_stay_exact(
     settings: Settings, topic: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ):
     source, target = topic, f"{topic}-salted"
-    kafka.create_topic(settings, source, 4)
+    topics.create_topic(settings, source, 4)
     _produce(settings, tmp_path, source, EVENTS, 1.35, seed=51)
     original = read_topic(settings, source)
     keys = Counter(key for _, _, key, _ in original)
@@ -207,7 +208,7 @@ def test_salted_evens_a_hot_key_and_aggregates_stay_exact(
     spec = make_pipeline(settings, pipelines, "product_sales", topic=target)
     # A transactional topic ends with a commit marker. The stream commits the offsets Spark
     # planned its micro-batches to, which pass the markers: it covers the topic to its end.
-    ends = kafka.end_offsets(settings, target, "read_uncommitted")
+    ends = offsets.end_offsets(settings, target, "read_uncommitted")
     assert all(ends[p] > 1 + max(c["offset"] for c in copies if c["partition"] == p) for p in ends)
     stream = StreamProcess(settings, spec, pipelines, tmp_path / "stream.log")
     stream.start()
@@ -216,7 +217,7 @@ def test_salted_evens_a_hot_key_and_aggregates_stay_exact(
             lambda: (
                 {
                     p: o
-                    for p, (o, _) in kafka.committed_offsets(
+                    for p, (o, _) in offsets.committed_offsets(
                         settings, spec.consumer_group, target
                     ).items()
                 }
@@ -268,19 +269,19 @@ def test_bad_arguments_exit_2_and_create_nothing(
     if "--missing-source" in arguments:
         arguments.remove("--missing-source")
     else:
-        kafka.create_topic(settings, source, 2)
+        topics.create_topic(settings, source, 2)
     if "--existing-target" in arguments:
         arguments.remove("--existing-target")
-        kafka.create_topic(settings, target, 2)
-    existed = kafka.topic_exists(settings, target)
+        topics.create_topic(settings, target, 2)
+    existed = topics.topic_exists(settings, target)
     code = cli.main(["repartition", source, "--to", target, *arguments])
     captured = capsys.readouterr()
     assert code == 2, captured
     assert message in captured.err.replace("\n", " "), captured.err
-    assert kafka.topic_exists(settings, target) == existed
-    assert kafka.topic_exists(settings, source) == ("does not exist" not in message)
+    assert topics.topic_exists(settings, target) == existed
+    assert topics.topic_exists(settings, source) == ("does not exist" not in message)
     group = f"duality-repartition-{target}"
-    assert group not in kafka.consumer_groups(settings)
+    assert group not in offsets.consumer_groups(settings)
 
 
 def test_skew_of_a_missing_topic_exits_2(
@@ -295,14 +296,14 @@ def test_continuous_mirrors_new_records_until_stopped(
     settings: Settings, topic: str, tmp_path: Path
 ):
     source, target = topic, f"{topic}-3p"
-    kafka.create_topic(settings, source, 2)
+    topics.create_topic(settings, source, 2)
     _produce(settings, tmp_path, source, 5_000, 1.1, seed=61)
     log = tmp_path / "continuous.log"
     job = _job(settings, log, source, "--to", target, "--partitions", "3", "--continuous")
     plan = repartition.plan(settings, source, target, 3)
 
     def copied() -> int:
-        return sum(o for o, _ in kafka.committed_offsets(settings, plan.group, source).values())
+        return sum(o for o, _ in offsets.committed_offsets(settings, plan.group, source).values())
 
     try:
         assert_eventually(lambda: copied() >= 5_000, timeout=120, message=f"see {log}")
@@ -325,17 +326,17 @@ def test_resume_after_a_copier_died_between_offset_commit_and_commit(
     settings: Settings, spark, topic: str, tmp_path: Path
 ):
     source, target = topic, f"{topic}-3p"
-    kafka.create_topic(settings, source, 2)
+    topics.create_topic(settings, source, 2)
     _produce(settings, tmp_path, source, 5_000, 1.1, seed=71)
     plan = repartition.plan(settings, source, target, 3)
     repartition.ensure_target(settings, plan)
     # A copier of partition 0 that wrote records and its offset commit, then died.
-    zombie = kafka.producer(settings, transactional_id=plan.transactional_id(0))
+    zombie = client.producer(settings, transactional_id=plan.transactional_id(0))
     zombie.init_transactions(60)
     zombie.begin_transaction()
     for _ in range(100):
-        kafka.send(zombie, target, b"zombie", b"never committed")
-    group = kafka.consumer(settings, plan.group)
+        records.send(zombie, target, b"zombie", b"never committed")
+    group = client.consumer(settings, plan.group)
     zombie.send_offsets_to_transaction(
         [TopicPartition(source, 0, 100, plan.metadata())], group.consumer_group_metadata(), 60
     )
@@ -353,5 +354,5 @@ def test_resume_after_a_copier_died_between_offset_commit_and_commit(
     second = repartition.plan(settings, target, f"{target}-again", 2)
     assert repartition.run(settings, second).copied == 5_000
     _assert_exact_copy(settings, target, second.target)
-    left = repartition.remaining(settings, second, kafka.end_offsets(settings, target))
+    left = repartition.remaining(settings, second, offsets.end_offsets(settings, target))
     assert left == {0: 0, 1: 0, 2: 0}

@@ -18,8 +18,9 @@ from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Any
 
-from duality import kafka, validate
+from duality import validate
 from duality.config import Settings
+from duality.kafka import client, records, topics
 from duality.snapshot import build
 from duality.spec import PipelineSpec, load_spec
 from tests import truth
@@ -343,9 +344,9 @@ def test_frame_restores_from_its_state(local_spark, tmp_path: Path):  # type: ig
 
 
 def _produce(settings: Settings, topic: str, values: list[bytes]) -> None:
-    producer = kafka.producer(settings)
+    producer = client.producer(settings)
     for index, value in enumerate(values):
-        kafka.send(producer, topic, f"k{index % 97}".encode(), value)
+        records.send(producer, topic, f"k{index % 97}".encode(), value)
     assert producer.flush(30) == 0
 
 
@@ -358,7 +359,7 @@ def test_every_construct_through_kill_and_restore(settings: Settings, spark, tmp
     pipelines = tmp_path / "pipelines"
     spec = _spec(pipelines, "t" + unique_name("rich").split("-")[-1])
     topic = spec.source.topic
-    kafka.create_topic(settings, topic, 3)
+    topics.create_topic(settings, topic, 3)
     _produce(settings, topic, workload(2_400, 0, seed=1))
     log = tmp_path / "stream.log"
     stream = StreamProcess(settings, spec, pipelines, log, max_offsets_per_trigger=300)
@@ -417,8 +418,8 @@ def _reconcile(settings: Settings, spec: PipelineSpec, spark) -> None:  # type: 
     report = validate.run(settings, spec, reconcile=True, spark=spark)
     assert report.success and report.reconciled, report.failed
     key, value = sorted(read_latest(settings, spec).items())[0]
-    producer = kafka.producer(settings)
-    kafka.send(producer, spec.changelog_topic, key, json.dumps({**value, "bulk": -1}).encode())
+    producer = client.producer(settings)
+    records.send(producer, spec.changelog_topic, key, json.dumps({**value, "bulk": -1}).encode())
     assert producer.flush(30) == 0
     build.build(settings, spec, spark=spark)
     report = validate.run(settings, spec, reconcile=True, spark=spark)
@@ -427,5 +428,5 @@ def _reconcile(settings: Settings, spec: PipelineSpec, spark) -> None:  # type: 
     named = failed[0].keys[0]
     assert [named["region"], named["band"]] == json.loads(key)[:2], (named, key)
     assert "bulk: snapshot -1" in named["_mismatch"]
-    kafka.send(producer, spec.changelog_topic, key, json.dumps(value).encode())
+    records.send(producer, spec.changelog_topic, key, json.dumps(value).encode())
     assert producer.flush(30) == 0

@@ -13,8 +13,8 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from duality import kafka
 from duality.config import Settings, jaas_quote
+from duality.kafka import offsets
 from duality.local.broker import ephemeral_broker
 from duality.local.scram import Scram
 from tests import truth
@@ -108,10 +108,10 @@ def test_a_pipeline_end_to_end_through_the_sasl_listener(run: Run):
         started, _, _ = run.duality("stream", "start", spec.name, "--trigger-seconds", "0.5")
         try:
             assert started["state"] == "running"
-            ends = kafka.end_offsets(settings, spec.source.topic)
+            ends = offsets.end_offsets(settings, spec.source.topic)
             assert_eventually(
                 lambda: {
-                    p: o for p, (o, _) in kafka.committed_offsets(
+                    p: o for p, (o, _) in offsets.committed_offsets(
                         settings, spec.consumer_group, spec.source.topic
                     ).items()
                 } == ends,

@@ -9,8 +9,8 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import LongType, StringType, StructField, StructType
 
-from duality import kafka
 from duality.config import Settings
+from duality.kafka import client, offsets, topics
 from tests.harness import read_topic
 
 SCHEMA = StructType(
@@ -27,7 +27,7 @@ def _produce_orders(settings: Settings, topic: str, first: int, count: int) -> l
         {"order_id": f"o{i}", "product": f"p{i % 13}", "quantity": i % 5 + 1}
         for i in range(first, first + count)
     ]
-    producer = kafka.producer(settings)
+    producer = client.producer(settings)
     for order in orders:
         producer.produce(topic, key=order["product"], value=json.dumps(order))
     assert producer.flush(30) == 0, "producer did not deliver everything"
@@ -41,9 +41,9 @@ def _parse(frame):  # type: ignore[no-untyped-def]
 
 
 def test_batch_read_with_bounded_offsets(settings: Settings, spark: SparkSession, topic: str):
-    kafka.create_topic(settings, topic, 3)
+    topics.create_topic(settings, topic, 3)
     first = _produce_orders(settings, topic, 0, 300)
-    bound = kafka.end_offsets(settings, topic)
+    bound = offsets.end_offsets(settings, topic)
     assert sum(bound.values()) == 300
     _produce_orders(settings, topic, 300, 50)  # beyond the bound: must not be read
 
@@ -62,7 +62,7 @@ def test_batch_read_with_bounded_offsets(settings: Settings, spark: SparkSession
 def test_stream_into_delta_and_resume(
     settings: Settings, spark: SparkSession, topic: str, tmp_path: Path
 ):
-    kafka.create_topic(settings, topic, 2)
+    topics.create_topic(settings, topic, 2)
     table = str(tmp_path / "orders")
     checkpoint = str(tmp_path / "checkpoint")
 
@@ -118,10 +118,10 @@ def test_stream_into_delta_and_resume(
 def test_python_and_spark_agree_on_partitions(settings: Settings, spark: SparkSession, topic: str):
     """Python producers use murmur2 like Java's partitioner, so a key lives in one place."""
     python_topic, spark_topic = topic + "-py", topic + "-spark"
-    kafka.create_topic(settings, python_topic, 7)
-    kafka.create_topic(settings, spark_topic, 7)
+    topics.create_topic(settings, python_topic, 7)
+    topics.create_topic(settings, spark_topic, 7)
     keys = [f"customer-{i}" for i in range(200)]
-    producer = kafka.producer(settings)
+    producer = client.producer(settings)
     for key in keys:
         producer.produce(python_topic, key=key, value=b"{}")
     assert producer.flush(30) == 0

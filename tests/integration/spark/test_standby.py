@@ -16,8 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from duality import kafka, workload
+from duality import workload
 from duality.config import Settings
+from duality.kafka import offsets, topics
 from duality.stream import control, health, heartbeat
 from tests.harness import (
     SteadyLoad,
@@ -60,7 +61,7 @@ def _takes_over(settings: Settings, name: str, pid: int, since: float) -> float:
 
 def _consumed(settings: Settings, spec: Any) -> int:
     """The source records the pipeline's committed offsets cover."""
-    committed = kafka.committed_offsets(settings, spec.consumer_group, spec.source.topic)
+    committed = offsets.committed_offsets(settings, spec.consumer_group, spec.source.topic)
     return sum(offset for offset, _ in committed.values())
 
 
@@ -69,7 +70,7 @@ def test_a_warm_standby_takes_over_from_a_killed_driver(settings: Settings, tmp_
     spec = make_pipeline(settings, pipelines, "product_sales")
     scoped = settings.replace(pipelines=pipelines)
     name = spec.name
-    kafka.create_topic(settings, spec.source.topic, 3)
+    topics.create_topic(settings, spec.source.topic, 3)
     workload.produce(settings, spec, events=EVENTS, keys=KEYS, bad_fraction=0.05, seed=71)
     options = ("--max-offsets-per-trigger", "1000", "--trigger-seconds", "0.5")
     extra: subprocess.Popen[bytes] | None = None
@@ -169,8 +170,8 @@ def test_a_warm_standby_takes_over_from_a_killed_driver(settings: Settings, tmp_
 def _open_transaction(settings: Settings, topic: str) -> dict[int, tuple[int, int]]:
     """Per partition of `topic` whose records past the last stable offset await a transaction's
     end: (last stable offset, high watermark). Empty when no transaction is open."""
-    stable = kafka.end_offsets(settings, topic, "read_committed")
-    written = kafka.end_offsets(settings, topic, "read_uncommitted")
+    stable = offsets.end_offsets(settings, topic, "read_committed")
+    written = offsets.end_offsets(settings, topic, "read_uncommitted")
     return {p: (stable[p], end) for p, end in written.items() if end > stable[p]}
 
 
@@ -200,7 +201,7 @@ def test_a_paused_driver_wakes_up_fenced_and_steps_down(settings: Settings, tmp_
     spec = make_pipeline(settings, pipelines, "product_sales")
     scoped = settings.replace(pipelines=pipelines)
     name = spec.name
-    kafka.create_topic(settings, spec.source.topic, 3)
+    topics.create_topic(settings, spec.source.topic, 3)
     workload.produce(settings, spec, events=EVENTS, keys=KEYS, bad_fraction=0.05, seed=81)
     # Larger micro-batches keep a transaction open longer, for the pause to catch one.
     options = ("--max-offsets-per-trigger", "2000", "--trigger-seconds", "0.5")
@@ -227,7 +228,7 @@ def test_a_paused_driver_wakes_up_fenced_and_steps_down(settings: Settings, tmp_
         print(f"takeover: the standby's first progress {takeover:.1f} s after the pause")
         # Aborted: each partition's last stable offset has passed the paused driver's records
         # (without the fencing they would hold it back until the transaction's timeout).
-        stable = kafka.end_offsets(settings, spec.changelog_topic, "read_committed")
+        stable = offsets.end_offsets(settings, spec.changelog_topic, "read_committed")
         assert all(stable[p] >= end for p, (_, end) in open_records.items()), (
             stable,
             open_records,

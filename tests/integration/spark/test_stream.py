@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from duality import kafka, workload
+from duality import workload
 from duality.config import Settings
+from duality.kafka import client, offsets, records, topics
 from duality.local.broker import LocalBroker, ephemeral_broker
 from duality.stream import driver, heartbeat
 from tests import truth
@@ -99,23 +100,23 @@ def test_changelog_equals_ground_truth(settings: Settings, pipelines: Path, tmp_
     """Every kind of bad record, plus one larger than the dead-letter topic accepts."""
     spec = make_pipeline(settings, pipelines, "product_sales")
     # The source accepts records of up to 4 MB; the dead-letter topic the broker's default.
-    kafka.create_topic(settings, spec.source.topic, 4, config={"max.message.bytes": "4194304"})
+    topics.create_topic(settings, spec.source.topic, 4, config={"max.message.bytes": "4194304"})
     report = workload.produce(
         settings, spec, events=EVENTS, keys=KEYS, zipf=1.1, bad_fraction=0.06, seed=11
     )
     kinds = [kind for kind in workload.BAD_KINDS if kind != "late"]
     assert all(report.bad[kind] >= EVENTS * 0.005 for kind in kinds), report.bad
     huge = b'{"order_id":"big","product":"p-1","note":"' + b"x" * 3_000_000 + b'"}'
-    producer = kafka.producer(settings, message_max_bytes=5_000_000)
+    producer = client.producer(settings, message_max_bytes=5_000_000)
     for value in [*DEFECTS, huge]:
-        kafka.send(producer, spec.source.topic, b"p-1", value)
+        records.send(producer, spec.source.topic, b"p-1", value)
     assert producer.flush(30) == 0
     after = workload.produce(settings, spec, events=2_000, keys=KEYS, bad_fraction=0, seed=12)
     stream = StreamProcess(settings, spec, pipelines, tmp_path / "stream.log")
     stream.run_until_caught_up()
     _verify(settings, spec, EVENTS + len(DEFECTS) + 1 + after.produced)
 
-    limit = kafka.max_message_bytes(settings, spec.dlq_topic)
+    limit = topics.max_message_bytes(settings, spec.dlq_topic)
     assert limit < len(huge)
     letters = {m.value()[:40]: m for m in read_messages(settings, spec.dlq_topic) if m.value()}
     for value in DEFECTS:
@@ -128,7 +129,7 @@ def test_changelog_equals_ground_truth(settings: Settings, pipelines: Path, tmp_
 
 def test_sigkill_at_three_moments(settings: Settings, pipelines: Path, tmp_path: Path):
     spec = make_pipeline(settings, pipelines, "product_sales")
-    kafka.create_topic(settings, spec.source.topic, 4)
+    topics.create_topic(settings, spec.source.topic, 4)
     workload.produce(settings, spec, events=EVENTS, keys=KEYS, bad_fraction=0.06, seed=12)
     stream = StreamProcess(
         settings, spec, pipelines, tmp_path / "stream.log", max_offsets_per_trigger=1500
@@ -172,7 +173,7 @@ def test_driver_replaced_when_its_jvm_dies(settings: Settings, pipelines: Path, 
     query failure the driver can retry in its process: it exits, the supervisor starts a driver
     with a new JVM, and the changelog stays exact."""
     spec = make_pipeline(settings, pipelines, "product_sales")
-    kafka.create_topic(settings, spec.source.topic, 4)
+    topics.create_topic(settings, spec.source.topic, 4)
     workload.produce(settings, spec, events=4_000, keys=KEYS, bad_fraction=0.06, seed=21)
     stream = StreamProcess(
         settings, spec, pipelines, tmp_path / "stream.log", max_offsets_per_trigger=1_000
@@ -205,7 +206,7 @@ def test_restore_from_changelog_without_checkpoint_or_early_source(
     settings: Settings, pipelines: Path, tmp_path: Path
 ):
     spec = make_pipeline(settings, pipelines, "product_sales")
-    kafka.create_topic(settings, spec.source.topic, 4)
+    topics.create_topic(settings, spec.source.topic, 4)
     workload.produce(settings, spec, events=EVENTS, keys=KEYS, bad_fraction=0.06, seed=21)
     before = read_topic(settings, spec.source.topic)
     stream = StreamProcess(settings, spec, pipelines, tmp_path / "stream.log")
@@ -215,8 +216,8 @@ def test_restore_from_changelog_without_checkpoint_or_early_source(
     checkpoint = settings.checkpoint_root / spec.name
     assert checkpoint.is_dir()
     shutil.rmtree(checkpoint)
-    committed = kafka.committed_offsets(settings, spec.consumer_group, spec.source.topic)
-    low = kafka.delete_records(
+    committed = offsets.committed_offsets(settings, spec.consumer_group, spec.source.topic)
+    low = offsets.delete_records(
         settings, spec.source.topic, {p: offset for p, (offset, _) in committed.items()}
     )
     assert sum(low.values()) == EVENTS
@@ -240,7 +241,7 @@ def test_windowed_late_events_go_to_dead_letters(
 ):
     spec = make_pipeline(settings, pipelines, "sensor_stats")
     assert spec.window is not None
-    kafka.create_topic(settings, spec.source.topic, 3)
+    topics.create_topic(settings, spec.source.topic, 3)
     report = workload.produce(settings, spec, events=EVENTS, keys=200, bad_fraction=0.07, seed=31)
     assert report.bad["late"] >= EVENTS * 0.005
     # Small batches: the watermark moves between micro-batches, so the first one has none.
@@ -275,7 +276,7 @@ def test_broker_outage_under_load(base_settings: Settings, pipelines: Path, tmp_
     with ephemeral_broker(base_settings) as settings:
         broker = LocalBroker(settings)
         spec = make_pipeline(settings, pipelines, "product_sales")
-        kafka.create_topic(settings, spec.source.topic, 3)
+        topics.create_topic(settings, spec.source.topic, 3)
         workload.produce(settings, spec, events=5_000, keys=KEYS, bad_fraction=0.06, seed=41)
         stream = StreamProcess(
             settings,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import psutil
 
-from duality import kafka
 from duality.config import Settings
+from duality.kafka import offsets, topics
 from duality.stream import control
 from tests.harness import assert_eventually, duality_json, make_pipeline
 
@@ -60,12 +60,14 @@ def test_stream_lifecycle_and_reset(settings: Settings, tmp_path: Path):
 
     done = duality_json(scoped, "reset", spec.name)
     assert done["dry_run"] is False
-    committed = kafka.committed_offsets(settings, spec.consumer_group, spec.source.topic)
+    committed = offsets.committed_offsets(settings, spec.consumer_group, spec.source.topic)
     assert {p: offset for p, (offset, _) in committed.items()} == {
-        p: 0 for p in range(kafka.partition_count(settings, spec.source.topic))
+        p: 0 for p in range(topics.partition_count(settings, spec.source.topic))
     }
     assert not (settings.checkpoint_root / spec.name).exists()
-    assert sum(kafka.end_offsets(settings, spec.changelog_topic, "read_uncommitted").values()) == 0
+    assert (
+        sum(offsets.end_offsets(settings, spec.changelog_topic, "read_uncommitted").values()) == 0
+    )
 
 
 def test_down_stops_a_stream_started_in_the_foreground(settings: Settings, tmp_path: Path):
@@ -73,7 +75,7 @@ def test_down_stops_a_stream_started_in_the_foreground(settings: Settings, tmp_p
     part finds it there and stops it gracefully, driver and all."""
     pipelines = tmp_path / "pipelines"
     spec = make_pipeline(settings, pipelines, "product_sales")
-    kafka.create_topic(settings, spec.source.topic, 2)
+    topics.create_topic(settings, spec.source.topic, 2)
     with open(tmp_path / "stream.log", "wb") as log:
         # In the test's own process group, as no shell would run it: stopping it must not
         # take that group down.

@@ -23,9 +23,10 @@ import psutil
 import pytest
 from prometheus_client import start_http_server
 
-from duality import kafka, metrics, workload
+from duality import metrics, workload
 from duality.config import Settings
 from duality.errors import LocalStackError
+from duality.kafka import topics
 from duality.local.broker import LocalBroker, ephemeral_broker
 from duality.local.monitoring import STREAMS_JOB, LocalMonitoring
 from duality.metrics import StreamMetrics, push_step, target_files, write_target
@@ -247,7 +248,7 @@ def test_prometheus_watches_a_stream_and_alerts_when_it_dies(
             settings, spec, pipelines, tmp_path / "stream.log", max_offsets_per_trigger=1_000
         )
         try:
-            kafka.create_topic(settings, spec.source.topic, 3)
+            topics.create_topic(settings, spec.source.topic, 3)
             workload.produce(settings, spec, events=EVENTS, keys=KEYS, bad_fraction=0.08, seed=3)
             stream.start()
             load = threading.Thread(

@@ -21,10 +21,10 @@ import psycopg2
 import pytest
 import yaml
 
-from duality import kafka
 from duality.airflow_api import AirflowClient
 from duality.config import SHIPPED_PIPELINES, Settings
 from duality.errors import LocalStackError
+from duality.kafka import offsets, topics
 from duality.local.airflow import AIRFLOW_COMPONENTS, LocalAirflow
 from duality.local.ports import free_ports
 from duality.local.postgres import LocalPostgres
@@ -175,7 +175,7 @@ def test_a_pipeline_runs_on_the_brokers_and_the_workers(topology: Stack):
         stopped = _ok(topology.env, "stream", "stop", spec.name)
     assert stopped["was_running"] is True
     _verify(settings, spec, EVENTS)
-    info = kafka.describe_topic(settings, spec.changelog_topic)
+    info = topics.describe_topic(settings, spec.changelog_topic)
     assert info.replication_factor == 3 and info.config["min.insync.replicas"] == "2"
 
 
@@ -256,8 +256,8 @@ def test_scheduler_killed_mid_snapshot_publishes_once_and_nothing_shows_the_pass
 
 
 def _caught_up(settings: Settings, spec: PipelineSpec) -> bool:
-    ends = kafka.end_offsets(settings, spec.source.topic)
-    done = kafka.committed_offsets(settings, spec.consumer_group, spec.source.topic)
+    ends = offsets.end_offsets(settings, spec.source.topic)
+    done = offsets.committed_offsets(settings, spec.consumer_group, spec.source.topic)
     return all(done.get(p, (0, None))[0] >= end for p, end in ends.items())
 
 

@@ -14,8 +14,9 @@ import psutil
 import pytest
 import yaml
 
-from duality import kafka, workload
+from duality import workload
 from duality.config import Settings
+from duality.kafka import offsets, topics
 from duality.local.spark_cluster import LocalSparkCluster
 from duality.snapshot import delta_log
 from duality.spark import package_zip
@@ -117,7 +118,7 @@ def test_stream_survives_a_worker_sigkill(
 ):
     pipelines = tmp_path / "pipelines"
     spec = make_pipeline(settings, pipelines, "product_sales")
-    kafka.create_topic(settings, spec.source.topic, 4)
+    topics.create_topic(settings, spec.source.topic, 4)
     workload.produce(settings, spec, events=EVENTS, keys=KEYS, bad_fraction=0.06, seed=51)
     on_cluster = settings.replace(spark_master=cluster.master_url)
     stream = StreamProcess(
@@ -209,7 +210,7 @@ def test_snapshot_and_repartition_run_on_the_workers(
         reports=tmp_path / "reports",
     )
     spec = make_pipeline(on_cluster, on_cluster.pipelines, "product_sales")
-    kafka.create_topic(on_cluster, spec.source.topic, 4)
+    topics.create_topic(on_cluster, spec.source.topic, 4)
     _create_changelog(on_cluster, spec)
     rng = random.Random(17)
     _write(on_cluster, spec, _history(rng, range(600)))
@@ -249,7 +250,7 @@ class _OffsetsWatch:
 
     def _watch(self) -> None:
         while not self.stopping.wait(0.2):
-            committed = kafka.committed_offsets(self.settings, self.group, self.topic)
+            committed = offsets.committed_offsets(self.settings, self.group, self.topic)
             self.seen.append({p: offset for p, (offset, _) in committed.items()})
 
     def stop(self) -> list[dict[int, int]]:
@@ -265,7 +266,7 @@ def test_rescale_under_load_4_to_8_then_8_to_2(
     pipelines = tmp_path / "pipelines"
     spec = make_pipeline(settings, pipelines, "product_sales")
     spec_file = pipelines / f"{spec.name}.yaml"
-    kafka.create_topic(settings, spec.source.topic, 4)
+    topics.create_topic(settings, spec.source.topic, 4)
     workload.produce(settings, spec, events=EVENTS // 2, keys=KEYS, bad_fraction=0.06, seed=61)
     # One core each, of the two workers: the warm standby's driver gets an executor too.
     on_cluster = settings.replace(

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from duality import kafka
 from duality.config import Settings
+from duality.kafka import client, offsets, topics
 from duality.local.kraft import LocalKafkaCluster
 from duality.local.spark_cluster import LocalSparkCluster
 from duality.spec import PipelineSpec
@@ -50,7 +50,7 @@ def _java_hash(text: str) -> int:
 
 
 def _leaders(settings: Settings, topic: str) -> dict[int, int]:
-    metadata = kafka.admin(settings).list_topics(topic, timeout=10)
+    metadata = client.admin(settings).list_topics(topic, timeout=10)
     return {p: entry.leader for p, entry in metadata.topics[topic].partitions.items()}
 
 
@@ -66,14 +66,14 @@ def _holder(settings: Settings, spec: PipelineSpec, role: str) -> int:
         states = _leaders(settings, "__transaction_state")
         return states[(_java_hash(f"duality-{spec.name}") & 0x7FFFFFFF) % len(states)]
     group = f"duality-{spec.name}-active"
-    described = kafka.admin(settings).describe_consumer_groups([group])[group].result(timeout=10)
+    described = client.admin(settings).describe_consumer_groups([group])[group].result(timeout=10)
     return int(described.coordinator.id)
 
 
 def _fully_replicated(settings: Settings, topics: list[str]) -> bool:
     """Every partition of `topics` has all of its replicas in sync (a broker that came back has
     caught up), so that losing another keeps min.insync.replicas."""
-    metadata = kafka.admin(settings).list_topics(timeout=10)
+    metadata = client.admin(settings).list_topics(timeout=10)
     return all(
         len(entry.isrs) == len(entry.replicas)
         for topic in topics
@@ -84,8 +84,8 @@ def _fully_replicated(settings: Settings, topics: list[str]) -> bool:
 def _covered(settings: Settings, spec: PipelineSpec) -> bool:
     """Whether the stream's committed offsets cover its source: with the load paused, its
     changelog and dead letters then hold all they ever will of these records."""
-    ends = kafka.end_offsets(settings, spec.source.topic)
-    committed = kafka.committed_offsets(settings, spec.consumer_group, spec.source.topic)
+    ends = offsets.end_offsets(settings, spec.source.topic)
+    committed = offsets.committed_offsets(settings, spec.consumer_group, spec.source.topic)
     return all(committed.get(p, (0, None))[0] >= end for p, end in ends.items())
 
 
@@ -119,7 +119,7 @@ def test_stream_rides_through_the_loss_of_each_broker_role(
         spark_master=workers,
     )
     spec = make_pipeline(settings, settings.pipelines, "product_sales")
-    kafka.create_topic(settings, spec.source.topic, 3)
+    topics.create_topic(settings, spec.source.topic, 3)
     internal = [
         spec.source.topic,
         spec.changelog_topic,

@@ -14,12 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from duality import kafka, repartition, workload
+from duality import repartition, workload
 from duality.config import Settings
+from duality.kafka import client, offsets, topics
 from duality.local.kraft import LocalKafkaCluster
 from duality.snapshot import build, delta_log
 from duality.spec import PipelineSpec
-from duality.stream import control, health, heartbeat, topics
+from duality.stream import control, health, heartbeat
+from duality.stream.topics import changelog_config
 from tests.harness import ROOT, SteadyLoad, assert_eventually, duality_json, make_pipeline
 from tests.integration.snapshot.test_snapshot import _table, _truth
 from tests.integration.spark.test_repartition import _assert_exact_copy
@@ -53,7 +55,7 @@ class _Snapshot(threading.Thread):
 
 
 def _leaders(settings: Settings, topic: str) -> dict[int, int]:
-    metadata = kafka.admin(settings).list_topics(topic, timeout=10)
+    metadata = client.admin(settings).list_topics(topic, timeout=10)
     return {p: entry.leader for p, entry in metadata.topics[topic].partitions.items()}
 
 
@@ -97,23 +99,23 @@ def test_leader_killed_mid_stream_repartition_and_snapshot(
     )
     spec = make_pipeline(settings, settings.pipelines, "product_sales")
     group = spec.consumer_group
-    kafka.create_topic(settings, spec.source.topic, 3)
+    topics.create_topic(settings, spec.source.topic, 3)
     # The stream's changelog, kept uncompacted for the test: the truth of a snapshot version is
     # the changelog below the version's offsets, which compaction would thin out meanwhile.
-    config = {**topics.changelog_config(spec), "min.compaction.lag.ms": "3600000"}
-    kafka.create_topic(settings, spec.changelog_topic, 3, config=config)
+    config = {**changelog_config(spec), "min.compaction.lag.ms": "3600000"}
+    topics.create_topic(settings, spec.changelog_topic, 3, config=config)
     workload.produce(settings, spec, events=3_000, keys=KEYS, bad_fraction=0.05, seed=61)
     control.start(settings, spec, wait=False, job_args=["--max-offsets-per-trigger", "2000"])
 
     # The repartition's source, for a copy throttled to be still running when the broker dies.
     source, target = f"{spec.name}-hot", f"{spec.name}-hot-5p"
-    kafka.create_topic(settings, source, 3)
+    topics.create_topic(settings, source, 3)
     hot = make_pipeline(settings, tmp_path / "hot", "product_sales", topic=source)
     workload.produce(settings, hot, events=COPIED, keys=KEYS, bad_fraction=0, seed=62)
     plan = repartition.plan(settings, source, target, 5)
 
     def covered(topic: str, by: str) -> int:
-        return sum(o for o, _ in kafka.committed_offsets(settings, by, topic).values())
+        return sum(o for o, _ in offsets.committed_offsets(settings, by, topic).values())
 
     load = SteadyLoad(settings, spec, rate=RATE, keys=KEYS, seed=63)
     copy_log = tmp_path / "repartition.log"

@@ -9,11 +9,12 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from duality import kafka
 from duality.config import Settings
+from duality.kafka import topics
 from duality.local.kraft import LocalKafkaCluster
 from duality.spec import PipelineSpec
-from duality.stream import heartbeat, topics
+from duality.stream import heartbeat
+from duality.stream.topics import ensure_topics
 from tests.harness import assert_eventually, make_pipeline, run_duality
 
 
@@ -25,8 +26,8 @@ def _duality(
 
 def _pipeline(settings: Settings, folder: Path) -> PipelineSpec:
     spec = make_pipeline(settings, folder, "product_sales")
-    kafka.create_topic(settings, spec.source.topic, 3)
-    topics.ensure_topics(settings, spec)
+    topics.create_topic(settings, spec.source.topic, 3)
+    ensure_topics(settings, spec)
     return spec
 
 
@@ -43,14 +44,14 @@ def _listed(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def test_every_topic_is_replicated_as_configured(cluster: LocalKafkaCluster, tmp_path: Path):
     settings = cluster.settings
     spec = _pipeline(settings, tmp_path / "pipelines")
-    topics = [spec.source.topic, spec.changelog_topic, spec.dlq_topic, heartbeat.STATUS_TOPIC]
+    created = [spec.source.topic, spec.changelog_topic, spec.dlq_topic, heartbeat.STATUS_TOPIC]
     # A new topic reaches each broker's metadata in its own time, and a request may go to any.
     assert_eventually(
         lambda: [
             (r.topic, r.replication_factor, r.min_insync_replicas)
-            for r in kafka.replication(settings, topics)
+            for r in topics.replication(settings, created)
         ],
-        [(t, 3, 2) for t in topics],
+        [(t, 3, 2) for t in created],
         timeout=30,
     )
 
@@ -76,7 +77,7 @@ def test_every_topic_is_replicated_as_configured(cluster: LocalKafkaCluster, tmp
     # A pipeline whose changelog was made with one replica, as duality did before it read the
     # replication factor from the settings.
     short = make_pipeline(settings, tmp_path / "pipelines", "product_sales")
-    kafka.create_topic(settings.replace(replication_factor=1), short.changelog_topic, 3)
+    topics.create_topic(settings.replace(replication_factor=1), short.changelog_topic, 3)
     code, report, stderr = assert_eventually(
         lambda: _status(scoped),
         lambda seen: short.changelog_topic in _listed(seen[1]),
