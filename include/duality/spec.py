@@ -31,10 +31,10 @@ from pydantic import (
     model_validator,
 )
 
-from duality import expressions
 from duality.config import Settings
 from duality.errors import UsageError
-from duality.expressions import Call, Expression, ExpressionError
+from duality.expressions import checking, parsing
+from duality.expressions.tree import Call, Expression, ExpressionError
 
 NAME = r"^[a-z][a-z0-9_]*$"
 FIELD = r"^[A-Za-z_][A-Za-z0-9_]*$"
@@ -50,7 +50,7 @@ SQL_TYPES = {
     "timestamp": "timestamp",
 }
 KEY_TYPES = ("string", "long", "int", "boolean")
-FUNCTIONS = expressions.AGGREGATES
+FUNCTIONS = checking.AGGREGATES
 _ONE_ARGUMENT = "count(), sum(x), min(x), max(x), avg(x), count_distinct(x), latest(x), " + (
     "earliest(x), stddev(x) or count_if(condition)"
 )
@@ -74,7 +74,7 @@ class Aggregate:
     @classmethod
     def parse(cls, text: str, key: str | None = None) -> Aggregate:
         """`sum(quantity * price)` -> Aggregate; the argument is parsed, not yet typed."""
-        parsed = expressions.parse(text, key)
+        parsed = parsing.parse(text, key)
         call = parsed.tree
         if not isinstance(call, Call):
             raise ExpressionError(
@@ -84,7 +84,7 @@ class Aggregate:
             )
         if call.name not in FUNCTIONS:
             what = f"unknown function {call.name!r}"
-            if call.name in expressions.FUNCTIONS:
+            if call.name in checking.FUNCTIONS:
                 what = f"{call.name}() is a function, not an aggregate"
             raise ExpressionError(f"{what}: write {_ONE_ARGUMENT}", key, call.pos)
         wanted = 0 if call.name == "count" else 1
@@ -104,7 +104,7 @@ class Aggregate:
         """This aggregate typed against `scope`; errors name `key` and the position."""
         if self.argument is None:
             return dataclasses.replace(self, type="long")
-        argument = expressions.check(dataclasses.replace(self.argument, key=key), scope, unknown)
+        argument = checking.check(dataclasses.replace(self.argument, key=key), scope, unknown)
         kind, name, pos = argument.type, self.function, argument.tree.pos
         needs = {
             "sum": (NUMERIC, "a number"),
@@ -494,7 +494,7 @@ class PipelineSpec(BaseModel):
                 raise ExpressionError(
                     "a field name is letters, digits and _, starting with a letter", key
                 )
-            if name.lower() in expressions.KEYWORDS:
+            if name.lower() in parsing.KEYWORDS:
                 raise ExpressionError(f"{name!r} is a keyword of the expression language", key)
             later = list(self.fields)[list(self.fields).index(name) :]
 
@@ -508,13 +508,13 @@ class PipelineSpec(BaseModel):
                     )
                 return ""
 
-            expression = expressions.typed(str(text), key, scope, unknown)
+            expression = checking.typed(str(text), key, scope, unknown)
             if expression.type == "null":
                 raise ExpressionError("the value is always null, so it has no type", key, 1)
             self._computed[name] = expression
             scope[name] = expression.type
         if self.where is not None:
-            where = expressions.typed(str(self.where), "where", scope)
+            where = checking.typed(str(self.where), "where", scope)
             if where.type != "boolean":
                 raise ExpressionError(
                     f"where must be a boolean condition, as in status = 'paid'; got a {where.type}",
@@ -697,7 +697,7 @@ def _joined_table(spec: PipelineSpec, context: Mapping[str, Any]) -> JoinedTable
             f"topic {topic!r} is the pipeline's source: a stream joins a table of another topic",
             f"tables.{join.table}",
         )
-    on = expressions.typed(join.on, "join[0].on", spec.source.fields)
+    on = checking.typed(join.on, "join[0].on", spec.source.fields)
     if on.type != columns[key]:
         raise ExpressionError(
             f"a {on.type}, but table {join.table} is keyed by {key}, a {columns[key]}: join on "

@@ -11,7 +11,9 @@ import yaml
 
 from duality.config import SHIPPED_PIPELINES
 from duality.errors import UsageError
-from duality.expressions import (
+from duality.expressions.checking import typed
+from duality.expressions.parsing import parse
+from duality.expressions.tree import (
     Between,
     Binary,
     Call,
@@ -22,8 +24,6 @@ from duality.expressions import (
     IsNull,
     Literal,
     Unary,
-    parse,
-    typed,
 )
 from duality.spec import load_spec
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from duality.expressions import to_column
+from duality.expressions.columns import to_column
 from duality.spec import SQL_TYPES, JoinedTable, PipelineSpec
 
 if TYPE_CHECKING:

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from duality.expressions import to_column, typed
+from duality.expressions.checking import typed
+from duality.expressions.columns import to_column
 
 SCOPE = {
     "q": "long",
