@@ -50,14 +50,14 @@ def write_seed(
     assert joined is not None
     copy = spec.table_topic
     copied = offsets.end_offsets(settings, copy, "read_committed")
-    if committed and not _empty(settings, copy, copied):
+    if committed and not offsets.is_empty(settings, copy, copied):
         topic, side, starts, ends = copy, SEED, committed, copied
     else:  # a first start, a reset (which empties the copy), or a table that was empty
         topic, side = joined.topic, TABLE
         ends = starts = offsets.end_offsets(settings, topic, "read_committed")
     folder = seed_folder(checkpoint)
     shutil.rmtree(folder, ignore_errors=True)
-    if _empty(settings, topic, ends):
+    if offsets.is_empty(settings, topic, ends):
         folder.mkdir(parents=True)
         return 0, starts
     raw = (
@@ -82,8 +82,3 @@ def write_seed(
     count = spark.read.parquet(str(staging)).count()
     staging.rename(folder)
     return count, starts
-
-
-def _empty(settings: Settings, topic: str, ends: dict[int, int]) -> bool:
-    first = offsets.beginning_offsets(settings, topic)
-    return all(end <= first.get(p, 0) for p, end in ends.items())

@@ -88,6 +88,15 @@ def beginning_offsets(settings: Settings, topic: str) -> dict[int, int]:
     return _list_offsets(settings, topic, "earliest", "read_uncommitted")
 
 
+def is_empty(settings: Settings, topic: str, ends: Mapping[int, int] | None = None) -> bool:
+    """Whether `topic` stores no record below `ends` (by default its end offsets under
+    read_uncommitted: no record at all, committed or not)."""
+    first = beginning_offsets(settings, topic)
+    if ends is None:
+        ends = end_offsets(settings, topic, "read_uncommitted")
+    return all(end <= first.get(p, 0) for p, end in ends.items())
+
+
 def delete_records(settings: Settings, topic: str, before: Mapping[int, int]) -> dict[int, int]:
     """Delete records below the given offset of each partition; returns the new low watermarks."""
     request = [TopicPartition(topic, partition, offset) for partition, offset in before.items()]

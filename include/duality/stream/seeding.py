@@ -45,7 +45,8 @@ def write_seed(
 
     folder = checkpoint / "seed"
     shutil.rmtree(folder, ignore_errors=True)
-    if _empty(settings, spec.changelog_topic):  # a first start: nothing to read, no Spark job
+    # A first start: nothing to read, no Spark job.
+    if offsets.is_empty(settings, spec.changelog_topic):
         folder.mkdir(parents=True)
         return 0
     raw = (
@@ -65,13 +66,6 @@ def write_seed(
     count = spark.read.parquet(str(staging)).count()
     staging.rename(folder)
     return count
-
-
-def _empty(settings: Settings, topic: str) -> bool:
-    """No record (committed or not) is stored in any partition of `topic`."""
-    first = offsets.beginning_offsets(settings, topic)
-    ends = offsets.end_offsets(settings, topic, "read_uncommitted")
-    return all(ends[p] <= first.get(p, 0) for p in ends)
 
 
 def seed_rows(spec: PipelineSpec, values: DataFrame) -> DataFrame:
