@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from duality.config import Settings
+from duality.schema import SQL_TYPES
 from duality.spark import session
-from duality.spec import SQL_TYPES, PipelineSpec, load_spec
+from duality.spec import PipelineSpec, load_spec
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame

@@ -2,7 +2,7 @@
 
 Computed `fields`, the `where` filter and aggregate arguments are expressions of the language of
 `duality.expressions`, parsed into data and type-checked when the spec loads; nothing from a spec
-is ever evaluated or pasted into SQL.
+is ever evaluated or pasted into SQL. The join's part (`tables`, `join`) is `duality.join.spec`'s.
 """
 
 from __future__ import annotations
@@ -35,21 +35,11 @@ from duality.config import Settings
 from duality.errors import UsageError
 from duality.expressions import checking, parsing
 from duality.expressions.tree import Call, Expression, ExpressionError
+from duality.join.spec import Join, JoinedTable, Table, joined_table
+from duality.schema import FIELD, KEY_TYPES, SQL_TYPES, FieldType, field_names
 
 NAME = r"^[a-z][a-z0-9_]*$"
-FIELD = r"^[A-Za-z_][A-Za-z0-9_]*$"
-FieldType = Literal["string", "long", "int", "double", "boolean", "timestamp"]
 NUMERIC: tuple[str, ...] = ("long", "int", "double")
-# Each field type as a Spark SQL type.
-SQL_TYPES = {
-    "string": "string",
-    "long": "bigint",
-    "int": "int",
-    "double": "double",
-    "boolean": "boolean",
-    "timestamp": "timestamp",
-}
-KEY_TYPES = ("string", "long", "int", "boolean")
 FUNCTIONS = checking.AGGREGATES
 _ONE_ARGUMENT = "count(), sum(x), min(x), max(x), avg(x), count_distinct(x), latest(x), " + (
     "earliest(x), stddev(x) or count_if(condition)"
@@ -177,15 +167,6 @@ def parse_duration(text: str) -> int:
     return amount * _UNIT_SECONDS[unit]
 
 
-def _field_names(value: dict[str, FieldType]) -> dict[str, FieldType]:
-    for name in value:
-        if not re.match(FIELD, name):
-            raise ValueError(f"field name {name!r} must match {FIELD}")
-        if name.startswith("_"):
-            raise ValueError(f"field name {name!r}: names starting with _ are duality's own")
-    return value
-
-
 class Source(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -200,7 +181,7 @@ class Source(BaseModel):
     @field_validator("fields")
     @classmethod
     def _field_names(cls, value: dict[str, FieldType]) -> dict[str, FieldType]:
-        return _field_names(value)
+        return field_names(value)
 
     @field_validator("key", mode="before")
     @classmethod
@@ -320,97 +301,6 @@ class Expectation(BaseModel):
         return named
 
 
-class Table(BaseModel):
-    """A table a pipeline joins (docs/streams.md#joins): a compacted topic whose latest record
-    per key is the row (a tombstone deletes it), or `pipeline: <name>`, another pipeline's table
-    as its changelog publishes it."""
-
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-    topic: str | None = Field(
-        default=None, min_length=1, max_length=249, pattern=r"^[a-zA-Z0-9._-]+$"
-    )
-    format: Literal["json"] = "json"
-    fields: dict[str, FieldType] | None = Field(default=None, alias="schema", min_length=1)
-    key: str | None = None
-    pipeline: str | None = None
-
-    @field_validator("fields")
-    @classmethod
-    def _field_names(cls, value: dict[str, FieldType] | None) -> dict[str, FieldType] | None:
-        return None if value is None else _field_names(value)
-
-    @model_validator(mode="after")
-    def _topic_or_pipeline(self) -> Table:
-        given = [
-            n for n, v in (("topic", self.topic), ("schema", self.fields), ("key", self.key)) if v
-        ]
-        if self.pipeline is not None:
-            if given:
-                raise ValueError(
-                    f"a pipeline's table takes `pipeline:` alone ({', '.join(given)} given): its "
-                    "topic, schema and key are that pipeline's changelog's"
-                )
-            return self
-        missing = [n for n in ("topic", "schema", "key") if n not in given]
-        if missing:
-            raise ValueError(
-                f"a table needs {', '.join(missing)} (or `pipeline: <name>` for another "
-                "pipeline's table)"
-            )
-        assert self.fields is not None and self.key is not None
-        if self.key not in self.fields:
-            raise ValueError(f"key {self.key!r} is not in the table's schema")
-        if self.fields[self.key] not in KEY_TYPES:
-            raise ValueError(
-                f"key {self.key!r} is a {self.fields[self.key]}: key on a string, long, int or "
-                "boolean field"
-            )
-        return self
-
-
-class Join(BaseModel):
-    """`join: [{table: customers, on: customer, type: left}]`: each event with the table's row
-    whose key equals `on` (an expression over the event's source fields) as it stands then."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    table: str
-    on: str
-    type: Literal["left", "inner"] = "left"
-
-    @model_validator(mode="before")
-    @classmethod
-    def _on_read_as_true(cls, data: Any) -> Any:
-        # YAML 1.1, which PyYAML reads, takes a bare `on` key for the boolean true.
-        if isinstance(data, dict) and True in data and "on" not in data:
-            data = {("on" if k is True else k): v for k, v in data.items()}
-        return data
-
-
-@dataclasses.dataclass(frozen=True)
-class JoinedTable:
-    """A joined table, resolved: its name in the spec, the topic it is read from, its columns
-    (name -> type), its key column, how it is joined and the typed `on` expression. `pipeline`
-    names the pipeline whose changelog it is, if any."""
-
-    name: str
-    topic: str
-    columns: dict[str, str]
-    key: str
-    type: str
-    on: Expression
-    pipeline: str | None = None
-
-    @property
-    def key_type(self) -> str:
-        return self.columns[self.key]
-
-    def qualified(self) -> dict[str, str]:
-        """Its columns as the spec's expressions name them (`customers.tier`) and their types."""
-        return {f"{self.name}.{c}": t for c, t in self.columns.items()}
-
-
 # The DAGs each pipeline gets (dags/duality_pipelines.py, DESIGN §9).
 DAG_KINDS = ("stream", "snapshot", "reset")
 
@@ -478,7 +368,7 @@ class PipelineSpec(BaseModel):
         aggregates, typed."""
         source = self.source.fields
         scope: dict[str, str] = dict(source)
-        self._joined = _joined_table(self, info.context or {})
+        self._joined = joined_table(self, info.context or {}, load_spec)
         if self._joined is not None:
             scope |= self._joined.qualified()
             self._key_on_table_columns()
@@ -663,94 +553,6 @@ class PipelineSpec(BaseModel):
         if self.snapshot.path:
             return Path(self.snapshot.path)
         return settings.warehouse / self.name
-
-
-def _joined_table(spec: PipelineSpec, context: Mapping[str, Any]) -> JoinedTable | None:
-    """The spec's join resolved: its table (a pipeline's own read from the pipelines folder
-    that `context` names) and its `on` typed against the source fields."""
-    for name in spec.tables:
-        if name in spec.source.fields or name in spec.fields:
-            raise ExpressionError(
-                f"the table name clashes with the field {name!r}: rename the table",
-                f"tables.{name}",
-            )
-    if not spec.join:
-        return None
-    if len(spec.join) > 1:
-        raise ExpressionError(
-            "a pipeline joins one table (Spark runs one such operator before the aggregation): "
-            "join the other table in a pipeline of its own, and join that pipeline's table",
-            "join",
-        )
-    join = spec.join[0]
-    table = spec.tables.get(join.table)
-    if table is None:
-        known = ", ".join(spec.tables) or "none: declare it under tables"
-        raise ExpressionError(f"no table {join.table!r} (tables: {known})", "join[0].table")
-    if table.pipeline is not None:
-        topic, columns, key = _pipeline_table(spec, join.table, table.pipeline, context)
-    else:
-        assert table.topic is not None and table.fields is not None and table.key is not None
-        topic, columns, key = table.topic, dict(table.fields), table.key
-    if topic == spec.source.topic:
-        raise ExpressionError(
-            f"topic {topic!r} is the pipeline's source: a stream joins a table of another topic",
-            f"tables.{join.table}",
-        )
-    on = checking.typed(join.on, "join[0].on", spec.source.fields)
-    if on.type != columns[key]:
-        raise ExpressionError(
-            f"a {on.type}, but table {join.table} is keyed by {key}, a {columns[key]}: join on "
-            f"an expression of type {columns[key]}",
-            "join[0].on",
-            1,
-        )
-    return JoinedTable(join.table, topic, columns, key, join.type, on, table.pipeline)
-
-
-def _pipeline_table(
-    spec: PipelineSpec, name: str, pipeline: str, context: Mapping[str, Any]
-) -> tuple[str, dict[str, str], str]:
-    """Another pipeline's table: its changelog topic, columns (key, then aggregates) and key."""
-    where = f"tables.{name}"
-    reading = (*context.get("reading", ()), spec.name)
-    if pipeline in reading:
-        chain = " -> ".join([*reading, pipeline])
-        raise ExpressionError(
-            f"pipeline {pipeline!r} would read itself through a table ({chain})", where
-        )
-    folder = context.get("folder")
-    if folder is None:
-        raise ExpressionError(
-            f"pipeline {pipeline!r} is looked up in the pipelines folder: load this spec from "
-            "its file there",
-            where,
-        )
-    path = next(
-        (p for p in (folder / f"{pipeline}.yaml", folder / f"{pipeline}.yml") if p.is_file()), None
-    )
-    if path is None:
-        known = ", ".join(sorted(p.stem for p in folder.glob("*.y*ml"))) or "none"
-        raise ExpressionError(f"no pipeline {pipeline!r} in {folder} (known: {known})", where)
-    try:
-        other = load_spec(path, reading)
-    except UsageError as error:
-        raise ExpressionError(f"pipeline {pipeline!r} does not load: {error}", where) from None
-    if other.window is not None:
-        raise ExpressionError(
-            f"pipeline {pipeline!r} is windowed: its table has a row per key and window, and a "
-            "join needs one row per key; join a pipeline without a window",
-            where,
-        )
-    if len(other.source.key) != 1:
-        raise ExpressionError(
-            f"pipeline {pipeline!r} is keyed by {len(other.source.key)} fields: a join looks up "
-            "one key; join a pipeline keyed by one field",
-            where,
-        )
-    key = other.source.key[0]
-    columns = {key: other.field_type(key), **{c: a.type for c, a in other.aggregates.items()}}
-    return other.changelog_topic, columns, key
 
 
 def _location(loc: tuple[Any, ...]) -> str:

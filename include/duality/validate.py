@@ -55,7 +55,7 @@ class Check:
 
 
 def _q(column: str) -> str:
-    # Column names are validated identifiers (spec.NAME / spec.FIELD); quoting keeps them inert.
+    # Column names are validated identifiers (spec.NAME / schema.FIELD); quoting keeps them inert.
     return f"`{column}`"
 
 

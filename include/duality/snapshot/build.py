@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING, Any, Literal
 from duality.config import Settings
 from duality.errors import UsageError
 from duality.kafka import offsets, records, topics
+from duality.schema import SQL_TYPES
 from duality.snapshot import delta_log, dv_commit
 from duality.snapshot.coverage import Coverage, capture_coverage
 from duality.spark import session
-from duality.spec import SQL_TYPES, PipelineSpec
+from duality.spec import PipelineSpec
 
 if TYPE_CHECKING:
     import pyarrow as pa

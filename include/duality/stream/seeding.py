@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 from duality.config import Settings
 from duality.errors import UsageError
 from duality.kafka import offsets
-from duality.spec import SQL_TYPES, PipelineSpec
+from duality.schema import SQL_TYPES
+from duality.spec import PipelineSpec
 from duality.stream.query import partials_of, row_types, rows_schema
 
 if TYPE_CHECKING:
