@@ -86,6 +86,15 @@ class Settings:
     # they push nowhere. Prometheus' HTTP API (`http://host:port`) that the pipelines page reads.
     pushgateway: str | None = None
     prometheus_url: str | None = None
+    # `duality serve` (docs/serving.md): where its API listens (port 0: a free one), the folder
+    # of its replicas' stores, the bearer token its API asks for (never shown: not in repr(),
+    # in no log or error), and the replicas (`http://host:port`, comma-separated) that
+    # `duality query` asks; unset, the one at serve_host:serve_port.
+    serve_host: str = "127.0.0.1"
+    serve_port: int = 7080
+    serve_dir: Path = Path(".local/serve")
+    serve_token: str | None = dataclasses.field(default=None, repr=False)
+    replicas: str | None = None
     warehouse: Path = Path(".local/warehouse")
     checkpoint_root: Path = Path(".local/checkpoints")
     jar_cache: Path = Path(".cache/jars")
@@ -143,6 +152,7 @@ class Settings:
                 f"{PREFIX}PUSHGATEWAY={self.pushgateway!r} is not host:port: write it like "
                 "127.0.0.1:9091, or unset it to push no batch metrics"
             )
+        self._check_serving()
         if self.metrics_port < -1 or self.metrics_port > 65535:
             raise UsageError(
                 f"{PREFIX}METRICS_PORT={self.metrics_port}: use a port, 0 for a free one, or -1 "
@@ -182,6 +192,7 @@ class Settings:
             "repartition_config",
             "local_dir",
             "reports",
+            "serve_dir",
             "batch_server_secret_file",
             "batch_server_tls_cert",
             "batch_server_tls_key",
@@ -189,6 +200,31 @@ class Settings:
             value = getattr(self, field)
             if value is not None and not value.is_absolute():
                 object.__setattr__(self, field, (self.home / value).resolve())
+
+    def _check_serving(self) -> None:
+        if not 0 <= self.serve_port <= 65535:
+            raise UsageError(
+                f"{PREFIX}SERVE_PORT={self.serve_port}: use a port, or 0 for a free one"
+            )
+        if self.serve_token is not None and len(self.serve_token.strip()) < MIN_SECRET_LENGTH:
+            raise UsageError(
+                f"{PREFIX}SERVE_TOKEN is shorter than {MIN_SECRET_LENGTH} characters: use a long "
+                "random one, or unset it for an API without a token"
+            )
+        for url in self.replica_urls:
+            if not re.fullmatch(r"https?://[^\s/]+(:\d+)?", url):
+                raise UsageError(
+                    f"{PREFIX}REPLICAS={self.replicas!r}: {url!r} is not a replica's address; "
+                    "write them like http://127.0.0.1:7080,http://10.0.0.2:7080"
+                )
+
+    @property
+    def replica_urls(self) -> list[str]:
+        """The replicas `duality query` asks: those of `replicas`, else the one this machine's
+        `duality serve` answers on."""
+        if self.replicas:
+            return [u.strip().rstrip("/") for u in self.replicas.split(",") if u.strip()]
+        return [f"http://{self.serve_host}:{self.serve_port}"]
 
     def _check_batch_server_security(self) -> None:
         secret, secret_file = self.batch_server_secret, self.batch_server_secret_file
@@ -487,6 +523,15 @@ def describe() -> list[tuple[str, str, str]]:
         "to (`duality up --monitoring` starts one); unset: none",
         "prometheus_url": "Prometheus' address (`http://host:port`) for the pipelines page's "
         "charts (`duality up --monitoring` sets it); unset: charts from heartbeats",
+        "serve_host": "address `duality serve` answers its HTTP API on (`0.0.0.0`: every "
+        "interface; the default keeps it to this machine)",
+        "serve_port": "port of `duality serve`'s API, `/healthz` and `/metrics` (0: a free one, "
+        "written into `<serve_dir>/serve.json`)",
+        "serve_dir": "folder of `duality serve`'s replicas: a SQLite file per pipeline",
+        "serve_token": "bearer token `duality serve`'s API asks for and `duality query` sends; "
+        "unset: none. Never printed or logged",
+        "replicas": "URLs of the replicas `duality query` asks, comma-separated (unset: "
+        "`http://<serve_host>:<serve_port>`)",
         "warehouse": "folder of Delta tables",
         "checkpoint_root": "folder of streaming checkpoints",
         "jar_cache": "folder the Maven-fetched jars are copied into",

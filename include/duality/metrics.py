@@ -209,6 +209,70 @@ class StreamMetrics:
             self.lag.labels(self.pipeline, str(partition)).set(lag)
 
 
+class ServingMetrics:
+    """A `duality serve` process's metrics (docs/serving.md), in a registry of its own: each
+    replica's apply and lag, and the pull queries answered, labelled with the pipeline."""
+
+    def __init__(self) -> None:
+        self.registry = registry = CollectorRegistry()
+        labels = ["pipeline"]
+        self.applied = Counter(
+            "duality_replica_records_applied_total",
+            "Changelog records a replica applied to its store.",
+            labels,
+            registry=registry,
+        )
+        self.lag = Gauge(
+            "duality_replica_lag_records",
+            "Changelog records up to its committed end not yet in the replica, per partition.",
+            [*labels, "partition"],
+            registry=registry,
+        )
+        self.last_apply = Gauge(
+            "duality_replica_last_apply_timestamp_seconds",
+            "When the replica last committed a write to its store (Unix time).",
+            labels,
+            registry=registry,
+        )
+        self.kafka_up = Gauge(
+            "duality_replica_kafka_up",
+            "1 when the replica's last read of the changelog's end offsets succeeded.",
+            labels,
+            registry=registry,
+        )
+        self.requests = Counter(
+            "duality_pull_requests_total",
+            "Pull queries answered, by HTTP status code.",
+            [*labels, "code"],
+            registry=registry,
+        )
+        self.seconds = Histogram(
+            "duality_pull_request_duration_seconds",
+            "Time to answer a pull query, waits for `at`, `max_lag` included.",
+            labels,
+            registry=registry,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
+        )
+
+    def add(self, pipeline: str) -> None:
+        """Series of a replica's pipeline, at 0 from the start."""
+        self.applied.labels(pipeline)
+        self.kafka_up.labels(pipeline).set(0)
+        for code in ("200", "400", "404", "503"):
+            self.requests.labels(pipeline, code)
+
+    def replica(self, pipeline: str, applied: int, lag: dict[int, int] | None, wrote: bool) -> None:
+        """A replica's step: records applied, its lag per partition (None: Kafka did not
+        answer), whether it wrote to its store."""
+        if applied:
+            self.applied.labels(pipeline).inc(applied)
+        if wrote:
+            self.last_apply.labels(pipeline).set(time.time())
+        self.kafka_up.labels(pipeline).set(0 if lag is None else 1)
+        for partition, records in (lag or {}).items():
+            self.lag.labels(pipeline, str(partition)).set(records)
+
+
 class MetricsEndpoint:
     """The stream's /metrics on `settings.metrics_port` (0: a free port), the refresher of its
     lag gauges, and its file in the folder Prometheus discovers targets from."""

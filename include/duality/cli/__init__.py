@@ -2,7 +2,7 @@
 
 `main` parses, runs a command's handler and prints its result (as JSON with `--json`); each
 module of this package adds its own commands (`add_commands`): `stack` the local stack's,
-`streams` a pipeline's stream and spec, `batch` the batch steps."""
+`streams` a pipeline's stream and spec, `batch` the batch steps, `serving` the replicas'."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from rich.console import Console
 from duality import spec
 from duality.arguments import not_negative
 from duality.batch_server import BATCH_COMMANDS, run_remote
-from duality.cli import batch, stack, streams
+from duality.cli import batch, serving, stack, streams
 from duality.cli.output import print_json
 from duality.cli.parsing import Commands, Parser
 from duality.config import Settings
@@ -30,7 +30,7 @@ _out = Console(highlight=False)
 _err = Console(stderr=True, highlight=False)
 
 # The modules whose commands `duality` has, in the order `duality --help` lists them.
-_COMMAND_MODULES = (stack, streams, batch)
+_COMMAND_MODULES = (stack, streams, batch, serving)
 
 
 def _cmd_batch_server(settings: Settings, args: Namespace, console: Console) -> None:

@@ -1,0 +1,150 @@
+"""A replica of a changelog written here (no stream): it equals the changelog's latest values,
+read committed, across aborted transactions and tombstones; SIGKILLed mid-apply, its store holds
+exactly a prefix of the changelog (rows and offsets written together), and a restart resumes
+from it, applying only what came after."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from duality.config import Settings
+from duality.serve.keys import token
+from duality.serve.store import Store
+from duality.spec import PipelineSpec
+from tests.harness import assert_eventually, make_pipeline, read_latest, read_messages
+from tests.serving import ServeProcess, stable_ends
+
+KEYS = [f"k{n:03d}" for n in range(300)]
+BACKLOG = 100_000  # records of updates, to SIGKILL the replica while it applies them
+
+
+def _changelog(settings: Settings, spec: PipelineSpec) -> Producer:
+    """The spec's changelog topic, compacted, 3 partitions; a transactional producer for it."""
+    config = settings.kafka_client_config()
+    topic = NewTopic(
+        spec.changelog_topic,
+        3,
+        1,
+        config={"cleanup.policy": "compact", "segment.ms": "1000", "min.compaction.lag.ms": "0"},
+    )
+    admin = AdminClient(config)  # kept until the topic is made: its futures end with it
+    admin.create_topics([topic])[spec.changelog_topic].result(60)
+    producer = Producer({**config, "transactional.id": f"{spec.name}-writer", "linger.ms": 5})
+    producer.init_transactions(60)
+    return producer
+
+
+def _write(
+    producer: Producer, topic: str, records: Iterable[tuple[str, Any]], commit: bool = True
+) -> None:
+    """One transaction of (key, value) records (value None: a tombstone), committed or aborted."""
+    producer.begin_transaction()
+    for key, value in records:
+        document = None if value is None else json.dumps({"product": key, "orders": value})
+        producer.produce(topic, key=key.encode(), value=document)
+        producer.poll(0)
+    if commit:
+        producer.commit_transaction(60)
+    else:
+        producer.abort_transaction(60)
+
+
+def _stored(path: Path) -> tuple[dict[int, int], dict[bytes, Any]]:
+    """The position and rows in a replica's SQLite file, read as it is on disk."""
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
+        position = dict(db.execute("SELECT partition, next_offset FROM positions").fetchall())
+        rows = {
+            bytes(k): json.loads(v) for k, v in db.execute("SELECT changelog_key, value FROM rows")
+        }
+    db.close()
+    return position, rows
+
+
+def _latest_before(
+    settings: Settings, spec: PipelineSpec, position: dict[int, int]
+) -> dict[bytes, Any]:
+    """The changelog's latest live value per key among the records below `position`."""
+    latest: dict[bytes, Any] = {}
+    for message in read_messages(settings, spec.changelog_topic):
+        partition, offset = message.partition(), message.offset()
+        assert partition is not None and offset is not None
+        if offset >= position.get(partition, 0) or message.key() is None:
+            continue
+        value = message.value()
+        if value is None:
+            latest.pop(message.key(), None)
+        else:
+            latest[message.key()] = json.loads(value)
+    return latest
+
+
+def test_a_replica_is_the_changelog_and_resumes_from_its_store(settings: Settings, tmp_path: Path):
+    spec = make_pipeline(settings, tmp_path / "pipelines", "product_sales")
+    scoped = settings.replace(pipelines=tmp_path / "pipelines")
+    topic = spec.changelog_topic
+    producer = _changelog(settings, spec)
+    _write(producer, topic, ((k, 1) for k in KEYS))
+    _write(producer, topic, ((k, -1) for k in KEYS[:100]), commit=False)  # aborted
+    _write(producer, topic, ((k, None) for k in KEYS[200:250]))  # tombstones
+    _write(producer, topic, ((k, 2) for k in KEYS[100:150]))
+    for batch in range(BACKLOG // 10_000):
+        _write(producer, topic, ((KEYS[n % 300], 10 + batch) for n in range(10_000)))
+    _write(producer, topic, ((k, -2) for k in KEYS[250:]), commit=False)  # aborted, last
+    producer.flush(60)
+
+    replica = ServeProcess(scoped, tmp_path / "serve", spec.name)
+    store = replica.folder / f"{spec.name}.sqlite"
+    total = len(read_messages(settings, topic))  # committed records, tombstones included
+    try:
+        replica.start()
+        # SIGKILL while it applies the backlog: some of it written, not all.
+        assert_eventually(
+            lambda: sum(_stored(store)[0].values()) > 0 if store.exists() else False,
+            timeout=120,
+            interval=0.01,
+        )
+        replica.kill()
+    finally:
+        replica.kill()
+    position, rows = _stored(store)
+    assert len(rows) > 0 and rows == _latest_before(settings, spec, position)
+    behind = sum(
+        1
+        for m in read_messages(settings, topic)
+        if m.offset() >= position.get(m.partition(), 0)  # type: ignore[operator]
+    )
+    assert 0 < behind < total, f"killed at {position}, not mid-apply ({behind} of {total} to go)"
+    seen = token(topic, position)
+
+    ends = stable_ends(settings, topic)
+    again = ServeProcess(scoped, tmp_path / "serve", spec.name)
+    try:
+        again.start()
+        # Never older than a position the killed replica answered with.
+        status, body = again.row(spec.name, KEYS[0], at=seen, wait=30)
+        assert status in (200, 404), body
+        assert all(body["position"][str(p)] >= o for p, o in position.items()), body
+        assert_eventually(lambda: again.caught_up(spec.name, ends), timeout=120)
+        assert again.applied(spec.name) == behind  # resumed from its store, not the start
+        truth = read_latest(settings, spec)
+        for key in KEYS:
+            status, body = again.row(spec.name, key)
+            if key.encode() in truth:
+                assert status == 200 and body["row"] == truth[key.encode()], (key, body)
+            else:
+                assert status == 404 and body["position"], (key, body)  # tombstoned
+        assert again.get("/healthz")[0] == 200
+    finally:
+        again.stop()
+    final = Store(store, topic)
+    try:
+        assert final.rows() == truth and final.position() == ends
+    finally:
+        final.close()

@@ -1,0 +1,211 @@
+"""A replica's parts without Kafka: the table key and the position token, the SQLite store (rows
+and offsets in one transaction, reopened as left), and the HTTP API over a store filled here
+(404, 400, 401, 503 with Retry-After, `at`, `max_lag`, `/healthz`, `/metrics`)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from duality.config import Settings
+from duality.errors import UsageError
+from duality.metrics import ServingMetrics
+from duality.serve.api import ApiServer
+from duality.serve.keys import KeyMismatch, TableKey, TokenError, parse_token, reached, token
+from duality.serve.replica import Replica
+from duality.serve.store import Change, Store
+from duality.spec import PipelineSpec
+from tests.harness import make_pipeline
+
+TOKEN = "a-bearer-token-of-some-length"
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    return Settings(home=tmp_path, pipelines=tmp_path / "pipelines", local_dir=tmp_path / "local")
+
+
+def _keyed(settings: Settings, key: str, kind: str) -> PipelineSpec:
+    """product_sales keyed on `key` of type `kind`."""
+    pipeline = make_pipeline(settings, settings.pipelines, "product_sales")
+    data = pipeline.model_dump(by_alias=True, exclude_none=True)
+    data["source"]["schema"][key] = kind
+    data["source"]["key"] = key
+    return PipelineSpec.model_validate(data)
+
+
+def test_a_key_is_found_however_its_value_is_written(settings: Settings):
+    product = TableKey.of(make_pipeline(settings, settings.pipelines, "product_sales"))
+    assert product.decode(b"p-1") == ("p-1", "")
+    assert product.parse("p-1") == "p-1"
+    numbered = TableKey.of(_keyed(settings, "quantity", "long"))
+    assert numbered.decode(b"42") == ("42", "")
+    assert numbered.parse("042") == numbered.parse("42.0") == "42"
+    with pytest.raises(KeyMismatch, match=r"'4x2' does not fit .*: quantity \(long\)"):
+        numbered.parse("4x2")
+    with pytest.raises(KeyMismatch, match=r"quantity \(long\)"):
+        numbered.parse("4.5")
+    hourly = TableKey.of(make_pipeline(settings, settings.pipelines, "sensor_stats"))
+    assert hourly.windowed
+    assert hourly.decode(b'["s-1","2026-11-21T10:00:00.000Z"]') == (
+        "s-1",
+        "2026-11-21T10:00:00.000Z",
+    )
+    assert hourly.parse("s-1") == "s-1"
+
+
+def test_a_token_holds_its_position_and_names_its_changelog():
+    text = token("t-changelog", {0: 12, 2: 5})
+    assert parse_token(text, "t-changelog") == {0: 12, 2: 5}
+    with pytest.raises(TokenError, match="'t-changelog', not of 'other'"):
+        parse_token(text, "other")
+    with pytest.raises(TokenError, match="not a position token"):
+        parse_token("not-a-token", "t-changelog")
+    assert reached({0: 12, 1: 0, 2: 6}, {0: 12, 2: 5})
+    assert not reached({0: 11, 2: 6}, {0: 12, 2: 5})
+
+
+def _row(key: str, offset: int, partition: int = 0, value: Any = "row", window: str = "") -> Change:
+    data = None if value is None else json.dumps({"k": key, "v": value}).encode()
+    return Change(key, window, key.encode(), data, partition, offset)
+
+
+def test_the_store_writes_rows_and_offsets_together_and_reopens_as_left(tmp_path: Path):
+    store = Store(tmp_path / "p.sqlite", "p-changelog")
+    assert store.apply([_row("a", 0), _row("b", 1), _row("a", 2, value="new")], {0: 3, 1: 0}) == 3
+    assert store.rows() == {b"a": {"k": "a", "v": "new"}, b"b": {"k": "b", "v": "row"}}
+    store.apply([_row("b", 3, value=None)], {0: 4, 1: 0})  # a tombstone
+    assert store.rows() == {b"a": {"k": "a", "v": "new"}}
+    bad = Change("c", "", b"c", b"\xff", 0, 4)  # its value is no text: the write fails whole
+    with pytest.raises(UnicodeDecodeError):
+        store.apply([_row("d", 4), bad], {0: 6})
+    assert store.position() == {0: 4, 1: 0} and set(store.rows()) == {b"a"}
+    with pytest.raises(UsageError, match="another running `duality serve`"):
+        Store(tmp_path / "p.sqlite", "p-changelog")
+    read = store.read("a")
+    assert read.position == {0: 4, 1: 0} and read.rows[0].offset == 2
+    store.close()
+    again = Store(tmp_path / "p.sqlite", "p-changelog")
+    assert again.position() == {0: 4, 1: 0} and set(again.rows()) == {b"a"}
+    again.close()
+    other = Store(tmp_path / "p.sqlite", "another-changelog")  # another topic: starts empty
+    assert other.position() == {} and other.rows() == {}
+    other.close()
+
+
+def test_windows_are_read_by_range_and_expire_with_their_records(tmp_path: Path):
+    store = Store(tmp_path / "w.sqlite", "w-changelog")
+    hours = [f"2026-11-21T{h:02d}:00:00.000Z" for h in (10, 11, 12)]
+    store.apply([_row("s", n, partition=1, window=hour) for n, hour in enumerate(hours)], {1: 3})
+    assert [r.window_start for r in store.read("s").rows] == hours
+    assert [r.window_start for r in store.read("s", hours[1], hours[1]).rows] == hours[1:2]
+    assert store.prune({1: 2}) == 2  # retention deleted the records below offset 2
+    assert [r.window_start for r in store.read("s").rows] == hours[2:]
+    store.close()
+
+
+@pytest.fixture
+def api(settings: Settings, tmp_path: Path) -> Iterator[tuple[ApiServer, Replica]]:
+    """The API over a replica of product_sales whose store is filled by the test (its reader
+    never started), asking for TOKEN."""
+    pipeline = make_pipeline(settings, settings.pipelines, "product_sales")
+    metrics = ServingMetrics()
+    replica = Replica(settings, pipeline, tmp_path / "serve", metrics)
+    server = ApiServer(("127.0.0.1", 0), {pipeline.name: replica}, metrics, TOKEN)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.start()
+    try:
+        yield server, replica
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+        replica.store.close()
+
+
+def _get(url: str, bearer: str | None = TOKEN) -> tuple[int, dict[str, Any], dict[str, str]]:
+    request = urllib.request.Request(url)
+    if bearer:
+        request.add_header("Authorization", f"Bearer {bearer}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return answer.status, json.loads(answer.read()), dict(answer.headers)
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read()), dict(error.headers)
+
+
+def _advance(replica: Replica, changes: list[Change], position: dict[int, int]) -> None:
+    """What the replica's reader does with a poll: write, then move its position."""
+    replica.store.apply(changes, position)
+    with replica._changed:
+        replica._position = dict(position)
+        replica._changed.notify_all()
+
+
+def test_the_api_answers_a_row_with_its_position_and_refuses_what_it_cannot_meet(api):
+    server, replica = api
+    rows = f"{server.url}/v1/pipelines/{replica.pipeline}/rows"
+    assert _get(f"{rows}/p-1", bearer=None)[0] == 401
+    assert _get(f"{rows}/p-1", bearer="a-wrong-token-of-some-length")[0] == 401
+    status, body, _ = _get(f"{rows}/p-1")
+    assert status == 404 and body["position"] == {} and "token" in body
+    _advance(replica, [_row("p-1", 0, partition=2)], {0: 0, 1: 0, 2: 1})
+    status, body, _ = _get(f"{rows}/p-1")
+    assert status == 200, body
+    assert body["row"] == {"k": "p-1", "v": "row"} and (body["partition"], body["offset"]) == (2, 0)
+    assert body["position"] == {"0": 0, "1": 0, "2": 1} and body["lag"] == 0
+    seen = body["token"]
+    # The changelog moved on (its end, as the end watcher reads it): 5 records behind.
+    with replica._changed:
+        replica._ends = {0: 0, 1: 0, 2: 6}
+    status, body, headers = _get(f"{rows}/p-1?max_lag=4")
+    assert status == 503 and headers["Retry-After"] == "1" and body["lag"] == 5, body
+    assert _get(f"{rows}/p-1?max_lag=5")[0] == 200
+    # A token from a replica further on: this one answers nothing older, waiting if asked to.
+    ahead = token(replica.topic, {2: 6})
+    assert _get(f"{rows}/p-1?at={ahead}")[0] == 503
+    later = threading.Timer(
+        0.3, _advance, (replica, [_row("p-1", 5, 2, "newer")], {0: 0, 1: 0, 2: 6})
+    )
+    later.start()
+    status, body, _ = _get(f"{rows}/p-1?at={ahead}&wait=10")
+    later.join()
+    assert status == 200 and body["row"]["v"] == "newer" and body["offset"] == 5
+    assert _get(f"{rows}/p-1?at={seen}")[1]["row"]["v"] == "newer"
+    status, body, _ = _get(f"{rows}/p-1?at=garbage")
+    assert status == 400 and "not a position token" in body["error"]
+    assert _get(f"{server.url}/v1/pipelines/nope/rows/p-1")[0] == 404
+    status, body, _ = _get(f"{server.url}/v1/pipelines/{replica.pipeline}")
+    assert status == 200 and body["lag"] == 0 and body["position"]["2"] == 6
+    status, body, _ = _get(f"{server.url}/healthz", bearer=None)
+    assert status == 503 and body["replicas"][replica.pipeline]["alive"] is False  # not started
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    assert f'duality_pull_requests_total{{code="503",pipeline="{replica.pipeline}"}} 2.0' in text
+    assert "duality_pull_request_duration_seconds_bucket" in text
+
+
+def test_a_key_that_does_not_fit_is_400_naming_the_key_type(settings: Settings, tmp_path: Path):
+    pipeline = _keyed(settings, "quantity", "long")
+    metrics = ServingMetrics()
+    replica = Replica(settings, pipeline, tmp_path / "serve", metrics)
+    server = ApiServer(("127.0.0.1", 0), {pipeline.name: replica}, metrics)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.start()
+    try:
+        status, body, _ = _get(f"{server.url}/v1/pipelines/{pipeline.name}/rows/abc", None)
+        assert status == 400 and body["key_type"] == "quantity (long)", body
+        assert "does not fit the key" in body["error"]
+        assert _get(f"{server.url}/v1/pipelines/{pipeline.name}/rows/12", None)[0] == 404
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+        replica.store.close()
