@@ -5,6 +5,7 @@ and offsets in one transaction, reopened as left), and the HTTP API over a store
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import urllib.error
 import urllib.request
@@ -209,3 +210,32 @@ def test_a_key_that_does_not_fit_is_400_naming_the_key_type(settings: Settings, 
         server.server_close()
         thread.join()
         replica.store.close()
+
+
+def test_the_client_asks_the_next_replica_when_one_does_not_answer(api, settings: Settings):
+    """`duality query`'s client: a closed port first in the list is passed over (its lag is
+    unknown, so it is asked last, and its refusal is not an answer); a 503 is passed over; a
+    key without a row is CheckFailed with the position, a key of the wrong type a UsageError."""
+    from duality.errors import CheckFailed
+    from duality.serve import client
+
+    server, replica = api
+    with socket.socket() as probe:  # a port nothing listens on once it is closed
+        probe.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    both = settings.replace(replicas=f"{closed},{server.url}", serve_token=TOKEN)
+    assert client.by_lag(both, replica.pipeline) == [server.url, closed]
+    _advance(replica, [_row("p-1", 0)], {0: 1, 1: 0, 2: 0})
+    answer = client.query(both, replica.pipeline, "p-1")
+    assert answer["replica"] == server.url and answer["row"]["v"] == "row"
+    with pytest.raises(CheckFailed, match="no row for key 'p-2'") as missing:
+        client.query(both, replica.pipeline, "p-2")
+    assert missing.value.details["position"] == {"0": 1, "1": 0, "2": 0}
+    ahead = token(replica.topic, {0: 5})
+    with pytest.raises(CheckFailed, match=r"no replica of .* answered: .*: 503 the replica is"):
+        client.query(both, replica.pipeline, "p-1", at=ahead)
+    only_closed = settings.replace(replicas=closed)
+    with pytest.raises(CheckFailed, match="no answer"):
+        client.query(only_closed, replica.pipeline, "p-1")
+    with pytest.raises(UsageError, match="bearer token"):
+        client.query(settings.replace(replicas=server.url), replica.pipeline, "p-1")
