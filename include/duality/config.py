@@ -92,7 +92,7 @@ class Settings:
     # `duality query` asks; unset, the one at serve_host:serve_port.
     serve_host: str = "127.0.0.1"
     serve_port: int = 7080
-    serve_dir: Path = Path(".local/serve")
+    serve_dir: Path | None = None
     serve_token: str | None = dataclasses.field(default=None, repr=False)
     replicas: str | None = None
     warehouse: Path = Path(".local/warehouse")
@@ -217,6 +217,11 @@ class Settings:
                     f"{PREFIX}REPLICAS={self.replicas!r}: {url!r} is not a replica's address; "
                     "write them like http://127.0.0.1:7080,http://10.0.0.2:7080"
                 )
+
+    @property
+    def replica_dir(self) -> Path:
+        """The folder of `duality serve`'s stores: `serve_dir`, else `<local_dir>/serve`."""
+        return self.serve_dir or self.local_dir / "serve"
 
     @property
     def replica_urls(self) -> list[str]:
@@ -527,7 +532,8 @@ def describe() -> list[tuple[str, str, str]]:
         "interface; the default keeps it to this machine)",
         "serve_port": "port of `duality serve`'s API, `/healthz` and `/metrics` (0: a free one, "
         "written into `<serve_dir>/serve.json`)",
-        "serve_dir": "folder of `duality serve`'s replicas: a SQLite file per pipeline",
+        "serve_dir": "folder of `duality serve`'s replicas, a SQLite file per pipeline (unset: "
+        "`<local_dir>/serve`)",
         "serve_token": "bearer token `duality serve`'s API asks for and `duality query` sends; "
         "unset: none. Never printed or logged",
         "replicas": "URLs of the replicas `duality query` asks, comma-separated (unset: "

@@ -311,6 +311,31 @@ def test_the_batch_server_runs_the_steps_of_airflows_tasks():
     assert scheduler[BATCH_SERVER]["condition"] == "service_healthy"
 
 
+def test_the_replicas_are_the_ones_query_asks():
+    """Two `duality serve` services (docs/serving.md): every address of DUALITY_REPLICAS is a
+    service serving on all interfaces at that port, its health check probing it, with a store
+    folder on a volume of its own (a folder takes one writer), after the Kafka cluster."""
+    asked = Settings.from_env(_env("airflow-scheduler")).replica_urls
+    assert len(asked) >= 2, asked
+    volumes = set()
+    for url in asked:
+        parts = urlsplit(url)
+        name = str(parts.hostname)
+        service = _service(name)
+        assert service["hostname"] == name
+        assert _command(name) == ["python", "-m", "duality.cli", "serve"]
+        settings = Settings.from_env(_env(name))
+        assert (settings.serve_host, settings.serve_port) == ("0.0.0.0", parts.port)
+        assert f"localhost:{parts.port}/healthz" in " ".join(service["healthcheck"]["test"])
+        store = settings.replica_dir
+        (volume,) = [v for v, path in _volume_mounts(name).items() if store == Path(path)]
+        volumes.add(volume)
+        waits = service["depends_on"]
+        for broker in KAFKA:
+            assert waits.get(broker, {}).get("condition") == "service_healthy", (name, broker)
+    assert len(volumes) == len(asked), f"replicas share a store volume: {volumes}"
+
+
 def test_the_batch_servers_secret_is_a_compose_secret_of_the_server_and_airflow():
     """docs/operations.md, "Securing the batch server": one file-based compose secret, mounted in
     the batch server and every Airflow service, where DUALITY_BATCH_SERVER_SECRET_FILE points;

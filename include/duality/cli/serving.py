@@ -61,7 +61,7 @@ def _cmd_serve(settings: Settings, args: Namespace, console: Console) -> Any:
     def ready(api: Any) -> None:
         console.print(
             f"serving {', '.join(s.name for s in specs)} at [bold]{api.url}[/] (stores in "
-            f"{settings.serve_dir}); stop with SIGTERM or Ctrl-C"
+            f"{settings.replica_dir}); stop with SIGTERM or Ctrl-C"
         )
 
     served = server.serve(settings, specs, stop, ready)

@@ -95,6 +95,14 @@ def _cmd_up(settings: Settings, args: Namespace, console: Console) -> stack.Stac
         f"batch server {verb} at [bold]{batch.address}[/] (pid {batch.pid}, Spark "
         f"{batch.master}): the batch steps run in its warm Spark; log {batch.log}"
     )
+    serving = started.serving
+    if serving is not None:
+        verb = "already running" if serving.already_running else "started"
+        console.print(
+            f"replicas {verb} at [bold]{serving.url}[/] (pid {serving.pid}) for "
+            f"{', '.join(serving.pipelines) or 'no pipeline'}: `duality query` asks them; "
+            f"log {serving.log}"
+        )
     watching = started.monitoring
     if watching is not None:
         verb = "already running" if watching.already_running else "started"
@@ -123,6 +131,8 @@ def _cmd_down(settings: Settings, args: Namespace, console: Console) -> stack.St
     console.print(
         f"Airflow stopped (pid {airflow.pid})" if airflow.was_running else "Airflow was not running"
     )
+    if stopped.serving is not None and stopped.serving.was_running:
+        console.print(f"replicas stopped (pid {stopped.serving.pid})")
     if stopped.batch.was_running:
         console.print(f"batch server stopped (pid {stopped.batch.pid})")
     for name, pid in stopped.monitoring.pids.items():
@@ -165,6 +175,11 @@ def _print_status(report: stack.StackStatus, console: Console) -> None:
     pid = str(batch.pid or "-")
     steps = "" if batch.steps is None else f"{len(batch.steps)} steps running"
     rows.append(("batch-server", batch.state, batch.address or "-", pid, steps, str(batch.log)))
+    serving = report.serving
+    if serving is not None:
+        healthy = "yes" if serving.healthy else "no"
+        pid = str(serving.pid or "-")
+        rows.append(("serve", serving.state, serving.url or "-", pid, healthy, str(serving.log)))
     if report.monitoring is not None:
         for name, program in (
             ("prometheus", report.monitoring.prometheus),

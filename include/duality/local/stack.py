@@ -23,6 +23,7 @@ from duality.local.kraft import (
 )
 from duality.local.monitoring import LocalMonitoring, MonitoringStatus, MonitoringStopped
 from duality.local.scram import Scram
+from duality.local.serving import LocalServing, ServingStatus, ServingStopped
 from duality.local.spark_cluster import SparkStatus, SparkStopped, local_spark
 from duality.spark import sweep_scratch
 from duality.stream import control
@@ -79,6 +80,7 @@ class StackUp:
     batch: BatchServerStatus
     spark: SparkStatus | None = None
     monitoring: MonitoringStatus | None = None
+    serving: ServingStatus | None = None
 
 
 def up(
@@ -92,9 +94,10 @@ def up(
     progress: Callable[[str], None] = lambda _: None,
 ) -> StackUp:
     """Start what does not run: Kafka, Prometheus and its Pushgateway (with `monitoring`),
-    Spark (the cluster, if any, and the batch server the batch steps run on), then Airflow
-    (whose tasks need both); what is not given is what runs, else the default, and another
-    topology than what runs is refused (monitoring can be added to a running stack)."""
+    Spark (the cluster, if any, and the batch server the batch steps run on), the replicas of
+    the pipelines' tables (`duality serve`), then Airflow (whose tasks need Kafka and Spark);
+    what is not given is what runs, else the default, and another topology than what runs is
+    refused (monitoring can be added to a running stack)."""
     recorded = recorded_stack(settings)
     base = recorded or Topology(airflow_db=settings.airflow_db)
     topology = Topology(
@@ -145,14 +148,18 @@ def up(
     # Its address, and the secret and certificate its clients need (made by `start`).
     chosen |= {f"DUALITY_{k.upper()}": str(v) for k, v in server.client_settings().items()}
     chosen["DUALITY_AIRFLOW_DB"] = topology.airflow_db
+    replicas = LocalServing(Settings.from_env({**settings.as_env(), **chosen}))
+    chosen |= replicas.client_settings(replicas.port())
     # Later commands (and Airflow's tasks) find the stack through the record: `Settings.from_env`.
     settings.local_dir.mkdir(parents=True, exist_ok=True)
     document = {"topology": dataclasses.asdict(topology), "settings": chosen}
     (settings.local_dir / STACK_FILE).write_text(json.dumps(document, indent=2) + "\n")
     stacked = Settings.from_env({**settings.as_env(), **chosen})
+    progress("starting the replicas of the pipelines' tables (duality serve)")
+    serving = LocalServing(stacked).start()
     progress(f"starting Airflow on {settings.airflow_url}")
     airflow = LocalAirflow(stacked).start(progress=progress)
-    return StackUp(topology, broker, airflow, batch, spark, watching)
+    return StackUp(topology, broker, airflow, batch, spark, watching, serving)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,13 +170,15 @@ class StackDown:
     streams: list[StoppedStream]
     batch: BatchServerStopped
     monitoring: MonitoringStopped
+    serving: ServingStopped | None = None
 
 
 def down(settings: Settings) -> StackDown:
-    """Airflow first (a supervisor run could start a stream again), the streams, the batch
-    server, Prometheus and its Pushgateway, Spark, Kafka."""
+    """Airflow first (a supervisor run could start a stream again), the streams, the
+    replicas, the batch server, Prometheus and its Pushgateway, Spark, Kafka."""
     airflow = LocalAirflow(settings).stop()
     streams = control.stop_all(settings)
+    serving = LocalServing(settings).stop()
     batch = LocalBatchServer(settings).stop()
     monitoring = LocalMonitoring(settings).stop()
     # What the stopped (or once killed) drivers' JVMs left in their temporary folders.
@@ -181,7 +190,7 @@ def down(settings: Settings) -> StackDown:
     spark = local_spark(settings, max(1, workers)).stop()
     brokers = stop_brokers(settings)
     (settings.local_dir / STACK_FILE).unlink(missing_ok=True)
-    return StackDown(brokers, spark, airflow, streams, batch, monitoring)
+    return StackDown(brokers, spark, airflow, streams, batch, monitoring, serving)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,6 +223,7 @@ class StackStatus:
     batch: BatchServerStatus
     spark: SparkStatus | None = None
     monitoring: MonitoringStatus | None = None  # when it runs, or the stack was started with it
+    serving: ServingStatus | None = None
 
 
 def status(settings: Settings) -> StackStatus:
@@ -258,7 +268,8 @@ def status(settings: Settings) -> StackStatus:
     monitoring = LocalMonitoring(settings).status()
     shown = monitoring if topology.monitoring or monitoring.state != "stopped" else None
     batch = LocalBatchServer(settings).status()
-    return StackStatus(topology, broker, airflow, batch, spark, shown)
+    serving = LocalServing(settings).status()
+    return StackStatus(topology, broker, airflow, batch, spark, shown, serving)
 
 
 def require_sound(stack: StackStatus) -> None:

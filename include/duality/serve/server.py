@@ -44,14 +44,14 @@ def serve(
     replicas: dict[str, Replica] = {}
     try:
         for spec in specs:
-            replicas[spec.name] = Replica(settings, spec, settings.serve_dir, metrics)
+            replicas[spec.name] = Replica(settings, spec, settings.replica_dir, metrics)
         address = (settings.serve_host, settings.serve_port)
         server = ApiServer(address, replicas, metrics, settings.serve_token)
     except BaseException:
         for replica in replicas.values():
             replica.stop()
         raise
-    record = settings.serve_dir / "serve.json"
+    record = settings.replica_dir / "serve.json"
     listener = threading.Thread(
         target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="serve-api"
     )

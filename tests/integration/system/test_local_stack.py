@@ -49,6 +49,10 @@ def test_up_twice_status_down(tmp_path: Path):
         assert record["settings"]["DUALITY_PUSHGATEWAY"] == watching["pushgateway"]["address"]
         prometheus_url = f"http://{watching['prometheus']['address']}"
         assert record["settings"]["DUALITY_PROMETHEUS_URL"] == prometheus_url
+        # The replicas of the pipelines' tables answer where `duality query` will ask.
+        serving = first["serving"]
+        assert serving["already_running"] is False and serving["healthy"] is True
+        assert record["settings"]["DUALITY_REPLICAS"] == serving["url"]
 
         # A second `up` keeps what runs, monitoring included.
         second = duality_json(env, "up")
@@ -56,6 +60,8 @@ def test_up_twice_status_down(tmp_path: Path):
         assert again["already_running"] is True
         assert again["pid"] == started["pid"]
         assert second["monitoring"]["already_running"] is True
+        assert second["serving"]["already_running"] is True
+        assert second["serving"]["pid"] == serving["pid"]
         assert len(_monitoring_processes(str(tmp_path))) == 2
         assert len(_kafka_processes(str(tmp_path))) == 1
         # The broker's JVM unpacks its native libraries into its own folder, not /tmp.
@@ -82,6 +88,7 @@ def test_up_twice_status_down(tmp_path: Path):
         for private in (own / "secret", own / "tls" / "server.key"):
             assert private.stat().st_mode & 0o777 == 0o600, private
         assert status["batch"]["state"] == "running" and status["batch"]["steps"] == []
+        assert (status["serving"]["state"], status["serving"]["url"]) == ("running", serving["url"])
         secret = (own / "secret").read_text().strip()
         assert secret not in json.dumps([first, second, status])
         for path in (tmp_path / "local").rglob("*"):
@@ -99,6 +106,8 @@ def test_up_twice_status_down(tmp_path: Path):
         program: watching[program]["pid"] for program in ("prometheus", "pushgateway")
     }
     assert _monitoring_processes(str(tmp_path)) == []
+    assert json.loads(down.stdout)["serving"] == {"was_running": True, "pid": serving["pid"]}
+    assert not psutil.pid_exists(serving["pid"])
     assert not left.exists()
 
     stopped = run_duality(env, "status", "--json")
