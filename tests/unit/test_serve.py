@@ -239,3 +239,38 @@ def test_the_client_asks_the_next_replica_when_one_does_not_answer(api, settings
         client.query(only_closed, replica.pipeline, "p-1")
     with pytest.raises(UsageError, match="bearer token"):
         client.query(settings.replace(replicas=server.url), replica.pipeline, "p-1")
+
+
+def test_a_windowed_key_answers_its_windows_in_a_range(settings: Settings, tmp_path: Path):
+    """sensor_stats (hourly windows): a key's windows in window order, `from`/`to` bounding
+    them, each with its changelog partition and offset."""
+    pipeline = make_pipeline(settings, settings.pipelines, "sensor_stats")
+    metrics = ServingMetrics()
+    replica = Replica(settings, pipeline, tmp_path / "serve", metrics)
+    server = ApiServer(("127.0.0.1", 0), {pipeline.name: replica}, metrics)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.start()
+    try:
+        hours = [f"2026-11-21T{h:02d}:00:00.000Z" for h in (10, 11, 12)]
+        changes = []
+        for n, hour in enumerate(hours):
+            raw = json.dumps(["s-1", hour]).encode()
+            value = json.dumps({"sensor_id": "s-1", "window_start": hour, "readings": n}).encode()
+            changes.append(Change("s-1", hour, raw, value, 1, n))
+        _advance(replica, changes, {0: 0, 1: 3, 2: 0})
+        url = f"{server.url}/v1/pipelines/{pipeline.name}/rows/s-1"
+        status, body, _ = _get(url, None)
+        assert status == 200 and [w["window_start"] for w in body["windows"]] == hours, body
+        assert [(w["partition"], w["offset"], w["row"]["readings"]) for w in body["windows"]] == [
+            (1, 0, 0),
+            (1, 1, 1),
+            (1, 2, 2),
+        ]
+        status, body, _ = _get(f"{url}?from={hours[1]}&to={hours[1]}", None)
+        assert [w["window_start"] for w in body["windows"]] == hours[1:2]
+        assert _get(f"{server.url}/v1/pipelines/{pipeline.name}/rows/s-2", None)[0] == 404
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+        replica.store.close()
