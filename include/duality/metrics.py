@@ -355,16 +355,31 @@ def forget_targets(settings: Settings, pipeline: str) -> None:
         path.unlink(missing_ok=True)
 
 
-def write_target(path: Path, address: str, pipeline: str, metrics_path: str | None = None) -> None:
-    """One target in the file_sd format, written whole (a reader never sees half of it)."""
+def write_target(
+    path: Path, address: str, pipeline: str | None, metrics_path: str | None = None
+) -> None:
+    """One target in the file_sd format, written whole (a reader never sees half of it); a
+    target of several pipelines (`duality serve`) has no `pipeline` label: its series do."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    labels = {"pipeline": pipeline}
+    labels = {} if pipeline is None else {"pipeline": pipeline}
     if metrics_path is not None:
         labels["__metrics_path__"] = metrics_path
     document = [{"targets": [address], "labels": labels}]
     partial = path.with_suffix(f".{os.getpid()}.tmp")
     partial.write_text(json.dumps(document))
     partial.replace(path)
+
+
+def serve_target(settings: Settings, host: str, port: int) -> tuple[Path, str]:
+    """The target file of a `duality serve` on (host, port), and the address Prometheus scrapes
+    it at: the loopback address when it listens there only, else this machine's name."""
+    if host in ("127.0.0.1", "localhost", "::1"):
+        address = f"127.0.0.1:{port}"
+    elif host in ("0.0.0.0", "::", ""):
+        address = f"{socket.gethostname()}:{port}"
+    else:
+        address = f"{host}:{port}"
+    return targets_folder(settings) / f"serve-{address.replace(':', '-')}.json", address
 
 
 def stream_targets(settings: Settings) -> Iterator[tuple[str, str]]:

@@ -27,6 +27,7 @@ from duality.process import live_pid, start_daemon, stop_group
 STREAMS_JOB = "duality-streams"  # each stream's endpoint, from its file in the targets folder
 SPARK_JOB = "duality-spark"  # a Spark driver's PrometheusServlet, from its file there
 BATCH_JOB = "duality-batch"  # the Pushgateway, holding what the batch steps pushed
+SERVE_JOB = "duality-serve"  # each `duality serve`'s endpoint, from its file in the targets folder
 # Scrapes and rule evaluations every 5 s: a stream's micro-batches are seconds apart locally.
 LOCAL_INTERVAL = "5s"
 # The shipped alert rules, in the checkout (docs/monitoring.md#alert-rules).
@@ -36,9 +37,9 @@ RULES = Path("monitoring") / "alerts.yml"
 def prometheus_config(
     targets: Path, pushgateway: str, rules: Path, interval: str = LOCAL_INTERVAL
 ) -> dict[str, Any]:
-    """Prometheus' configuration: the streams and Spark drivers that write their file into
-    `targets`, and the Pushgateway; labels a target pushes or serves (`pipeline`, `step`, the
-    Pushgateway's `job`) are kept as they are."""
+    """Prometheus' configuration: the streams, Spark drivers and replicas (`duality serve`)
+    that write their file into `targets`, and the Pushgateway; labels a target pushes or serves
+    (`pipeline`, `step`, the Pushgateway's `job`) are kept as they are."""
 
     def discovered(pattern: str) -> list[dict[str, Any]]:
         return [{"files": [str(targets / pattern)], "refresh_interval": interval}]
@@ -54,6 +55,12 @@ def prometheus_config(
             },
             # A Spark driver's target file sets `__metrics_path__` to its servlet's path.
             {"job_name": SPARK_JOB, "file_sd_configs": discovered("spark-*.json")},
+            # The replicas' series carry their pipeline (docs/serving.md).
+            {
+                "job_name": SERVE_JOB,
+                "honor_labels": True,
+                "file_sd_configs": discovered("serve-*.json"),
+            },
             {
                 "job_name": BATCH_JOB,
                 "honor_labels": True,

@@ -1,7 +1,7 @@
 """`duality serve`: a replica of each pipeline's table and the HTTP API over them, in one
 process, until it is told to stop (SIGTERM, SIGINT: the API stops answering, each replica ends
 its current write, the stores close). Its address is in `<serve_dir>/serve.json` while it
-runs."""
+runs, and its Prometheus target in `<local_dir>/monitoring/targets/serve-<host>-<port>.json`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from duality.config import Settings
-from duality.metrics import ServingMetrics
+from duality.metrics import ServingMetrics, serve_target, write_target
 from duality.serve.api import ApiServer
 from duality.serve.replica import Replica
 from duality.spec import PipelineSpec
@@ -52,6 +52,8 @@ def serve(
             replica.stop()
         raise
     record = settings.replica_dir / "serve.json"
+    port = int(server.server_address[1])
+    target, scraped = serve_target(settings, settings.serve_host, port)
     listener = threading.Thread(
         target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="serve-api"
     )
@@ -62,6 +64,7 @@ def serve(
         record.write_text(
             json.dumps({"url": server.url, "pid": os.getpid(), "pipelines": sorted(replicas)})
         )
+        write_target(target, scraped, None)  # Prometheus finds it (docs/monitoring.md)
         log.info("serving %s at %s", ", ".join(sorted(replicas)), server.url)
         ready(server)
         stop.wait()
@@ -72,6 +75,7 @@ def serve(
         for replica in replicas.values():
             replica.stop()
         record.unlink(missing_ok=True)
+        target.unlink(missing_ok=True)
     return Served(
         server.url,
         round(time.monotonic() - started, 3),

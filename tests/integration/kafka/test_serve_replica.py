@@ -15,6 +15,7 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from duality.config import Settings
+from duality.metrics import serve_target
 from duality.serve.keys import token
 from duality.serve.store import Store
 from duality.spec import PipelineSpec
@@ -141,8 +142,13 @@ def test_a_replica_is_the_changelog_and_resumes_from_its_store(settings: Setting
             else:
                 assert status == 404 and body["position"], (key, body)  # tombstoned
         assert again.get("/healthz")[0] == 200
+        # Prometheus finds it by its file (docs/monitoring.md), which a graceful stop removes.
+        target, address = serve_target(scoped, "127.0.0.1", int(again.url.rsplit(":", 1)[1]))
+        assert json.loads(target.read_text()) == [{"targets": [address], "labels": {}}]
+        assert again.url == f"http://{address}"
     finally:
         again.stop()
+    assert not target.exists()
     final = Store(store, topic)
     try:
         assert final.rows() == truth and final.position() == ends
