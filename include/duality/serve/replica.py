@@ -35,8 +35,9 @@ START_REFRESH_S = 30.0
 # Records one poll returns at most, written as one transaction.
 POLL_RECORDS = 5_000
 POLL_TIMEOUT_S = 0.1
-# Backoff after a failure of the reader (Kafka away, the changelog not created yet).
-RETRY_S = (1.0, 30.0)
+# Backoff after a failure of the reader (Kafka away, the changelog not created yet), from the
+# first after a reader that had run for the longest of them.
+RETRY_S = (1.0, 10.0)
 
 
 class Replica:
@@ -134,10 +135,13 @@ class Replica:
     def _read(self) -> None:
         pause = RETRY_S[0]
         while not self._stop.is_set():
+            started = time.monotonic()
             try:
                 self._follow()
                 return
             except Exception as error:  # Kafka away, the changelog not made yet: again later
+                if time.monotonic() - started > RETRY_S[1]:
+                    pause = RETRY_S[0]
                 self.error = f"{type(error).__name__}: {error}"
                 log.warning(
                     "replica of %s: %s; reading again in %.0f s", self.pipeline, error, pause

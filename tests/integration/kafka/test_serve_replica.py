@@ -154,3 +154,32 @@ def test_a_replica_is_the_changelog_and_resumes_from_its_store(settings: Setting
         assert final.rows() == truth and final.position() == ends
     finally:
         final.close()
+
+
+def test_a_replica_started_before_its_changelog_reads_it_once_made(
+    settings: Settings, tmp_path: Path
+):
+    """`duality up` starts the replicas before any stream made its changelog: the replica says
+    why it has nothing yet, stays healthy, and reads the topic once it exists."""
+    spec = make_pipeline(settings, tmp_path / "pipelines", "product_sales")
+    replica = ServeProcess(
+        settings.replace(pipelines=tmp_path / "pipelines"), tmp_path / "s", spec.name
+    )
+    try:
+        replica.start()
+        status, body = assert_eventually(
+            lambda: replica.get(f"/v1/pipelines/{spec.name}"),
+            lambda answer: answer[1].get("error") is not None,
+            timeout=60,
+        )
+        assert status == 200 and spec.changelog_topic in body["error"], body
+        assert replica.get("/healthz")[0] == 200
+        assert replica.row(spec.name, KEYS[0])[0] == 404
+        producer = _changelog(settings, spec)
+        _write(producer, spec.changelog_topic, ((k, 7) for k in KEYS[:10]))
+        status, body = assert_eventually(
+            lambda: replica.row(spec.name, KEYS[9]), lambda answer: answer[0] == 200, timeout=60
+        )
+        assert body["row"] == {"product": KEYS[9], "orders": 7}
+    finally:
+        replica.stop()
