@@ -38,6 +38,7 @@ def test_the_rules_file_is_valid():
         "DualityDeadLettersHigh",
         "DualitySnapshotStale",
         "DualityValidationFailed",
+        "DualityReplicaBehind",
     }
 
 
@@ -77,6 +78,18 @@ MUTATIONS = {
     "dead letters alerting above 10%": ("> 0.05", "> 0.1"),
     "dead letters alerting above 1%": ("> 0.05", "> 0.01"),
     "a snapshot allowed 3 hours": ("> 2 * 3600", "> 3 * 3600"),
+    "a replica alerting 100,000 records behind": (
+        "(duality_replica_lag_records) > 10000",
+        "(duality_replica_lag_records) > 100000",
+    ),
+    "a replica without Kafka no alert": (
+        "(duality_replica_kafka_up) == 0",
+        "(duality_replica_kafka_up) == -1",
+    ),
+    "a replica alerting at once": (
+        "(duality_replica_kafka_up) == 0\n        for: 5m",
+        "(duality_replica_kafka_up) == 0\n        for: 0m",
+    ),
     "a passed validation alerting": (
         "duality_validation_success == 0",
         "duality_validation_success == 1",

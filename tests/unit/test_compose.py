@@ -884,13 +884,15 @@ def test_the_dashboard_shows_what_the_issue_asks():
 
 
 def _exported_metrics() -> set[str]:
-    """Every series name duality exports: a stream's registry (counters with `_total`,
-    histograms with `_bucket`, `_sum`, `_count`), what batch steps push, and Prometheus' `up`."""
-    from duality.metrics import PUSHED_METRICS, StreamMetrics
+    """Every series name duality exports: a stream's and a replica server's registries
+    (counters with `_total`, histograms with `_bucket`, `_sum`, `_count`), what batch steps push,
+    and Prometheus' `up`."""
+    from duality.metrics import PUSHED_METRICS, ServingMetrics, StreamMetrics
 
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
     names = {"up", *PUSHED_METRICS}
-    for family in StreamMetrics("x").registry.collect():
+    families = [*StreamMetrics("x").registry.collect(), *ServingMetrics().registry.collect()]
+    for family in families:
         names |= {family.name + suffix for suffix in suffixes[family.type]}
         names |= {sample.name for sample in family.samples}
     return names
