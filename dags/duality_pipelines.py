@@ -3,7 +3,8 @@
 - `duality_<name>_stream`: the stream supervisor, every minute. It starts the stream when it
   should run and does not, restarts it when it is dead or stalled (with backoff), and never
   starts a second copy. Trigger it by hand with `action` start, stop, restart or rescale, and
-  `replicas` 2 for a warm standby.
+  `replicas` 2 for a warm standby. Each run also checks the replicas of the tables
+  (`DUALITY_REPLICAS`, docs/serving.md) and starts this host's again when it does not answer.
 - `duality_<name>_snapshot`: incremental snapshot -> validate -> publish, on the spec's
   `snapshot.schedule` (hourly by default). Publishing updates the snapshot's Asset.
 - `duality_<name>_reset`: the application reset tool, by hand only, after a confirmation.

@@ -120,7 +120,10 @@ class SuperviseStreamOperator(DualityTask):
     """One look of the stream supervisor: ensure (the schedule), or a person's start, stop,
     restart or rescale. Starts the stream detached and returns at once (a rescale waits for the
     stream it restarts). The run's `replicas` and `partitions` Params, when set, say how many
-    drivers this host keeps (2: a warm standby) and the state partitions a rescale builds."""
+    drivers this host keeps (2: a warm standby) and the state partitions a rescale builds.
+    Then it keeps the configured replicas of the tables running (`DUALITY_REPLICAS`,
+    docs/serving.md): this host's is started again when it does not answer; a replica that
+    stays down is a warning in the log and its result, never the stream's failure."""
 
     template_fields: Sequence[str] = ("action",)
     timeout_kind = "supervise"
@@ -166,7 +169,27 @@ class SuperviseStreamOperator(DualityTask):
             result.reason or "",
             result.action,
         )
-        return {k: v for k, v in vars(result).items() if k != "heartbeat"}
+        return {
+            **{k: v for k, v in vars(result).items() if k != "heartbeat"},
+            "replicas": self._replicas(settings),
+        }
+
+    def _replicas(self, settings: Any) -> list[dict[str, Any]]:
+        import dataclasses
+
+        from duality.serve import control
+
+        try:
+            states = control.ensure(settings)
+        except Exception as error:  # a replica never fails the stream's supervision
+            self.log.warning("the replicas were not checked: %s", error)
+            return []
+        for state in states:
+            if not state.healthy:
+                self.log.warning("replica %s does not answer (%s)", state.url, state.action)
+            elif state.action == "started":
+                self.log.info("replica %s started again", state.url)
+        return [dataclasses.asdict(state) for state in states]
 
 
 class RepartitionOperator(DualityTask):

@@ -259,3 +259,34 @@ def test_a_driver_that_finds_no_broker_exits_for_a_new_one_not_for_good():
     argv = ["product_sales"]
     assert entry_point("driver", broker_away, argv) == BROKER_AWAY_EXIT != UsageError.exit_code
     assert entry_point("driver", bad_spec, argv) == UsageError.exit_code
+
+
+def test_the_supervisor_keeps_the_replicas_and_never_fails_for_them(hooks, monkeypatch, tmp_path):  # type: ignore[no-untyped-def]
+    """After the stream's look, the supervisor's task runs `serve.control.ensure` and returns
+    the replicas' states; a replica down, or the check failing, leaves the task a success."""
+    from duality_airflow.operators import SuperviseStreamOperator
+
+    from duality.serve import control
+    from duality.stream import health
+
+    result = type("Result", (), {"state": "running", "health": "healthy", "reason": None})()
+    result.action = "none"  # type: ignore[attr-defined]
+    monkeypatch.setenv("DUALITY_LOCAL_DIR", str(tmp_path))
+    monkeypatch.setattr(health, "supervise_once", lambda *a, **k: result)
+    states = [
+        control.ReplicaState("http://127.0.0.1:7080", True, "started"),
+        control.ReplicaState("http://10.0.0.2:7080", False, "down"),
+    ]
+    monkeypatch.setattr(control, "ensure", lambda settings: states)
+    task = SuperviseStreamOperator(task_id="supervise", pipeline="product_sales")
+    done = task.execute({"params": {}, "ti": None})  # type: ignore[arg-type]
+    assert done["replicas"] == [
+        {"url": "http://127.0.0.1:7080", "healthy": True, "action": "started"},
+        {"url": "http://10.0.0.2:7080", "healthy": False, "action": "down"},
+    ]
+
+    def broken(settings):  # type: ignore[no-untyped-def]
+        raise OSError("no route")
+
+    monkeypatch.setattr(control, "ensure", broken)
+    assert task.execute({"params": {}, "ti": None})["replicas"] == []  # type: ignore[arg-type]

@@ -23,8 +23,9 @@ from duality.local.kraft import (
 )
 from duality.local.monitoring import LocalMonitoring, MonitoringStatus, MonitoringStopped
 from duality.local.scram import Scram
-from duality.local.serving import LocalServing, ServingStatus, ServingStopped
+from duality.local.serving import LocalServing
 from duality.local.spark_cluster import SparkStatus, SparkStopped, local_spark
+from duality.serve.control import ServingStatus, ServingStopped
 from duality.spark import sweep_scratch
 from duality.stream import control
 from duality.stream.control import StoppedStream

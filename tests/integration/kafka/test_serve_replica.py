@@ -183,3 +183,38 @@ def test_a_replica_started_before_its_changelog_reads_it_once_made(
         assert body["row"] == {"product": KEYS[9], "orders": 7}
     finally:
         replica.stop()
+
+
+def test_ensure_starts_this_hosts_replica_again(settings: Settings, tmp_path: Path):
+    """What the stream DAG's supervisor runs: a configured replica that answers is left alone;
+    this host's, SIGKILLed, is started again on its port; another host's is reported down; a
+    host that never ran one starts none."""
+    from duality import process
+    from duality.local.ports import free_port
+    from duality.serve import control
+    from duality.serve.control import ReplicaState
+
+    make_pipeline(settings, tmp_path / "pipelines", "product_sales")
+    port = free_port()
+    mine, elsewhere = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{free_port()}"
+    configured = settings.replace(
+        pipelines=tmp_path / "pipelines", serve_dir=tmp_path / "own", replicas=f"{mine},{elsewhere}"
+    )
+    try:
+        assert control.ensure(configured) == [
+            ReplicaState(mine, False, "down"),  # nothing ever ran here
+            ReplicaState(elsewhere, False, "down"),
+        ]
+        launched = control.launch(configured, port)
+        assert_eventually(lambda: control.answers(mine), timeout=60)
+        assert control.ensure(configured)[0] == ReplicaState(mine, True, "none")
+        process.kill_group(launched.pid, reap=launched)
+        assert control.ensure(configured) == [
+            ReplicaState(mine, True, "started"),
+            ReplicaState(elsewhere, False, "down"),
+        ]
+        again = control.pid(configured)
+        assert again is not None and again != launched.pid
+    finally:
+        stopped = control.stop(configured)
+    assert stopped.was_running and control.pid(configured) is None
