@@ -282,3 +282,12 @@ class _Compiler:
         for value, part_error in reversed(parts[:-1]):
             error = self.first(part_error, self.only_when(value.isNull(), error))
         return error
+
+
+def once(expression: Column) -> Column:
+    """`expression`, computed once per row however often later filters and columns use it:
+    Spark would paste it into each filter pushed below it, but not past a non-deterministic
+    guard (the partition id, always at least 0)."""
+    from pyspark.sql import functions as F
+
+    return F.when(F.spark_partition_id() >= 0, expression)

@@ -1,25 +1,29 @@
 """The join's part of a stream's query: the table topic's records parsed into rows, the events
 keyed by `on`, both replayed per key by `TableJoin.java` (in the order docs/streams.md#joins
-gives), and out come the events with `_t`, the table's row as it stood for each, and the
-output rows of the table: its records (for the pipeline's copy of the table) and those that do
-not parse (for the dead-letter topic)."""
+gives). Out come the events with `_t`, the table's row as it stood for each, and the table's
+records: for the pipeline's copy of the table, or the dead-letter topic when they do not parse.
+Every record of a micro-batch goes through the operator, so that the query reads its Kafka
+source once, below the operator's one exchange."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from duality.expressions.columns import to_column
-from duality.spec import SQL_TYPES, JoinedTable, PipelineSpec
+from duality.expressions.columns import once, to_column
+from duality.join.spec import JoinedTable
+from duality.schema import SQL_TYPES
+from duality.spec import PipelineSpec
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
 
-# The sides of the operator's input, in the order it replays records of equal timestamps.
-SEED, TABLE, EVENT = 0, 1, 2
+# The sides of the operator's input, in the order it replays records of equal timestamps; a bad
+# table record passes through it untouched.
+SEED, TABLE, EVENT, BAD = 0, 1, 2, 3
 # Seeds come before anything a micro-batch reads.
 _FIRST_MS = -(2**63)
-# The Kafka columns an event keeps through the join, for `query.classify`.
-_KAFKA = ("key", "value", "topic", "partition", "offset", "timestamp")
+# The Kafka columns a record keeps through the join.
+KAFKA_COLUMNS = ("key", "value", "topic", "partition", "offset", "timestamp")
 
 
 def row_type(joined: JoinedTable) -> str:
@@ -34,14 +38,17 @@ def seed_schema() -> str:
     return "`key` binary, `value` binary, `partition` int, `offset` bigint, `_side` int"
 
 
-def table_rows(joined: JoinedTable, records: DataFrame) -> DataFrame:
+def table_rows(joined: JoinedTable, records: DataFrame, only: Column | None = None) -> DataFrame:
     """Table records (Kafka's `key`, `value`, `partition`, `offset`) as `_jk` (the record key
-    as text), `_trow` (the row; null for a tombstone) and `_error` (why a record is bad)."""
+    as text), `_trow` (the row; null for a tombstone) and `_error` (why a record is bad); rows
+    for which `only` is false are left alone (all three null)."""
     from pyspark.sql import functions as F
 
+    guard = F.lit(True) if only is None else only
     ddl = ", ".join(f"`{c}` {SQL_TYPES[t]}" for c, t in joined.columns.items())
     text = F.col("value").cast("string")
-    parsed = F.from_json(text, ddl)
+    frame = records.withColumn("_tparsed", once(F.when(guard, F.from_json(text, ddl))))
+    parsed = F.col("_tparsed")
     as_text = F.from_json(text, ", ".join(f"`{c}` string" for c in joined.columns))
     jk = F.col("key").cast("string")
     where = f"table {joined.name} (topic {joined.topic})"
@@ -68,106 +75,87 @@ def table_rows(joined: JoinedTable, records: DataFrame) -> DataFrame:
     for column, kind in joined.columns.items():
         wrong = as_text[column].isNotNull() & parsed[column].isNull()
         checks.append((wrong, F.lit(f"{where}: wrong type for {column}: expected {kind}")))
-    error = F.when(F.col("value").isNotNull(), F.coalesce(*[F.when(c, r) for c, r in checks]))
-    return records.select(
-        "*",
-        jk.alias("_jk"),
-        F.when(F.col("value").isNotNull(), parsed).cast(row_type(joined)).alias("_trow"),
+    present = guard & F.col("value").isNotNull()
+    error = F.when(present, F.coalesce(*[F.when(c, r) for c, r in checks]))
+    return frame.select(
+        *records.columns,
+        F.when(guard, jk).alias("_jk"),
+        F.when(present, parsed).cast(row_type(joined)).alias("_trow"),
         error.alias("_error"),
     )
 
 
-def join_stream(
-    spec: PipelineSpec, raw: DataFrame, seeds: DataFrame
-) -> tuple[DataFrame, DataFrame]:
-    """The events of `raw` (the Kafka rows of the source and the table topic) with `_t`, and the
-    table's output rows (`query.OUTPUT` columns): changed rows and bad table records."""
+def join_stream(spec: PipelineSpec, records: DataFrame, seeds: DataFrame) -> DataFrame:
+    """Every record of the micro-batch through the join, one exchange below it all: `records`
+    (the Kafka rows of the source and of the table's topic, the source's parsed: `_p` and
+    `_parse_error`) and the `seeds`. Out come `_side`, `_jk`, `_ts`, `_t` (an event's row as
+    it stood; null unmatched) and the `KAFKA_COLUMNS`: for an event its own, with `_p` and
+    `_parse_error`; for a table record (`TABLE`) the pipeline's copy of its row (`key` the join
+    key, `value` the row as JSON, null for a tombstone); for a bad table record (`BAD`) the
+    record as read, its reason in `_parse_error`."""
     from pyspark.sql import DataFrame as Frame
     from pyspark.sql import functions as F
 
     joined = spec.joined
     assert joined is not None
     row = row_type(joined)
-    no_event = F.lit(None).cast(
-        "struct<" + ", ".join(f"`{c}`:{t}" for c, t in _kafka_types(raw).items()) + ">"
-    )
-    events = raw.where(F.col("topic") == spec.source.topic)
-    fields = list(dict.fromkeys(joined.on.fields))
-    ddl = ", ".join(f"`{f}` {SQL_TYPES[spec.source.fields[f]]}" for f in fields)
-    parsed = F.from_json(F.col("value").cast("string"), ddl)
-    on, failed = to_column(joined.on, {f: parsed[f] for f in fields})
-    keyed = events.select(*_KAFKA, F.when(failed.isNull(), on.cast("string")).alias("_jk"))
-    table = table_rows(joined, raw.where(F.col("topic") == joined.topic))
-    seeded = table_rows(joined, seeds.withColumn("timestamp", F.lit(None).cast("timestamp")))
+    fields = {f: F.col(f"_p.{f}") for f in dict.fromkeys(joined.on.fields)}
+    on, failed = to_column(joined.on, fields)
+    from_table = F.col("topic") == joined.topic
+    keyed = F.col("_parse_error").isNull() & failed.isNull()
+    table = table_rows(joined, records, only=from_table)
+    seeds = seeds.withColumn("timestamp", F.lit(None).cast("timestamp"))
+    seeded = table_rows(joined, seeds.withColumn("topic", F.lit(joined.topic)))
+    parsed = records.schema["_p"].dataType.simpleString()
 
-    def side(frame: Frame, kind: Column, ts: Column, trow: Column, event: Column) -> Frame:
+    def side(frame: Frame, kind: Column, jk: Column, ts: Column, p: Column, error: Column) -> Frame:
+        """`frame` as the operator's input rows (`TableJoin.java`'s columns)."""
+        event = [*[F.col(c) for c in KAFKA_COLUMNS], p.alias("_p"), error.alias("_parse_error")]
         return frame.select(
-            F.col("_jk"),
+            jk.alias("_jk"),
             kind.cast("int").alias("_side"),
             ts.cast("bigint").alias("_ts"),
             F.col("partition").cast("int").alias("_partition"),
             F.col("offset").cast("bigint").alias("_offset"),
-            trow.cast(row).alias("_trow"),
-            event.alias("_event"),
+            F.col("_trow").cast(row).alias("_trow"),
+            F.struct(*event).alias("_event"),
         )
 
-    stamp = F.unix_millis(F.col("timestamp"))
     good = F.col("_error").isNull()
-    replayed = (
+    kind = F.when(~from_table, EVENT).when(good, TABLE).otherwise(BAD)
+    jk = F.when(from_table, F.col("_jk")).when(keyed, on.cast("string"))
+    error = F.when(from_table, F.col("_error")).otherwise(F.col("_parse_error"))
+    stamp = F.unix_millis(F.col("timestamp"))
+    no_event = F.lit(None).cast(parsed)
+    # A bad row restored from the copy cannot be: only good rows are written there.
+    restored = seeded.where(good | (F.col("_side") == TABLE))
+    replayed = side(table, kind, jk, stamp, F.col("_p"), error).unionByName(
         side(
-            keyed.where(F.col("_jk").isNotNull()),
-            F.lit(EVENT),
-            stamp,
-            F.lit(None),
-            F.struct(*_KAFKA),
-        )
-        .unionByName(side(table.where(good), F.lit(TABLE), stamp, F.col("_trow"), no_event))
-        .unionByName(
-            side(seeded.where(good), F.col("_side"), F.lit(_FIRST_MS), F.col("_trow"), no_event)
+            restored,
+            F.when(good, F.col("_side")).otherwise(F.lit(BAD)),
+            F.col("_jk"),
+            F.lit(_FIRST_MS),
+            no_event,
+            F.col("_error"),
         )
     )
-    spark = raw.sparkSession
+    spark = records.sparkSession
     jvm = spark._jvm
     assert jvm is not None
     out = Frame(jvm.duality.join.TableJoin.apply(replayed._jdf), spark)
-    matched = out.select("_event.*", F.col("_trow").alias("_t"))
-    unkeyed = keyed.where(F.col("_jk").isNull()).select(*_KAFKA, F.lit(None).cast(row).alias("_t"))
-    # The table records of the micro-batch (and a first start's rows), for the pipeline's copy
-    # of the table: the changelog writer keeps each key's last in the join's order.
-    lineage = ("key", "value", "partition", "offset", "_jk", "_trow", "_error")
-    first = seeded.where(F.col("_side") == TABLE)
-    records = table.select(*lineage, stamp.alias("_order")).unionByName(
-        first.select(*lineage, F.lit(_FIRST_MS).alias("_order"))
+    copied = F.col("_side") == TABLE
+    carried = [c for c in (*KAFKA_COLUMNS, "_p", "_parse_error") if c not in ("key", "value")]
+    return out.select(
+        "_side",
+        "_jk",
+        "_ts",
+        F.col("_trow").alias("_t"),
+        *[F.col(f"_event.{c}") for c in carried],
+        F.when(copied, F.col("_jk").cast("binary")).otherwise(F.col("_event.key")).alias("key"),
+        F.when(copied, F.to_json("_trow").cast("binary"))
+        .otherwise(F.col("_event.value"))
+        .alias("value"),
     )
-    changed = records.where(good).select(
-        F.lit("table").alias("_kind"),
-        F.col("_jk").cast("binary").alias("_key"),
-        F.to_json("_trow").cast("binary").alias("_value"),
-        F.col("partition").cast("int").alias("_partition"),
-        F.col("offset").cast("bigint").alias("_offset"),
-        F.lit(None).cast("string").alias("_error"),
-        F.lit(None).cast("bigint").alias("_first_window_end"),
-        F.lit(None).cast("bigint").alias("_window_end"),
-        F.col("_order").cast("bigint"),
-    )
-    # Bad records read live, or when a first start read the table to its end.
-    bad = records.where(~good).select(
-        F.lit("table_dead").alias("_kind"),
-        F.col("key").alias("_key"),
-        F.col("value").alias("_value"),
-        F.col("partition").cast("int").alias("_partition"),
-        F.col("offset").cast("bigint").alias("_offset"),
-        F.col("_error"),
-        F.lit(None).cast("bigint").alias("_first_window_end"),
-        F.lit(None).cast("bigint").alias("_window_end"),
-        F.lit(None).cast("bigint").alias("_order"),
-    )
-    return matched.unionByName(unkeyed), changed.unionByName(bad)
-
-
-def _kafka_types(raw: DataFrame) -> dict[str, str]:
-    types = dict(raw.dtypes)
-    return {c: types[c] for c in _KAFKA}
 
 
 def table_scope(spec: PipelineSpec) -> dict[str, Column]:

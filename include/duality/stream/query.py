@@ -7,11 +7,13 @@ import dataclasses
 import hashlib
 from typing import TYPE_CHECKING
 
-from duality import kafka
 from duality.config import Settings
-from duality.expressions import Expression, to_column
-from duality.join.frame import join_stream, table_scope
-from duality.spec import SQL_TYPES, Aggregate, PipelineSpec
+from duality.expressions.columns import once, to_column
+from duality.expressions.tree import Expression
+from duality.join.frame import BAD, EVENT, KAFKA_COLUMNS, TABLE, join_stream, table_scope
+from duality.kafka import records
+from duality.schema import SQL_TYPES
+from duality.spec import Aggregate, PipelineSpec
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
@@ -112,6 +114,16 @@ def rows_schema(spec: PipelineSpec) -> str:
 def classify(spec: PipelineSpec, raw: DataFrame) -> DataFrame:
     """Parse the raw Kafka rows into `_p` and name each bad record's reason in `_error`, null
     when good (docs/streams.md#bad-and-late-records); lateness is `ChangelogWriter.write`'s."""
+    frame, error = parse(spec, raw)
+    return _evaluate(spec, frame, error)
+
+
+def parse(
+    spec: PipelineSpec, raw: DataFrame, only: Column | None = None
+) -> tuple[DataFrame, Column]:
+    """The raw Kafka rows with `_p`, their source fields typed, and why a record does not
+    parse (null when it does): `classify`'s first step, before a join. Rows for which `only`
+    is false are not parsed (their `_p` is null, their reason nonsense)."""
     from pyspark.sql import functions as F
 
     fields = spec.source.fields
@@ -125,7 +137,7 @@ def classify(spec: PipelineSpec, raw: DataFrame) -> DataFrame:
     # `{"v": ...}` and the only element of `[...]`; the second parse is also the typed one.
     one_value = F.size(F.json_object_keys(F.concat(F.lit('{"v":'), text, F.lit("}")))) == 1
     parsed = F.from_json(F.concat(F.lit("["), text, F.lit("]")), f"array<struct<{ddl}>>")
-    frame = raw.withColumn("_parsed", _once(parsed))
+    frame = raw.withColumn("_parsed", once(parsed if only is None else F.when(only, parsed)))
     frame = frame.withColumn("_v", F.when(F.size("_parsed") == 1, F.col("_parsed")[0]))
     typed = {f: F.col(f"_v.{f}") for f in fields}
     typed = {
@@ -165,7 +177,7 @@ def classify(spec: PipelineSpec, raw: DataFrame) -> DataFrame:
             checks.append((infinite, F.concat(got, value.cast("string"))))
     # The first check that holds names the reason; later ones are not evaluated.
     error = F.coalesce(*[F.when(condition, reason) for condition, reason in checks])
-    return _evaluate(spec, frame.drop("_parsed"), error)
+    return frame.drop("_parsed"), error
 
 
 def _evaluate(spec: PipelineSpec, frame: DataFrame, error: Column) -> DataFrame:
@@ -205,7 +217,7 @@ def _evaluate(spec: PipelineSpec, frame: DataFrame, error: Column) -> DataFrame:
         F.struct(*[scope[n].alias(n) for n in spec.computed_fields] or [F.lit(0)]).alias("fields"),
         F.struct(*[v.alias(label) for label, v in arguments.items()] or [F.lit(0)]).alias("args"),
     )
-    frame = frame.withColumn("_x", _once(stage))
+    frame = frame.withColumn("_x", once(stage))
     computed = [F.col(f"_x.fields.{n}").alias(n) for n in spec.computed_fields]
     # An inner join's event without a row is counted as unmatched, and not aggregated.
     if unmatched is None:
@@ -230,19 +242,10 @@ def _arguments(spec: PipelineSpec) -> list[Expression]:
     return list(found.values())
 
 
-def _once(expression: Column) -> Column:
-    """`expression`, computed once per row however often later filters and columns use it:
-    Spark would paste it into each filter pushed below it, but not past a non-deterministic
-    guard (the partition id, always at least 0)."""
-    from pyspark.sql import functions as F
-
-    return F.when(F.spark_partition_id() >= 0, expression)
-
-
 def late_records(settings: Settings, spec: PipelineSpec) -> list[tuple[int, int]]:
     """(partition, offset) of the source records the dead-letter topic holds as late."""
     late = []
-    for message in kafka.read_to_end(settings, spec.dlq_topic):
+    for message in records.read_to_end(settings, spec.dlq_topic):
         headers = dict(message.headers() or [])
         reason = headers.get("duality.error") or b""
         if isinstance(reason, bytes) and reason.startswith(b"late event"):
@@ -429,26 +432,40 @@ def build_query_frame(
     spec: PipelineSpec, source: DataFrame, seeds: DataFrame, table_seeds: DataFrame | None = None
 ) -> DataFrame:
     """The frame whose micro-batches the driver writes (`_kind, _key, _value` and lineage): the
-    source classified once, one shuffle feeding both the aggregation and the dead letters.
-    Records the filter skips are `filtered` rows of no content, for the writer to count; a
-    windowed pipeline's good records are `candidate`s, which the writer keeps when late for at
-    least one of their windows (`_first_window_end`, `_window_end`: the last)."""
+    source classified once, one shuffle feeding both the aggregation and the dead letters (a
+    joined pipeline's: the join's, below its two copies, decision 35). Records the filter skips
+    are `filtered` rows of no content, for the writer to count; a windowed pipeline's good
+    records are `candidate`s, which the writer keeps when late for at least one of their windows
+    (`_first_window_end`, `_window_end`: the last); a joined table's records are `table` rows
+    (for the pipeline's copy of the table) or `table_dead`."""
     from pyspark.sql import functions as F
 
-    tables = None
-    if spec.joined is not None:
+    joined = spec.joined
+    if joined is None:
+        classified = classify(spec, source)
+        good = F.col("_error").isNull() & ~F.col("_filtered")
+        sides: list[Column] = []
+    else:
         assert table_seeds is not None
-        source, tables = join_stream(spec, source, table_seeds)
-    classified = classify(spec, source)
-    good = F.col("_error").isNull() & ~F.col("_filtered")
+        # The source's records and the table's are one scan of Kafka, told apart by topic.
+        event = F.col("topic") == spec.source.topic
+        records, error = parse(spec, source, only=event)
+        records = records.select(*KAFKA_COLUMNS, "_p", F.when(event, error).alias("_parse_error"))
+        out = join_stream(spec, records, table_seeds)
+        classified = _evaluate(spec, out, F.col("_parse_error"))
+        event = F.col("_side") == EVENT
+        good = event & F.col("_error").isNull() & ~F.col("_filtered")
+        sides = [F.col("_side")]
     lineage = F.struct(*[F.col(c).alias(f"_{c}") for c in ("key", "value", "partition", "offset")])
     first_end = last_end = F.lit(None).cast("bigint")
+    other = F.col("_side") != EVENT if joined is not None else F.lit(False)
     if spec.window is not None:
         first_end, last_end = (F.when(good, end).cast("bigint") for end in _window_ends_ms(spec))
-        lineage = F.when(~F.col("_filtered"), lineage)
+        lineage = F.when(~F.col("_filtered") | other, lineage)
     else:
-        lineage = F.when(F.col("_error").isNotNull(), lineage)
+        lineage = F.when(F.col("_error").isNotNull() | other, lineage)
     narrow = classified.select(
+        *sides,
         F.col("_error"),
         F.col("_filtered"),
         F.col("_unmatched"),
@@ -456,27 +473,41 @@ def build_query_frame(
         lineage.alias("_lineage"),
         first_end.alias("_first_window_end"),
         last_end.alias("_window_end"),
+        # The join's order of a table record, for the writer's last row of each key.
+        (F.when(F.col("_side") == TABLE, F.col("_ts")) if joined is not None else F.lit(None))
+        .cast("bigint")
+        .alias("_order"),
     )
-    shared = _shared(narrow, source.sparkSession.sparkContext.defaultParallelism)
+    # A joined pipeline's branches each hold their own copy of the join (decision 35): no
+    # exchange above it can be shared, and each branch reads the join's output directly.
+    shared = (
+        narrow
+        if joined is not None
+        else _shared(narrow, source.sparkSession.sparkContext.defaultParallelism)
+    )
     rows = shared.where(good).select("_row.*").unionByName(seeds)
     table = aggregate(spec, rows)
-    records = shared if spec.window is not None else shared.where(~good)
+    rest = shared if spec.window is not None else shared.where(~good)
     kind = (
         F.when(F.col("_unmatched"), F.lit("unmatched"))
         .when(F.col("_filtered"), F.lit("filtered"))
         .when(good, F.lit("candidate"))
         .otherwise(F.lit("dead"))
     )
+    error = F.col("_error")
+    if joined is not None:
+        side = F.col("_side")
+        kind = F.when(side == TABLE, "table").when(side == BAD, "table_dead").otherwise(kind)
+        error = F.when(side != TABLE, error)
     ends = ["_first_window_end", "_window_end"]
-    dead = records.select(
+    dead = rest.select(
         kind.alias("_kind"),
         "_lineage.*",
-        "_error",
+        error.alias("_error"),
         *ends,
-        F.lit(None).cast("bigint").alias("_order"),
+        "_order",
     )
-    output = changelog_records(spec, table).unionByName(dead)
-    return output if tables is None else output.unionByName(tables)
+    return changelog_records(spec, table).unionByName(dead)
 
 
 def _shared(frame: DataFrame, partitions: int) -> DataFrame:
@@ -486,4 +517,4 @@ def _shared(frame: DataFrame, partitions: int) -> DataFrame:
     from pyspark.sql import functions as F
 
     packed = frame.select(F.struct(*frame.columns).alias("_shared")).repartition(partitions)
-    return packed.select(_once(F.col("_shared")).alias("_shared")).select("_shared.*")
+    return packed.select(once(F.col("_shared")).alias("_shared")).select("_shared.*")

@@ -115,10 +115,12 @@ class Feed:
         self.producer.commit_transaction(60)
         self.phases.append(written)
 
-    def bad_table_record(self, key: str) -> None:
-        """A table record that does not parse (in a phase of its own)."""
+    def bad_records(self, key: str) -> None:
+        """A table record and an order that do not parse (in a phase of their own; the order
+        has no join key, and passes the join's operator by)."""
         self.producer.begin_transaction()
         self.producer.produce(self.table, key=key, value=b"{not json")
+        self.producer.produce(self.spec.source.topic, key="bad-order", value=b"{not json")
         self.producer.commit_transaction(60)
 
 
@@ -218,7 +220,7 @@ def test_a_left_join_meets_the_oracle_through_kills_and_a_lost_checkpoint(
             ("table", "c4", "silver", 7),
         )
         caught_up()
-        feed.bad_table_record("c5")
+        feed.bad_records("c5")
         # The table updated while the stream runs, then orders in micro-batches after it.
         feed.phase(*[("table", f"c{i}", "gold", i) for i in range(6, 9)])
         caught_up()
@@ -256,16 +258,24 @@ def test_a_left_join_meets_the_oracle_through_kills_and_a_lost_checkpoint(
     finally:
         stream.kill()
 
-    # The bad table record went to the dead-letter topic with its reason and the table's name.
+    # The bad table record went to the dead-letter topic with its reason and the table's name,
+    # the bad order with its own.
     dead = read_messages(settings, spec.dlq_topic)
-    reasons = Counter(dict(m.headers() or [])["duality.error"].decode() for m in dead)
-    assert len(dead) == 1, reasons
-    (reason,) = reasons
+    reasons = {
+        dict(m.headers() or [])["duality.source.topic"].decode(): (
+            dict(m.headers() or [])["duality.error"].decode(),
+            m.value(),
+        )
+        for m in dead
+    }
+    assert len(dead) == 2, reasons
+    reason, value = reasons[spec.joined.topic]
     assert reason.startswith(
         f"table customers (topic {spec.joined.topic}): malformed JSON or not a JSON object"
     )
-    sources = {dict(m.headers() or [])["duality.source.topic"].decode() for m in dead}
-    assert sources == {spec.joined.topic}
+    assert value == b"{not json"
+    reason, value = reasons[spec.source.topic]
+    assert reason.startswith("malformed JSON") and value == b"{not json", reason
 
 
 def _compacted(settings: Settings, topic: str) -> bool:
