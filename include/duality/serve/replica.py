@@ -22,6 +22,7 @@ from typing import Any
 from duality.config import Settings
 from duality.kafka import client, offsets, records, topics
 from duality.metrics import ServingMetrics
+from duality.serve import bootstrap
 from duality.serve.keys import Position, TableKey, reached
 from duality.serve.store import Change, Store
 from duality.spec import PipelineSpec
@@ -50,10 +51,13 @@ class Replica:
         spec: PipelineSpec,
         folder: Path,
         metrics: ServingMetrics | None = None,
+        *,
+        from_snapshot: bool = True,
     ) -> None:
         self.settings, self.spec = settings, spec
         self.pipeline, self.topic = spec.name, spec.changelog_topic
         self.key = TableKey.of(spec)
+        self.from_snapshot = from_snapshot  # a new replica starts from the published snapshot
         self.store = Store(folder / f"{spec.name}.sqlite", self.topic)
         self.metrics = metrics or ServingMetrics()
         self.metrics.add(self.pipeline)
@@ -155,7 +159,7 @@ class Replica:
         partitions = topics.partition_count(self.settings, self.topic)
         ends = offsets.end_offsets(self.settings, self.topic)
         firsts = offsets.beginning_offsets(self.settings, self.topic)
-        stored = self.store.position()
+        stored = self.store.position() or self._bootstrap()
         if any(offset > ends.get(p, 0) for p, offset in stored.items()):
             # Offsets past the end: the changelog was deleted and made again (`duality reset`).
             log.warning(
@@ -184,6 +188,27 @@ class Replica:
                     self.store.prune(lows)
         finally:
             reader.close()
+
+    def _bootstrap(self) -> Position:
+        """A new (empty) replica's rows from the published snapshot and the offsets it covers;
+        {} (read the changelog from its start) when there is none to use."""
+        if not self.from_snapshot:
+            return {}
+        started = time.monotonic()
+        topic_id = topics.describe_topic(self.settings, self.topic).topic_id
+        found = bootstrap.published(self.settings, self.spec, topic_id)
+        if found is None:
+            return {}
+        coverage, changes = found
+        loaded = self.store.load_snapshot(changes, coverage.changelog)
+        log.info(
+            "replica of %s: %d rows from the published snapshot (covering %s) in %.1f s",
+            self.pipeline,
+            loaded,
+            coverage.changelog,
+            time.monotonic() - started,
+        )
+        return dict(coverage.changelog)
 
     def _apply(self, messages: list[Any]) -> None:
         position = self.position()

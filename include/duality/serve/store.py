@@ -25,7 +25,7 @@ CREATE TABLE IF NOT EXISTS rows (
     changelog_key BLOB NOT NULL,
     value TEXT NOT NULL,         -- the changelog record's value, JSON
     partition INTEGER NOT NULL,
-    offset INTEGER NOT NULL,
+    offset INTEGER,              -- null: from the published snapshot, below its coverage
     PRIMARY KEY (group_key, window_start)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS positions (
@@ -45,17 +45,18 @@ class Change:
     changelog_key: bytes
     value: bytes | None
     partition: int
-    offset: int
+    offset: int | None  # None: a row of the published snapshot
 
 
 @dataclasses.dataclass(frozen=True)
 class StoredRow:
-    """A row as the replica holds it, with the changelog record it came from."""
+    """A row as the replica holds it, with the changelog record it came from (its offset
+    unknown for a row of the published snapshot)."""
 
     window_start: str
     value: dict[str, Any]
     partition: int
-    offset: int
+    offset: int | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +149,19 @@ class Store:
             raise
         return count
 
+    def load_snapshot(self, changes: Iterable[Change], coverage: Position) -> int:
+        """A new replica's rows from the published snapshot, with the changelog offsets it
+        covers as the position, in one transaction; the rows loaded."""
+        loaded = self.apply(changes, coverage)
+        document = json.dumps({str(p): o for p, o in coverage.items()})
+        self._writer.execute("INSERT OR REPLACE INTO about VALUES ('snapshot', ?)", (document,))
+        return loaded
+
+    def snapshot_coverage(self) -> Position:
+        """The changelog offsets the snapshot it started from covered (none: it did not)."""
+        found = self._writer.execute("SELECT value FROM about WHERE name = 'snapshot'").fetchone()
+        return {} if found is None else {int(p): int(o) for p, o in json.loads(found[0]).items()}
+
     def position(self) -> Position:
         """The next offset of each partition applied (none: read from the start)."""
         with self._reader() as connection:
@@ -173,7 +187,10 @@ class Store:
                 position = {int(p): int(o) for p, o in offsets}
             finally:
                 connection.execute("COMMIT")
-        rows = [StoredRow(w, json.loads(v), int(p), int(o)) for w, v, p, o in found]
+        rows = [
+            StoredRow(w, json.loads(v), int(p), None if o is None else int(o))
+            for w, v, p, o in found
+        ]
         return Read(rows, position)
 
     def rows(self) -> dict[bytes, dict[str, Any]]:
@@ -188,7 +205,9 @@ class Store:
 
     def prune(self, firsts: Position) -> int:
         """Drop the rows whose record lies below its partition's first offset still stored:
-        retention deleted it (a windowed changelog's expired windows). The rows dropped."""
+        retention deleted it (a windowed changelog's expired windows); a row of the snapshot,
+        once every record the snapshot covered is gone. The rows dropped."""
+        covered = self.snapshot_coverage()
         before = self._writer.total_changes
         cursor = self._writer.cursor()
         cursor.execute("BEGIN IMMEDIATE")
@@ -196,12 +215,19 @@ class Store:
             cursor.execute(
                 "DELETE FROM rows WHERE partition = ? AND offset < ?", (partition, first)
             )
+            if partition in covered and first >= covered[partition]:
+                cursor.execute(
+                    "DELETE FROM rows WHERE partition = ? AND offset IS NULL", (partition,)
+                )
         cursor.execute("COMMIT")
         return self._writer.total_changes - before
 
     def clear(self) -> None:
         """Forget every row and position (the changelog was recreated)."""
-        self._writer.executescript("BEGIN; DELETE FROM rows; DELETE FROM positions; COMMIT;")
+        self._writer.executescript(
+            "BEGIN; DELETE FROM rows; DELETE FROM positions; "
+            "DELETE FROM about WHERE name = 'snapshot'; COMMIT;"
+        )
 
     def close(self) -> None:
         while True:

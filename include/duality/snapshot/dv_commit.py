@@ -117,7 +117,7 @@ def write(
         hits, records[path] = _rows_of(root / unquote(path), changed, key_columns)
         if hits.num_rows == 0:
             continue
-        before = _read_vector(root, add.get("deletionVector"))
+        before = read_vector(root, add.get("deletionVector"))
         positions = hits.column("_row").to_pylist()
         live = hits.filter(pa.array([position not in before for position in positions]))
         dead = sum(live.column("_deleted").to_pylist())
@@ -206,7 +206,7 @@ def _rows_of(file: Path, changed: pa.Table, key_columns: list[str]) -> tuple[pa.
     return joined, keys.num_rows
 
 
-def _read_vector(root: Path, descriptor: dict[str, Any] | None) -> BitMap64:
+def read_vector(root: Path, descriptor: dict[str, Any] | None) -> BitMap64:
     """A file's deletion vector (empty when it has none)."""
     from pyroaring import BitMap64
 
