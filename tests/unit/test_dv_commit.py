@@ -44,7 +44,7 @@ def test_a_deletion_vector_file_in_delta_s_layout(tmp_path: Path):
     assert file.name == f"deletion_vector_{named}.bin"
     assert descriptor["offset"] == 1 and descriptor["sizeInBytes"] == 44
     assert descriptor["cardinality"] == 6
-    assert list(dv_commit._read_vector(tmp_path, descriptor)) == [3, 4, 7, 11, 18, 29]
+    assert list(dv_commit.read_vector(tmp_path, descriptor)) == [3, 4, 7, 11, 18, 29]
     # The same bitmap inline in the log (storage type "i"), as Delta's own tests encode it.
     inline = {
         "storageType": "i",
@@ -52,13 +52,13 @@ def test_a_deletion_vector_file_in_delta_s_layout(tmp_path: Path):
         "sizeInBytes": 44,
         "cardinality": 6,
     }
-    assert list(dv_commit._read_vector(tmp_path, inline)) == [3, 4, 7, 11, 18, 29]
+    assert list(dv_commit.read_vector(tmp_path, inline)) == [3, 4, 7, 11, 18, 29]
     # A damaged file is refused, never read as another set of rows.
     damaged = bytearray(file.read_bytes())
     damaged[-5] ^= 1
     file.write_bytes(damaged)
     with pytest.raises(ValueError, match="does not match"):
-        dv_commit._read_vector(tmp_path, descriptor)
+        dv_commit.read_vector(tmp_path, descriptor)
 
 
 def _state(**changes: Any) -> delta_log.TableState:
@@ -153,12 +153,12 @@ def test_a_commit_replayed_as_delta_reconciles_it(tmp_path: Path):
     state = delta_log.table_state(tmp_path, 2)
     assert state is not None and state.rows == 3  # a, d, and e's newest row
     vector = state.files["first.parquet"]["deletionVector"]
-    assert list(dv_commit._read_vector(tmp_path, vector)) == [1, 2]
+    assert list(dv_commit.read_vector(tmp_path, vector)) == [1, 2]
     assert json.loads(state.files["first.parquet"]["stats"])["tightBounds"] is False
     live = []
     for path, add in state.files.items():
         table = pq.read_table(tmp_path / path).to_pylist()
-        gone = dv_commit._read_vector(tmp_path, add.get("deletionVector"))
+        gone = dv_commit.read_vector(tmp_path, add.get("deletionVector"))
         live += [
             {"k": row["k"], "n": row["n"]} for index, row in enumerate(table) if index not in gone
         ]
