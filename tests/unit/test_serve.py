@@ -274,3 +274,22 @@ def test_a_windowed_key_answers_its_windows_in_a_range(settings: Settings, tmp_p
         server.server_close()
         thread.join()
         replica.store.close()
+
+
+def test_a_snapshot_loads_with_its_coverage_and_expires_with_it(tmp_path: Path):
+    """A new replica's rows from the published snapshot: no partition or offset, the coverage
+    as the position; the changelog's updates replace them; once retention passed the coverage
+    on every partition, those still as the snapshot gave them are dropped."""
+    store = Store(tmp_path / "s.sqlite", "s-changelog")
+    rows = [(f"k{n}", "", f"k{n}".encode(), json.dumps({"k": n})) for n in range(3)]
+    assert store.load_snapshot(iter(rows), {0: 10, 1: 20}) == 3
+    assert store.position() == {0: 10, 1: 20} and store.snapshot_coverage() == {0: 10, 1: 20}
+    (row,) = store.read("k1").rows
+    assert (row.partition, row.offset, row.value) == (None, None, {"k": 1})
+    store.apply([_row("k1", 12, partition=0, value="new")], {0: 13, 1: 20})
+    assert store.prune({0: 9, 1: 25}) == 0  # partition 0 still holds a record it covered
+    assert store.prune({0: 10, 1: 20}) == 2  # every covered record gone: k0, k2 go
+    assert set(store.rows()) == {b"k1"}
+    store.clear()
+    assert store.snapshot_coverage() == {} and store.rows() == {}
+    store.close()

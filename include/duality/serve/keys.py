@@ -86,6 +86,11 @@ class TableKey:
     def _single_text(self) -> bool:
         return len(self.fields) == 1 and not self.windowed
 
+    def canonical(self, parts: list[Any]) -> str:
+        """The canonical group key of the group fields' values `parts` (ValueError when one
+        is not of its field's type)."""
+        return self._canonical(parts)
+
     def _canonical(self, parts: list[Any]) -> str:
         kinds = [kind for _, kind in self.fields]
         values = [_canonical(kind, value) for kind, value in zip(kinds, parts, strict=True)]

@@ -24,8 +24,8 @@ CREATE TABLE IF NOT EXISTS rows (
     window_start TEXT NOT NULL,  -- '' when the table has no window
     changelog_key BLOB NOT NULL,
     value TEXT NOT NULL,         -- the changelog record's value, JSON
-    partition INTEGER NOT NULL,
-    offset INTEGER,              -- null: from the published snapshot, below its coverage
+    partition INTEGER,           -- partition and offset null: a row of the published snapshot
+    offset INTEGER,
     PRIMARY KEY (group_key, window_start)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS positions (
@@ -44,8 +44,12 @@ class Change:
     window_start: str
     changelog_key: bytes
     value: bytes | None
-    partition: int
-    offset: int | None  # None: a row of the published snapshot
+    partition: int | None  # partition and offset None: a row of the published snapshot
+    offset: int | None
+
+
+# A row of the published snapshot: (group key, window start, changelog key, value as JSON).
+SnapshotRow = tuple[str, str, bytes, str]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +59,7 @@ class StoredRow:
 
     window_start: str
     value: dict[str, Any]
-    partition: int
+    partition: int | None
     offset: int | None
 
 
@@ -149,12 +153,25 @@ class Store:
             raise
         return count
 
-    def load_snapshot(self, changes: Iterable[Change], coverage: Position) -> int:
-        """A new replica's rows from the published snapshot, with the changelog offsets it
-        covers as the position, in one transaction; the rows loaded."""
-        loaded = self.apply(changes, coverage)
-        document = json.dumps({str(p): o for p, o in coverage.items()})
-        self._writer.execute("INSERT OR REPLACE INTO about VALUES ('snapshot', ?)", (document,))
+    def load_snapshot(self, rows: Iterable[SnapshotRow], coverage: Position) -> int:
+        """A new replica's rows from the published snapshot (no partition, no offset), with the
+        changelog offsets it covers as the position and as its record, in one transaction;
+        the rows loaded."""
+        before = self._writer.total_changes
+        cursor = self._writer.cursor()
+        cursor.execute("BEGIN IMMEDIATE")
+        try:
+            cursor.executemany("INSERT OR REPLACE INTO rows VALUES (?, ?, ?, ?, NULL, NULL)", rows)
+            loaded = self._writer.total_changes - before
+            cursor.executemany(
+                "INSERT OR REPLACE INTO positions VALUES (?, ?)", sorted(coverage.items())
+            )
+            document = json.dumps({str(p): o for p, o in coverage.items()})
+            cursor.execute("INSERT OR REPLACE INTO about VALUES ('snapshot', ?)", (document,))
+            cursor.execute("COMMIT")
+        except BaseException:
+            cursor.execute("ROLLBACK")
+            raise
         return loaded
 
     def snapshot_coverage(self) -> Position:
@@ -188,7 +205,9 @@ class Store:
             finally:
                 connection.execute("COMMIT")
         rows = [
-            StoredRow(w, json.loads(v), int(p), None if o is None else int(o))
+            StoredRow(
+                w, json.loads(v), None if p is None else int(p), None if o is None else int(o)
+            )
             for w, v, p, o in found
         ]
         return Read(rows, position)
@@ -205,8 +224,8 @@ class Store:
 
     def prune(self, firsts: Position) -> int:
         """Drop the rows whose record lies below its partition's first offset still stored:
-        retention deleted it (a windowed changelog's expired windows); a row of the snapshot,
-        once every record the snapshot covered is gone. The rows dropped."""
+        retention deleted it (a windowed changelog's expired windows); the rows of the
+        snapshot, once every record it covered is gone. The rows dropped."""
         covered = self.snapshot_coverage()
         before = self._writer.total_changes
         cursor = self._writer.cursor()
@@ -215,10 +234,8 @@ class Store:
             cursor.execute(
                 "DELETE FROM rows WHERE partition = ? AND offset < ?", (partition, first)
             )
-            if partition in covered and first >= covered[partition]:
-                cursor.execute(
-                    "DELETE FROM rows WHERE partition = ? AND offset IS NULL", (partition,)
-                )
+        if covered and all(firsts.get(p, 0) >= offset for p, offset in covered.items()):
+            cursor.execute("DELETE FROM rows WHERE offset IS NULL")
         cursor.execute("COMMIT")
         return self._writer.total_changes - before
 
