@@ -27,6 +27,7 @@ class RescalePlan:
     standby_args: list[str]  # its options
     changelog_topic: str
     committed: dict[int, int]  # the source offsets the stream resumes at
+    table_topic: str | None = None  # the pipeline's copy of its joined table
 
     def steps(self) -> list[str]:
         if self.partitions == self.partitions_before:
@@ -43,6 +44,8 @@ class RescalePlan:
             f"rebuild the state in {self.partitions} partitions from {self.changelog_topic} "
             "when the stream starts (the changelog is read, not written)"
         )
+        if self.table_topic is not None:
+            steps.append(f"restore the joined table's rows from {self.table_topic}")
         offsets = ", ".join(f"{p}:{o}" for p, o in sorted(self.committed.items())) or "none yet"
         steps.append(f"resume the source at its committed offsets ({offsets})")
         if self.stop_pid is not None:
@@ -87,6 +90,7 @@ def plan(settings: Settings, spec: PipelineSpec, partitions: int | None) -> Resc
         standby_args=control.stream_options(standby) if standby is not None else [],
         changelog_topic=spec.changelog_topic,
         committed={p: offset for p, (offset, _) in committed.items()},
+        table_topic=spec.table_topic if spec.joined is not None else None,
     )
 
 

@@ -338,7 +338,24 @@ def test_an_inner_join_by_tier_counts_unmatched_events_and_resets(
         # Every order now meets the table as it stands at the restart.
         rows = {f"c{i}": TIERS[i % 3] for i in range(6)} | {"c6": "gold", "c0": "bronze"}
         orders = [r for phase in feed.phases for r in phase if r["side"] == "event"]
-        assert changelog() == dict(Counter(rows[o["key"]] for o in orders if o["key"] in rows))
+        met = Counter(rows[o["key"]] for o in orders if o["key"] in rows)
+        assert changelog() == dict(met)
+
+        # Rescaled to 3 state partitions: the join's rows come back from the pipeline's copy of
+        # the table, the aggregation's from the changelog; later orders meet a later row.
+        stream.stop()
+        path = pipelines / f"{spec.name}.yaml"
+        path.write_text(yaml.safe_dump(yaml.safe_load(path.read_text()) | {"parallelism": 3}))
+        done = duality_json(settings.replace(pipelines=pipelines), "stream", "rescale", spec.name)
+        assert done["partitions_before"] != 3 and done["partitions"] == 3, done
+        assert any(spec.table_topic in step for step in done["steps"]), done
+        feed.phase(("table", "c7", "silver", 0), *[("event", f"c{i}", None, 1) for i in range(9)])
+        stream.start()
+        caught_up()
+        rows["c7"] = "silver"
+        assert changelog() == dict(
+            met + Counter(rows[f"c{i}"] for i in range(9) if f"c{i}" in rows)
+        )
     finally:
         stream.kill()
     assert read_messages(settings, spec.dlq_topic) == []
