@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 KAFKA_CONN_ID = "kafka_default"
 SPARK_CONN_ID = "spark_default"
+# Its password is the bearer token of the replicas' API (DUALITY_SERVE_TOKEN).
+SERVE_CONN_ID = "duality_serve"
 
 # librdkafka names in the Kafka connection's extra -> Settings fields.
 _KAFKA_FIELDS = {
@@ -66,17 +68,18 @@ class DualityHook(BaseHook):
     def settings(self) -> Settings:
         """The settings; reading the Kafka connection's extra registers its `sasl.password` with
         Airflow's secrets masker, so a task log shows it as `***`, as reading the Spark
-        connection does its password (the batch server's secret). A secret from the
-        environment or its file is registered too."""
+        connection does its password (the batch server's secret) and `duality_serve` its
+        password (the replicas' bearer token). A secret from the environment or its file is
+        registered too."""
         if self._settings is None:
             kafka = self._connection(self.kafka_conn_id)
             spark = self._connection(self.spark_conn_id)
+            serve = self._connection(SERVE_CONN_ID)
             extra = kafka.extra_dejson if kafka is not None else None
-            self._settings = _with_connections(extra, spark)
-            secret = _secret(self._settings)
-            if secret:
-                from airflow.sdk.log import mask_secret
+            self._settings = _with_connections(extra, spark, serve)
+            from airflow.sdk.log import mask_secret
 
+            for secret in _secrets(self._settings):
                 mask_secret(secret)
         return self._settings
 
@@ -85,12 +88,12 @@ class DualityHook(BaseHook):
         if self._settings is None:
             kafka = await self._aconnection(self.kafka_conn_id)
             spark = await self._aconnection(self.spark_conn_id)
+            serve = await self._aconnection(SERVE_CONN_ID)
             extra = await kafka.aextra_dejson() if kafka is not None else None
-            self._settings = _with_connections(extra, spark)
-            secret = _secret(self._settings)
-            if secret:
-                from airflow.sdk.log import amask_secret
+            self._settings = _with_connections(extra, spark, serve)
+            from airflow.sdk.log import amask_secret
 
+            for secret in _secrets(self._settings):
                 await amask_secret(secret)
         return self._settings
 
@@ -185,7 +188,9 @@ def _extra_checked(conn_id: str, connection: Any) -> Any:
     return connection
 
 
-def _with_connections(kafka_extra: dict[str, Any] | None, spark_conn: Any) -> Settings:
+def _with_connections(
+    kafka_extra: dict[str, Any] | None, spark_conn: Any, serve_conn: Any = None
+) -> Settings:
     from duality.config import Settings
 
     changes = overrides(
@@ -194,18 +199,22 @@ def _with_connections(kafka_extra: dict[str, Any] | None, spark_conn: Any) -> Se
     if spark_conn is not None and spark_conn.password:
         # The batch server's secret: the connection's takes over the environment's, and its file.
         changes |= {"batch_server_secret": spark_conn.password, "batch_server_secret_file": None}
+    if serve_conn is not None and serve_conn.password:
+        changes["serve_token"] = serve_conn.password
     return Settings.from_env().replace(**changes)
 
 
-def _secret(settings: Settings) -> str | None:
-    """The batch server's secret, whichever setting gives it, for Airflow's masker (an
-    unreadable file is left for the command to name)."""
+def _secrets(settings: Settings) -> list[str]:
+    """The batch server's secret (whichever setting gives it) and the replicas' token, for
+    Airflow's masker (an unreadable secret file is left for the command to name)."""
     from duality.errors import DualityError
 
+    found = [settings.serve_token] if settings.serve_token else []
     try:
-        return settings.read_batch_server_secret()
+        secret = settings.read_batch_server_secret()
     except DualityError:
-        return None
+        return found
+    return [*found, secret] if secret else found
 
 
 def spark_master(host: str | None, port: int | None) -> str | None:

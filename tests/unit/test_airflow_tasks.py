@@ -140,3 +140,20 @@ def test_the_batch_servers_secret_comes_from_spark_default_and_is_masked(plugins
     monkeypatch.setenv("DUALITY_BATCH_SERVER_SECRET", from_env)
     assert hooks.DualityHook().settings().batch_server_secret == from_env
     assert redact(f"{from_env}!") == "***!"
+
+
+def test_the_replicas_token_comes_from_duality_serve_and_is_masked(plugins, monkeypatch):  # type: ignore[no-untyped-def]
+    """The `duality_serve` connection's password is the replicas' bearer token
+    (docs/serving.md): the task's child gets it, and Airflow's masker hides it."""
+    hooks, _, _ = plugins
+    from airflow.sdk.log import redact
+
+    token = "replica-token-from-airflow-0123"
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_DUALITY_SERVE", json.dumps({"conn_type": "http", "password": token})
+    )
+    for seen in (hooks.DualityHook().settings(), asyncio.run(hooks.DualityHook().asettings())):
+        assert seen.serve_token == token and token not in repr(seen)
+    child = hooks.child_environment(hooks.DualityHook().settings())
+    assert Settings.from_env(child).serve_token == token
+    assert redact(f"Bearer {token}") == "Bearer ***"
