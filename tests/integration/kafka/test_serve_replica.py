@@ -1,20 +1,27 @@
 """A replica of a changelog written here (no stream): it equals the changelog's latest values,
 read committed, across aborted transactions and tombstones; SIGKILLed mid-apply, its store holds
 exactly a prefix of the changelog (rows and offsets written together), and a restart resumes
-from it, applying only what came after."""
+from it, applying only what came after. Across compaction too: a replica stopped before the log
+cleaner removed records past its offsets, and a new one of the compacted log. A replica behind
+the changelog's committed end refuses `max_lag` (503, Retry-After, its position)."""
 
 from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterable
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import pytest
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from duality.config import Settings
+from duality.kafka import topics
 from duality.metrics import serve_target
 from duality.serve.keys import token
 from duality.serve.store import Store
@@ -26,15 +33,15 @@ KEYS = [f"k{n:03d}" for n in range(300)]
 BACKLOG = 100_000  # records of updates, to SIGKILL the replica while it applies them
 
 
-def _changelog(settings: Settings, spec: PipelineSpec) -> Producer:
+COMPACT = {"cleanup.policy": "compact", "segment.ms": "1000", "min.compaction.lag.ms": "0"}
+
+
+def _changelog(
+    settings: Settings, spec: PipelineSpec, topic_config: Mapping[str, str] = COMPACT
+) -> Producer:
     """The spec's changelog topic, compacted, 3 partitions; a transactional producer for it."""
     config = settings.kafka_client_config()
-    topic = NewTopic(
-        spec.changelog_topic,
-        3,
-        1,
-        config={"cleanup.policy": "compact", "segment.ms": "1000", "min.compaction.lag.ms": "0"},
-    )
+    topic = NewTopic(spec.changelog_topic, 3, 1, config=dict(topic_config))
     admin = AdminClient(config)  # kept until the topic is made: its futures end with it
     admin.create_topics([topic])[spec.changelog_topic].result(60)
     producer = Producer({**config, "transactional.id": f"{spec.name}-writer", "linger.ms": 5})
@@ -218,3 +225,115 @@ def test_ensure_starts_this_hosts_replica_again(settings: Settings, tmp_path: Pa
     finally:
         stopped = control.stop(configured)
     assert stopped.was_running and control.pid(configured) is None
+
+
+def _compacted(settings: Settings, producer: Producer, topic: str, keys: list[str]) -> bool:
+    """Whether the log cleaner has left one record of each of `keys` in `topic` (a committed
+    filler record in each partition rolls its active segment meanwhile)."""
+    producer.begin_transaction()
+    for partition in range(3):
+        producer.produce(
+            topic, key=f"filler{partition}".encode(), value=b'{"orders": 0}', partition=partition
+        )
+    producer.commit_transaction(60)
+    counts = Counter(m.key() for m in read_messages(settings, topic))
+    return all(counts[key.encode()] <= 1 for key in keys)
+
+
+def test_replicas_across_compaction(settings: Settings, tmp_path: Path):
+    """A replica stopped, the changelog updated and compacted past its offsets (the records
+    after them superseded and removed), then started again; and a new replica of the compacted
+    log: both equal the changelog's latest values."""
+    spec = make_pipeline(settings, tmp_path / "pipelines", "product_sales")
+    scoped = settings.replace(pipelines=tmp_path / "pipelines")
+    topic = spec.changelog_topic
+    keys = KEYS[:60]
+    producer = _changelog(settings, spec, topics.FAST_COMPACTION)
+    _write(producer, topic, ((k, 1) for k in keys))
+    before = ServeProcess(scoped, tmp_path / "before", spec.name)
+    try:
+        before.start()
+        ends = stable_ends(settings, topic)
+        assert_eventually(lambda: before.caught_up(spec.name, ends), timeout=60)
+    finally:
+        before.stop()
+    stopped_at = _stored(before.folder / f"{spec.name}.sqlite")[0]
+    for version in range(2, 6):
+        _write(producer, topic, ((k, version) for k in keys))
+    _write(producer, topic, ((k, None) for k in keys[:10]))  # tombstones
+    _write(producer, topic, ((k, -1) for k in keys[10:20]), commit=False)  # aborted
+    assert_eventually(
+        lambda: _compacted(settings, producer, topic, keys),
+        timeout=120,
+        interval=1.0,
+        message="the log cleaner did not compact the changelog",
+    )
+    # Records right after the stopped replica's offsets are gone: it resumes into a gap.
+    kept = {(m.partition(), m.offset()) for m in read_messages(settings, topic)}
+    assert any((p, o) not in kept for p, o in stopped_at.items()), (stopped_at, len(kept))
+    truth = read_latest(settings, spec)
+    ends = stable_ends(settings, topic)
+    fresh = ServeProcess(scoped, tmp_path / "fresh", spec.name)
+    try:
+        for replica in (before, fresh):
+            replica.start()
+            assert_eventually(lambda r=replica: r.caught_up(spec.name, ends), timeout=60)  # type: ignore[misc]
+            for key in keys:
+                status, body = replica.row(spec.name, key)
+                if key.encode() in truth:
+                    assert status == 200 and body["row"] == truth[key.encode()], (key, body)
+                    assert body["row"]["orders"] == 5, body
+                else:
+                    assert status == 404, (key, body)  # tombstoned
+            replica.stop()
+    finally:
+        before.kill()
+        fresh.kill()
+    for replica in (before, fresh):
+        final = Store(replica.folder / f"{spec.name}.sqlite", topic)
+        try:
+            assert final.rows() == truth and final.position() == ends
+        finally:
+            final.close()
+
+
+def test_max_lag_refuses_a_replica_behind(settings: Settings, tmp_path: Path):
+    """A replica that cannot apply (its store's write lock held from outside, as a stalled disk
+    would) while the changelog moves on: its lag to the committed end shows it; `max_lag`
+    below that lag is a 503 with Retry-After and its position; `wait` answers once it applied."""
+    spec = make_pipeline(settings, tmp_path / "pipelines", "product_sales")
+    scoped = settings.replace(pipelines=tmp_path / "pipelines")
+    topic = spec.changelog_topic
+    producer = _changelog(settings, spec)
+    _write(producer, topic, ((k, 1) for k in KEYS[:50]))
+    replica = ServeProcess(scoped, tmp_path / "serve", spec.name)
+    try:
+        replica.start()
+        ends = stable_ends(settings, topic)
+        assert_eventually(lambda: replica.caught_up(spec.name, ends), timeout=60)
+        assert replica.row(spec.name, KEYS[0], max_lag=0)[0] == 200
+        blocker = sqlite3.connect(replica.folder / f"{spec.name}.sqlite", isolation_level=None)
+        try:
+            blocker.execute("BEGIN IMMEDIATE")  # the replica's writer waits for it
+            _write(producer, topic, ((k, 2) for k in KEYS[:50]))
+            status, state = assert_eventually(
+                lambda: replica.get(f"/v1/pipelines/{spec.name}"),
+                lambda answer: answer[1]["lag"] >= 50,
+                timeout=30,
+            )
+            query = f"/v1/pipelines/{spec.name}/rows/{KEYS[0]}?max_lag=10"
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(replica.url + query, timeout=30)
+            assert refused.value.code == 503
+            assert refused.value.headers["Retry-After"] == "1"
+            body = json.loads(refused.value.read())
+            assert body["lag"] >= 50 and body["position"] == state["position"], body
+            assert "max_lag=10" in body["error"] and body["token"] == state["token"], body
+            assert replica.row(spec.name, KEYS[0])[1]["row"]["orders"] == 1  # no max_lag
+        finally:
+            blocker.execute("ROLLBACK")
+            blocker.close()
+        status, body = replica.row(spec.name, KEYS[0], max_lag=0, wait=30)
+        assert status == 200 and body["row"]["orders"] == 2 and body["lag"] == 0, body
+    finally:
+        replica.stop()
