@@ -32,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from broker_loss import broker_loss_scenario
 from commands import command_scenarios
 from joins import join_scenarios
+from serving import SCENARIOS as SERVE_SCENARIOS
+from serving import serve_scenarios
 
 from baselines import Figure, consumer_perf, order_events, preload, python_copy
 from duality.config import Settings
@@ -56,7 +58,9 @@ LATENCY_RATE = 5_000.0
 LATENCY_SECONDS = 60.0
 TRIGGER_SECONDS = 0.5
 # Scenario groups beside the baselines, which always run (everything is compared with them).
-GROUPS = ("repartition", "streams", "join", "snapshots", "commands", "broker-loss")
+GROUPS = ("repartition", "streams", "join", "snapshots", "commands", "broker-loss", "serve")
+# Seconds of the serve group's load, scaled down with --records (at least 10).
+SERVE_SECONDS = 30.0
 
 
 def scenario_groups(text: str) -> tuple[str, ...]:
@@ -108,8 +112,9 @@ def render(figures: list[Figure], console: Console) -> None:
         rows = figure.table_rows() if isinstance(figure, StreamFigure) else [(figure, runs)]
         for row, notes in rows:
             # The baselines are cold: a warm figure is compared with its own cold run alone;
-            # broker-loss's figure is a stall, no rate.
-            cold = row.scenario not in ("stream-throughput-warm", "broker-loss")
+            # broker-loss's figure is a stall, no rate; the serve group's are requests, probes
+            # and replicas' starts, no copy of the backlog.
+            cold = row.scenario not in ("stream-throughput-warm", "broker-loss", *SERVE_SCENARIOS)
             ratios = [
                 f"{row.records_per_s / baseline[name].records_per_s:.2f}x"
                 if name in baseline and cold
@@ -175,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         "--trigger-seconds",
         type=float,
         default=TRIGGER_SECONDS,
-        help="trigger interval of the latency scenario's stream (default %(default)g)",
+        help="trigger interval of the latency scenario's and the serve group's stream (default "
+        "%(default)g)",
     )
     parser.add_argument(
         "--state-scale-factor",
@@ -311,6 +317,23 @@ def main(argv: list[str] | None = None) -> int:
         if "broker-loss" in groups:
             # On a three-broker cluster of its own, beside the run's single broker.
             figures.append(broker_loss_scenario(settings, scratch, progress, stamp))
+        if "serve" in groups:
+            # A stream under 5,000 events/s and one replica asked from a process of its own;
+            # then new replicas from a published snapshot and from the changelog alone.
+            bench = Bench(scoped, scratch / "pipelines", scratch / "logs", progress, stamp)
+            serve_seconds = max(
+                10.0, min(SERVE_SECONDS, SERVE_SECONDS * args.records / FULL_RECORDS)
+            )
+            figures.extend(
+                serve_scenarios(
+                    bench,
+                    scratch / "serve",
+                    args.keys,
+                    args.snapshot_keys,
+                    serve_seconds,
+                    args.trigger_seconds,
+                )
+            )
     document = {
         "started": started.isoformat(),
         "machine": {

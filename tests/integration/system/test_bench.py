@@ -1,6 +1,6 @@
 """A small benchmark run: every scenario of its groups in its JSON, the snapshot tables equal to
 the changelog; no timing thresholds (a benchmark reports, it does not fail). The groups of whole
-processes, the streams', the join's and the commands', are left to `make bench`
+processes, the streams', the join's, the commands' and serve's, are left to `make bench`
 (docs/testing.md): some 30 process starts of Spark and Airflow, which the product's own tests
 already make, and more CPU than the suite can spend on them again."""
 
