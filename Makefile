@@ -12,7 +12,8 @@ PY_STAMP := $(VENV)/.duality-installed
 JAR_STAMP := $(JAR_CACHE)/.duality-fetched
 # Class-data sharing for Spark drivers (`duality.spark.CLASS_ARCHIVE`, decision 31).
 CLASS_ARCHIVE := $(VENV)/share/duality/spark-driver.jsa
-# duality's stream-table join operator, compiled against pyspark's own jars (decision 35).
+# duality's stream-table join operator (decision 35) and Avro decoder (decision 38), compiled
+# against pyspark's own jars.
 JOIN_JAR := $(VENV)/share/duality/duality-join.jar
 PYTEST_ARGS ?=
 
@@ -62,12 +63,12 @@ $(JAR_STAMP): jars/broker/pom.xml jars/spark/pom.xml
 	done
 	@touch $@
 
-$(JOIN_JAR): include/duality/join/TableJoin.java $(PY_STAMP)
+$(JOIN_JAR): include/duality/join/TableJoin.java include/duality/avro/ConfluentAvro.java $(PY_STAMP)
 	@command -v javac >/dev/null || { echo "javac is not installed: install a Java 17 JDK"; exit 2; }
-	@echo "compiling duality's stream-table join ($@)"
+	@echo "compiling duality's stream-table join and Avro decoder ($@)"
 	@rm -rf $(@D)/join-classes && mkdir -p $(@D)/join-classes
 	@javac --release 17 -d $(@D)/join-classes \
-	  -cp "$$($(PY) -c 'import os, pyspark; print(os.path.dirname(pyspark.__file__))')/jars/*" $<
+	  -cp "$$($(PY) -c 'import os, pyspark; print(os.path.dirname(pyspark.__file__))')/jars/*" $(filter %.java,$^)
 	@jar cf $@ -C $(@D)/join-classes . && rm -rf $(@D)/join-classes
 
 # The classes a Spark driver loads, archived once per installation: each driver JVM then maps

@@ -149,6 +149,24 @@ def settings(base_settings: Settings) -> Iterator[Settings]:
         yield scoped
 
 
+@pytest.fixture(scope="session")
+def registry_settings(settings: Settings) -> Iterator[Settings]:
+    """`settings` with a schema registry (Apicurio, as `duality up --schema-registry` runs it)
+    started once for the session, and stopped after it; DUALITY_SCHEMA_REGISTRY_URL names one
+    of the environment's instead."""
+    if os.environ.get("DUALITY_SCHEMA_REGISTRY_URL"):
+        yield settings
+        return
+    from duality.local.schema_registry import LocalSchemaRegistry
+
+    registry = LocalSchemaRegistry(settings)
+    status = registry.start()
+    try:
+        yield settings.replace(schema_registry_url=status.url)
+    finally:
+        registry.stop()
+
+
 @pytest.fixture
 def topic(request: pytest.FixtureRequest) -> str:
     """A topic name unique to this test; the test creates the topic with the configs it needs."""

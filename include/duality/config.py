@@ -95,6 +95,11 @@ class Settings:
     serve_dir: Path | None = None
     serve_token: str | None = dataclasses.field(default=None, repr=False)
     replicas: str | None = None
+    # The schema registry (Confluent API) of Avro sources (docs/streams.md#formats): its URL
+    # and basic-auth user and password (never shown: not in repr(), in no log or error).
+    schema_registry_url: str | None = None
+    schema_registry_user: str | None = None
+    schema_registry_password: str | None = dataclasses.field(default=None, repr=False)
     warehouse: Path = Path(".local/warehouse")
     checkpoint_root: Path = Path(".local/checkpoints")
     jar_cache: Path = Path(".cache/jars")
@@ -153,6 +158,18 @@ class Settings:
                 "127.0.0.1:9091, or unset it to push no batch metrics"
             )
         self._check_serving()
+        if self.schema_registry_url is not None and not re.fullmatch(
+            r"https?://[^\s/]+(/\S*)?", self.schema_registry_url
+        ):
+            raise UsageError(
+                f"{PREFIX}SCHEMA_REGISTRY_URL={self.schema_registry_url!r} is not an http(s) URL: "
+                "write it like http://127.0.0.1:8081 (Apicurio: .../apis/ccompat/v7)"
+            )
+        if (self.schema_registry_user is None) != (self.schema_registry_password is None):
+            raise UsageError(
+                f"the schema registry's basic auth needs both {PREFIX}SCHEMA_REGISTRY_USER and "
+                f"{PREFIX}SCHEMA_REGISTRY_PASSWORD, or neither"
+            )
         if self.metrics_port < -1 or self.metrics_port > 65535:
             raise UsageError(
                 f"{PREFIX}METRICS_PORT={self.metrics_port}: use a port, 0 for a free one, or -1 "
@@ -538,6 +555,11 @@ def describe() -> list[tuple[str, str, str]]:
         "unset: none. Never printed or logged",
         "replicas": "URLs of the replicas `duality query` asks, comma-separated (unset: "
         "`http://<serve_host>:<serve_port>`)",
+        "schema_registry_url": "schema registry (Confluent API, `http://host:port/path`) that "
+        "Avro sources' schemas come from (`duality up --schema-registry` starts one and sets it)",
+        "schema_registry_user": "basic-auth user of the schema registry; unset: none",
+        "schema_registry_password": "basic-auth password of the schema registry; never printed "
+        "or logged",
         "warehouse": "folder of Delta tables",
         "checkpoint_root": "folder of streaming checkpoints",
         "jar_cache": "folder the Maven-fetched jars are copied into",

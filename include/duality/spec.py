@@ -31,6 +31,7 @@ from pydantic import (
     model_validator,
 )
 
+from duality.avro.source import AvroSource
 from duality.config import Settings
 from duality.errors import UsageError
 from duality.expressions import checking, parsing
@@ -171,8 +172,12 @@ class Source(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     topic: str = Field(min_length=1, max_length=249, pattern=r"^[a-zA-Z0-9._-]+$")
-    format: Literal["json"] = "json"
-    fields: dict[str, FieldType] = Field(alias="schema", min_length=1)
+    # `avro`: the Confluent wire format, its schemas from the registry (docs/streams.md#formats).
+    format: Literal["json", "avro"] = "json"
+    # An Avro source's registry subject; unset, `<topic>-value` (TopicNameStrategy).
+    subject: str | None = Field(default=None, min_length=1)
+    # An Avro source may leave it out: the columns are then its subject's latest version's.
+    fields: dict[str, FieldType] = Field(alias="schema", default_factory=dict)
     key: list[str]
     event_time: str | None = None
     # Larger records go to the dead-letter topic as oversized.
@@ -187,6 +192,30 @@ class Source(BaseModel):
     @classmethod
     def _key_list(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
+
+    _avro: AvroSource | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _avro_schema(self, info: ValidationInfo) -> Source:
+        """An Avro source's columns and reader schema from its subject (decision 38)."""
+        if self.format != "avro":
+            if self.subject is not None:
+                raise ValueError("subject: only an Avro source (format: avro) has one")
+            if not self.fields:
+                raise ValueError("schema: a JSON source lists its fields")
+            return self
+        from duality.avro.source import resolve
+
+        settings = (info.context or {}).get("settings") or Settings.from_env()
+        self._avro = resolve(settings, self.topic, self.subject, self.fields)
+        if not self.fields:
+            self.fields = dict(self._avro.columns)
+        return self
+
+    @property
+    def avro(self) -> AvroSource | None:
+        """An Avro source's subject, reader schema and where its columns came from."""
+        return self._avro
 
     @model_validator(mode="after")
     def _key_and_time_in_schema(self) -> Source:
@@ -563,15 +592,21 @@ def _location(loc: tuple[Any, ...]) -> str:
 
 
 def parse_spec(
-    data: Any, origin: str, folder: Path | None = None, reading: tuple[str, ...] = ()
+    data: Any,
+    origin: str,
+    folder: Path | None = None,
+    reading: tuple[str, ...] = (),
+    settings: Settings | None = None,
 ) -> PipelineSpec:
     """Validate already-parsed YAML; errors name the origin, the spec key (`fields.band`), the
     position in an expression and the reason. A pipeline's table is looked up in `folder`;
-    `reading` are the pipelines whose tables led here."""
+    `reading` are the pipelines whose tables led here. An Avro source's schemas come from the
+    registry of `settings` (default: the environment's)."""
     if not isinstance(data, dict):
         raise UsageError(f"{origin}: a pipeline spec is a YAML mapping, got {type(data).__name__}")
     try:
-        return PipelineSpec.model_validate(data, context={"folder": folder, "reading": reading})
+        context = {"folder": folder, "reading": reading, "settings": settings}
+        return PipelineSpec.model_validate(data, context=context)
     except ValidationError as error:
         problems = []
         for item in error.errors():
@@ -584,7 +619,9 @@ def parse_spec(
         raise UsageError(f"{origin}: invalid pipeline spec\n" + "\n".join(problems)) from None
 
 
-def load_spec(path: Path, reading: tuple[str, ...] = ()) -> PipelineSpec:
+def load_spec(
+    path: Path, reading: tuple[str, ...] = (), settings: Settings | None = None
+) -> PipelineSpec:
     try:
         text = path.read_text()
     except OSError as error:
@@ -593,7 +630,7 @@ def load_spec(path: Path, reading: tuple[str, ...] = ()) -> PipelineSpec:
         data = yaml.safe_load(text)
     except yaml.YAMLError as error:
         raise UsageError(f"{path}: not valid YAML: {error}") from None
-    spec = parse_spec(data, str(path), path.parent, reading)
+    spec = parse_spec(data, str(path), path.parent, reading, settings)
     if path.stem != spec.name:
         raise UsageError(
             f"{path}: the file is named {path.stem!r} but the pipeline {spec.name!r}: "
@@ -613,10 +650,10 @@ def find_spec(settings: Settings, name_or_path: str) -> PipelineSpec:
     """A spec by pipeline name (looked up in the pipelines folder) or by file path."""
     candidate = Path(name_or_path)
     if candidate.suffix in (".yaml", ".yml") or candidate.is_file():
-        return load_spec(candidate)
+        return load_spec(candidate, settings=settings)
     for path in spec_files(settings):
         if path.stem == name_or_path:
-            return load_spec(path)
+            return load_spec(path, settings=settings)
     known = ", ".join(p.stem for p in spec_files(settings)) or "none"
     raise UsageError(
         f"no pipeline {name_or_path!r} in {settings.pipelines} (known: {known}); "

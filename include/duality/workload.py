@@ -203,6 +203,12 @@ def produce(
     values: Mapping[str, Sequence[Any]] | None = None,
 ) -> WorkloadReport:
     """Produce `events` records to the spec's source topic (created if missing)."""
+    if spec.source.format != "json":
+        raise UsageError(
+            f"pipeline {spec.name} reads {spec.source.format}: `duality produce` writes JSON "
+            "workloads only so far (issue 50); produce its records with an Avro producer that "
+            "registers their schema"
+        )
     if events < 0:
         raise UsageError(f"--events must be 0 or more, got {events}")
     if rate is not None and rate <= 0:

@@ -43,6 +43,12 @@ def add_commands(commands: Commands) -> None:
         "alert rules of monitoring/alerts.yml) and the Pushgateway the batch steps push to",
     )
     up.add_argument(
+        "--schema-registry",
+        action="store_true",
+        help="also start a schema registry (Apicurio Registry 3.0.9, its Confluent API) that "
+        "Avro sources read their schemas from; sets DUALITY_SCHEMA_REGISTRY_URL",
+    )
+    up.add_argument(
         "--airflow-db",
         choices=AIRFLOW_DBS,
         help="Airflow's metadata database: standalone on SQLite (default), or its components "
@@ -67,6 +73,7 @@ def _cmd_up(settings: Settings, args: Namespace, console: Console) -> stack.Stac
             airflow_db=args.airflow_db,
             sasl=args.sasl,
             monitoring=args.monitoring,
+            schema_registry=args.schema_registry,
             progress=spinner.update,
         )
     if args.json:
@@ -112,6 +119,13 @@ def _cmd_up(settings: Settings, args: Namespace, console: Console) -> stack.Stac
             f"its Pushgateway at [bold]{watching.pushgateway.address}[/] (pid "
             f"{watching.pushgateway.pid}); logs in {watching.prometheus.log.parent.parent}"
         )
+    registry = started.schema_registry
+    if registry is not None:
+        verb = "already running" if registry.already_running else "started"
+        console.print(
+            f"schema registry {verb} at [bold]{registry.url}[/] (pid {registry.pid}; Apicurio "
+            f"Registry, schemas kept in {registry.log.parent}); log {registry.log}"
+        )
     web = started.airflow
     verb = "already running" if web.already_running else "started"
     console.print(
@@ -137,6 +151,8 @@ def _cmd_down(settings: Settings, args: Namespace, console: Console) -> stack.St
         console.print(f"batch server stopped (pid {stopped.batch.pid})")
     for name, pid in stopped.monitoring.pids.items():
         console.print(f"{name} stopped (pid {pid})")
+    if stopped.schema_registry is not None:
+        console.print(f"schema registry stopped (pid {stopped.schema_registry})")
     if stopped.spark.was_running:
         console.print(f"Spark master and workers stopped (pids {stopped.spark.pids})")
     for node in stopped.brokers:

@@ -99,9 +99,18 @@ def _cmd_spec_validate(settings: Settings, args: Namespace, console: Console) ->
                 from duality import validate
 
                 validate.check_spec_expectations(loaded, str(path))
-            valid.append({"file": str(path), "pipeline": loaded.name})
+            entry: dict[str, Any] = {"file": str(path), "pipeline": loaded.name}
+            avro = loaded.source.avro
+            if avro is not None:
+                entry |= {"columns": loaded.source.fields, "columns_from": avro.origin}
+            valid.append(entry)
             if not args.json:
                 console.print(f"[green]ok[/]      {path} ({loaded.name})")
+            if avro is not None and not args.json:
+                columns = ", ".join(f"{n} {t}" for n, t in loaded.source.fields.items())
+                console.print(f"        Avro columns from {avro.origin}: {columns}")
+                if avro.left_out:
+                    console.print(f"        not columns (no spec type): {', '.join(avro.left_out)}")
         except UsageError as error:
             errors.append(str(error))
     if errors:

@@ -22,6 +22,7 @@ from duality.local.kraft import (
     stop_brokers,
 )
 from duality.local.monitoring import LocalMonitoring, MonitoringStatus, MonitoringStopped
+from duality.local.schema_registry import LocalSchemaRegistry, RegistryStatus
 from duality.local.scram import Scram
 from duality.local.serving import LocalServing
 from duality.local.spark_cluster import SparkStatus, SparkStopped, local_spark
@@ -38,6 +39,7 @@ class Topology:
     airflow_db: str = "sqlite"
     sasl: bool = False  # clients log in with SCRAM-SHA-512 as the settings' user
     monitoring: bool = False  # Prometheus and its Pushgateway run too
+    schema_registry: bool = False  # Apicurio Registry runs too (Avro sources)
 
     def __post_init__(self) -> None:
         if self.brokers < 1:
@@ -82,6 +84,7 @@ class StackUp:
     spark: SparkStatus | None = None
     monitoring: MonitoringStatus | None = None
     serving: ServingStatus | None = None
+    schema_registry: RegistryStatus | None = None
 
 
 def up(
@@ -92,13 +95,14 @@ def up(
     airflow_db: str | None = None,
     sasl: bool = False,
     monitoring: bool = False,
+    schema_registry: bool = False,
     progress: Callable[[str], None] = lambda _: None,
 ) -> StackUp:
     """Start what does not run: Kafka, Prometheus and its Pushgateway (with `monitoring`),
     Spark (the cluster, if any, and the batch server the batch steps run on), the replicas of
     the pipelines' tables (`duality serve`), then Airflow (whose tasks need Kafka and Spark);
     what is not given is what runs, else the default, and another topology than what runs is
-    refused (monitoring can be added to a running stack)."""
+    refused (monitoring and the schema registry can be added to a running stack)."""
     recorded = recorded_stack(settings)
     base = recorded or Topology(airflow_db=settings.airflow_db)
     topology = Topology(
@@ -107,10 +111,13 @@ def up(
         airflow_db=base.airflow_db if airflow_db is None else airflow_db,
         sasl=base.sasl or sasl,
         monitoring=base.monitoring or monitoring,
+        schema_registry=base.schema_registry or schema_registry,
     )
-    if recorded is not None and dataclasses.replace(topology, monitoring=False) != (
-        dataclasses.replace(recorded, monitoring=False)
-    ):
+
+    def fixed(of: Topology) -> Topology:  # what a running stack cannot have added
+        return dataclasses.replace(of, monitoring=False, schema_registry=False)
+
+    if recorded is not None and fixed(topology) != fixed(recorded):
         raise UsageError(
             f"the local stack in {settings.local_dir} runs {_describe(recorded)}; "
             f"`duality down` first, then `duality up` with {_describe(topology)}"
@@ -135,6 +142,13 @@ def up(
         watching = monitor.start()
         chosen["DUALITY_PUSHGATEWAY"] = monitor.pushgateway_address
         chosen["DUALITY_PROMETHEUS_URL"] = monitor.prometheus_url
+    registry = None
+    if topology.schema_registry:
+        # Before the streams' processes and Airflow: Avro specs load their columns from it.
+        local_registry = LocalSchemaRegistry(settings)
+        progress("starting the schema registry (Apicurio Registry)")
+        registry = local_registry.start()
+        chosen |= local_registry.client_settings()
     spark = None
     if topology.spark_workers:
         cluster = local_spark(settings, topology.spark_workers)
@@ -160,7 +174,7 @@ def up(
     serving = LocalServing(stacked).start()
     progress(f"starting Airflow on {settings.airflow_url}")
     airflow = LocalAirflow(stacked).start(progress=progress)
-    return StackUp(topology, broker, airflow, batch, spark, watching, serving)
+    return StackUp(topology, broker, airflow, batch, spark, watching, serving, registry)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,16 +186,19 @@ class StackDown:
     batch: BatchServerStopped
     monitoring: MonitoringStopped
     serving: ServingStopped | None = None
+    schema_registry: int | None = None  # the pid of the schema registry it stopped
 
 
 def down(settings: Settings) -> StackDown:
     """Airflow first (a supervisor run could start a stream again), the streams, the
-    replicas, the batch server, Prometheus and its Pushgateway, Spark, Kafka."""
+    replicas, the batch server, Prometheus and its Pushgateway, the schema registry, Spark,
+    Kafka."""
     airflow = LocalAirflow(settings).stop()
     streams = control.stop_all(settings)
     serving = LocalServing(settings).stop()
     batch = LocalBatchServer(settings).stop()
     monitoring = LocalMonitoring(settings).stop()
+    registry = LocalSchemaRegistry(settings).stop()
     # What the stopped (or once killed) drivers' JVMs left in their temporary folders.
     sweep_scratch(settings)
     topology = recorded_stack(settings) or Topology()
@@ -191,7 +208,7 @@ def down(settings: Settings) -> StackDown:
     spark = local_spark(settings, max(1, workers)).stop()
     brokers = stop_brokers(settings)
     (settings.local_dir / STACK_FILE).unlink(missing_ok=True)
-    return StackDown(brokers, spark, airflow, streams, batch, monitoring, serving)
+    return StackDown(brokers, spark, airflow, streams, batch, monitoring, serving, registry)
 
 
 @dataclasses.dataclass(frozen=True)

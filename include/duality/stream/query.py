@@ -132,6 +132,16 @@ def parse(
         f"`{f}` {'variant' if k == 'string' else SQL_TYPES[k]}" for f, k in fields.items()
     )
     text = F.col("value").cast("string")
+    avro = spec.source.avro
+    if avro is not None:
+        # An Avro record is decoded in the JVM into JSON text of the reader schema, which the
+        # JSON path below parses as it parses a JSON record's (decision 38); a record that does
+        # not decode has the decoder's reason and no text.
+        from duality.avro.frame import decode
+
+        decoded = decode(raw.sparkSession, avro, F.col("value"))
+        raw = raw.withColumn("_avro", once(decoded if only is None else F.when(only, decoded)))
+        text = F.col("_avro.json")
     # Spark's JSON readers stop after the first value, so `{..} tail` or `{..}{..}` would read
     # as one object. Text with anything after its first value cannot be both the only value of
     # `{"v": ...}` and the only element of `[...]`; the second parse is also the typed one.
@@ -151,6 +161,7 @@ def parse(
     checks: list[tuple[Column, Column]] = [
         (F.col("value").isNull(), F.lit("null value")),
         (size > limit, oversized),
+        *([(F.col("_avro.error").isNotNull(), F.col("_avro.error"))] if avro is not None else []),
         (~F.coalesce(one_value, F.lit(False)), F.lit("malformed JSON: not one JSON value")),
         (~F.ltrim(text).startswith("{"), F.lit("not a JSON object")),
         (F.col("_v").isNull(), F.lit("malformed JSON: text after the object")),

@@ -1,0 +1,222 @@
+"""Avro sources through a real schema registry (Apicurio, `registry_settings`) and broker
+(issue 50, decision 38): records of three writer versions, interleaved, decode into the reader
+schema, and the changelog equals a plain-Python oracle decoding them with fastavro; each kind
+of bad frame is dead-lettered, byte for byte, with its reason."""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+import random
+import struct
+import uuid
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import fastavro
+import pytest
+import yaml
+
+from duality.avro.registry import Registry
+from duality.config import Settings
+from duality.errors import UsageError
+from duality.kafka import client, records, topics
+from duality.spec import load_spec
+from tests import truth
+from tests.harness import StreamProcess, read_latest, read_messages, run_duality, unique_name
+
+V1: dict[str, Any] = {
+    "type": "record",
+    "name": "Order",
+    "namespace": "dev.duality.test",
+    "fields": [
+        {"name": "order_id", "type": "string"},
+        {"name": "product", "type": "string"},
+        {"name": "quantity", "type": "int"},
+        {"name": "note", "type": "string"},
+        {"name": "ts", "type": {"type": "long", "logicalType": "timestamp-millis"}},
+    ],
+}
+# v2 adds a field with a default; v3 removes `note` and widens `quantity` to long.
+V2 = {**V1, "fields": [*V1["fields"], {"name": "customer", "type": "string", "default": "anon"}]}
+V3 = {
+    **V1,
+    "fields": [
+        {"name": "order_id", "type": "string"},
+        {"name": "product", "type": "string"},
+        {"name": "quantity", "type": "long"},
+        V1["fields"][4],
+        {"name": "customer", "type": "string", "default": "anon"},
+    ],
+}
+# The same record with `quantity` a string: no Avro resolution reads it as a long.
+INCOMPATIBLE = {**V3, "fields": [*V3["fields"][:2], {"name": "quantity", "type": "string"}]}
+
+EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+AGGREGATES = {
+    "orders": "count()",
+    "units": "sum(quantity)",
+    "anonymous": "count_if(customer = 'anon')",
+    "latest_ts": "max(ts)",
+}
+
+
+def _frame(schema_id: int, schema: dict[str, Any], record: dict[str, Any]) -> bytes:
+    out = io.BytesIO()
+    fastavro.schemaless_writer(out, fastavro.parse_schema(schema), record)
+    return b"\x00" + struct.pack(">I", schema_id) + out.getvalue()
+
+
+def _oracle(
+    frames: list[bytes], writers: dict[int, dict[str, Any]], reader: dict[str, Any]
+) -> dict[tuple, dict[str, Any]]:
+    """The table the pipeline must hold: each frame decoded by fastavro from its writer schema
+    into the reader schema, aggregated in plain Python."""
+    parsed_reader = fastavro.parse_schema(reader)
+    table: dict[tuple, dict[str, Any]] = defaultdict(
+        lambda: {"orders": 0, "units": 0, "anonymous": 0, "latest_ts": None}
+    )
+    for frame in frames:
+        (schema_id,) = struct.unpack(">I", frame[1:5])
+        writer = fastavro.parse_schema(writers[schema_id])
+        record = fastavro.schemaless_reader(io.BytesIO(frame[5:]), writer, parsed_reader)
+        row = table[(record["product"],)]
+        row["orders"] += 1
+        row["units"] += record["quantity"]
+        row["anonymous"] += record["customer"] == "anon"
+        # The changelog holds a timestamp as milliseconds since the epoch.
+        ts = (record["ts"] - EPOCH) // dt.timedelta(milliseconds=1)
+        row["latest_ts"] = ts if row["latest_ts"] is None else max(row["latest_ts"], ts)
+    return dict(table)
+
+
+def _write_spec(folder: Path, name: str, source: dict[str, Any]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    data = {
+        "name": name,
+        "source": source,
+        "aggregates": AGGREGATES,
+        "changelog": {"partitions": 3},
+    }
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture
+def pipelines(tmp_path: Path) -> Path:
+    return tmp_path / "pipelines"
+
+
+def test_three_writer_versions_and_bad_frames(
+    registry_settings: Settings, pipelines: Path, tmp_path: Path
+):
+    settings = registry_settings
+    name = f"t{uuid.uuid4().hex[:10]}"
+    topic = f"{name}-orders"
+    registry = Registry(settings)
+    subject = f"{topic}-value"
+    ids = {version: registry.register(subject, s) for version, s in ((1, V1), (2, V2), (3, V3))}
+    other = registry.register(f"{topic}-other", INCOMPATIBLE)
+    writers = {ids[1]: V1, ids[2]: V2, ids[3]: V3, other: INCOMPATIBLE}
+    assert len(set(writers)) == 4, writers
+
+    # No `schema:`: the columns are the latest version's (v3), as `spec validate` prints them.
+    path = _write_spec(pipelines, name, {"topic": topic, "format": "avro", "key": "product"})
+    spec = load_spec(path, settings=settings)
+    assert spec.source.avro is not None and spec.source.avro.subject == subject
+    assert spec.source.fields == {
+        "order_id": "string",
+        "product": "string",
+        "quantity": "long",
+        "ts": "timestamp",
+        "customer": "string",
+    }
+    env = {**settings.process_env(), "DUALITY_PIPELINES": str(pipelines)}
+    shown = run_duality(env, "spec", "validate", str(path))
+    assert shown.returncode == 0, shown.stderr
+    assert f"subject {subject}, version 3" in shown.stdout, shown.stdout
+
+    rng = random.Random(50)
+    good: list[bytes] = []
+    for n in range(3_000):
+        version = rng.choice((1, 2, 3))
+        record: dict[str, Any] = {
+            "order_id": f"o{n}",
+            "product": f"p-{rng.randrange(40)}",
+            "quantity": rng.randrange(1, 9),
+            "ts": 1_790_000_000_000 + rng.randrange(86_400_000),
+        }
+        if version < 3:
+            record["note"] = "n" * rng.randrange(4)
+        if version > 1:
+            record["customer"] = rng.choice(("anon", "c1", "c2"))
+        good.append(_frame(ids[version], (V1, V2, V3)[version - 1], record))
+    valid = _frame(ids[3], V3, {"order_id": "x", "product": "p-0", "quantity": 1, "ts": 0})
+    bad = {
+        b"\x00\x00\x01": "short frame",
+        b"": "short frame",
+        b'{"product": "p-0"}': "no magic byte",
+        b"\x00" + struct.pack(">I", 987_654) + valid[5:]: "unknown schema id 987654",
+        valid[:5] + b"\x02": "does not decode",
+        valid + b"\x00": "does not decode",
+        _frame(
+            other, INCOMPATIBLE, {"order_id": "y", "product": "p-1", "quantity": "3", "ts": 0}
+        ): (f"writer schema id {other} is incompatible"),
+    }
+    topics.create_topic(settings, topic, 3)
+    producer = client.producer(settings)
+    mixed = list(good)
+    for frame in bad:
+        mixed.insert(rng.randrange(len(mixed)), frame)
+    for n, frame in enumerate(mixed):
+        records.send(producer, topic, f"k{n % 97}".encode(), frame)
+    assert producer.flush(30) == 0
+
+    stream = StreamProcess(settings, spec, pipelines, tmp_path / "stream.log")
+    stream.run_until_caught_up()
+
+    reader = V3  # the latest version, the reader schema without `schema:`
+    wanted = _oracle(good, writers, reader)
+    truth.assert_tables_equal(truth.changelog_table(spec, read_latest(settings, spec)), wanted)
+
+    letters = read_messages(settings, spec.dlq_topic)
+    reasons = {m.value() or b"": dict(m.headers() or [])["duality.error"].decode() for m in letters}
+    assert len(letters) == len(bad), sorted(reasons.values())
+    for frame, reason in bad.items():
+        assert reasons[frame].startswith(reason), (frame, reasons[frame], reason)
+
+
+def test_a_spec_schema_is_the_reader_schema(
+    registry_settings: Settings, pipelines: Path, tmp_path: Path
+):
+    """A spec's `schema:` is the reader schema: a field only v1 and v2 have reads as null from
+    v3 (its default), and a field that cannot read a version's is refused, naming it."""
+    settings = registry_settings
+    topic = unique_name("avro-reader")
+    registry = Registry(settings)
+    for schema in (V1, V2, V3):
+        registry.register(f"{topic}-value", schema)
+    source = {"topic": topic, "format": "avro", "key": "product"}
+    typed = {"product": "string", "quantity": "long", "note": "string", "ts": "timestamp"}
+    spec_path = _write_spec(pipelines, "reader_ok", {**source, "schema": typed, "key": "product"})
+    data = yaml.safe_load(spec_path.read_text())
+    data["aggregates"] = {"orders": "count()", "units": "sum(quantity)"}
+    spec_path.write_text(yaml.safe_dump(data))
+    spec = load_spec(spec_path, settings=settings)
+    assert spec.source.avro is not None
+    assert '"default": null' in spec.source.avro.reader
+
+    wrong = {**typed, "quantity": "int"}
+    bad_path = _write_spec(pipelines, "reader_bad", {**source, "schema": wrong})
+    with pytest.raises(UsageError, match=r"schema\.quantity is a int, but version 3"):
+        load_spec(bad_path, settings=settings)
+    env = {**settings.process_env(), "DUALITY_PIPELINES": str(pipelines)}
+    refused = run_duality(env, "spec", "validate", str(bad_path))
+    assert refused.returncode == 2 and "schema.quantity" in refused.stderr, refused.stderr
+
+    unreachable = {**env, "DUALITY_SCHEMA_REGISTRY_URL": "http://127.0.0.1:9/apis/ccompat/v7"}
+    down = run_duality(unreachable, "spec", "validate", str(spec_path))
+    assert down.returncode == 2, down.stderr
+    assert "DUALITY_SCHEMA_REGISTRY_URL" in down.stderr, down.stderr

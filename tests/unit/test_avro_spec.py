@@ -1,0 +1,118 @@
+"""Avro sources without a registry (issue 50, decision 38): the registry settings, the columns
+and reader schema taken from a subject's versions, the compatibility of a spec's `schema:` with
+them, and the errors that name the setting or the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from duality.avro import schema
+from duality.avro.registry import Registry, Version, authorization
+from duality.config import Settings
+from duality.errors import UsageError
+from duality.spec import parse_spec
+
+V1 = {
+    "type": "record",
+    "name": "Order",
+    "namespace": "dev.duality",
+    "fields": [
+        {"name": "product", "type": "string"},
+        {"name": "quantity", "type": "int"},
+        {"name": "note", "type": ["null", "string"], "default": None},
+        {"name": "ts", "type": {"type": "long", "logicalType": "timestamp-micros"}},
+        {"name": "tags", "type": {"type": "array", "items": "string"}},
+        {"name": "kind", "type": {"type": "enum", "name": "Kind", "symbols": ["A", "B"]}},
+        {"name": "price", "type": "float"},
+    ],
+}
+V2 = {
+    **V1,
+    "fields": [f if f["name"] != "quantity" else {**f, "type": "long"} for f in V1["fields"]],
+}
+
+
+def _settings(tmp_path: Path, **more: str) -> Settings:
+    return Settings.from_env({"DUALITY_HOME": str(tmp_path), **more})
+
+
+def test_registry_settings_are_checked_and_the_password_never_shown(tmp_path: Path):
+    settings = _settings(
+        tmp_path,
+        DUALITY_SCHEMA_REGISTRY_URL="http://127.0.0.1:8081/apis/ccompat/v7",
+        DUALITY_SCHEMA_REGISTRY_USER="reader",
+        DUALITY_SCHEMA_REGISTRY_PASSWORD="s3cret-registry-password",
+    )
+    assert "s3cret" not in repr(settings)
+    assert authorization(settings) == "Basic cmVhZGVyOnMzY3JldC1yZWdpc3RyeS1wYXNzd29yZA=="
+    with pytest.raises(UsageError, match="DUALITY_SCHEMA_REGISTRY_URL='localhost:8081'"):
+        _settings(tmp_path, DUALITY_SCHEMA_REGISTRY_URL="localhost:8081")
+    with pytest.raises(UsageError, match="both DUALITY_SCHEMA_REGISTRY_USER and"):
+        _settings(tmp_path, DUALITY_SCHEMA_REGISTRY_USER="reader")
+
+
+def test_columns_of_a_subject_version():
+    columns, left_out = schema.columns(V1)
+    assert columns == {
+        "product": "string",
+        "quantity": "int",
+        "note": "string",
+        "ts": "timestamp",
+        "kind": "string",
+        "price": "double",
+    }
+    assert left_out == ["tags"]
+
+
+def test_reader_schema_of_a_spec_schema():
+    reader = schema.reader_schema({"product": "string", "ts": "timestamp", "qty": "long"}, V1)
+    assert reader["name"] == "Order" and reader["namespace"] == "dev.duality"
+    by_name = {f["name"]: f for f in reader["fields"]}
+    # Every field nullable with a null default; a timestamp keeps the writer's unit.
+    assert all(f["default"] is None and f["type"][0] == "null" for f in reader["fields"])
+    assert by_name["ts"]["type"][1] == {"type": "long", "logicalType": "timestamp-micros"}
+    assert by_name["qty"]["type"][1] == "long"
+
+
+def test_a_spec_schema_must_read_every_version():
+    versions = [Version("orders-value", 1, 1, V1), Version("orders-value", 2, 2, V2)]
+    # Widening is resolution: int and long read as long, float as double.
+    schema.check_compatible({"quantity": "long", "price": "double"}, versions)
+    with pytest.raises(ValueError, match=r"schema\.quantity is a int, but version 2 of subject"):
+        schema.check_compatible({"quantity": "int"}, versions)
+    with pytest.raises(ValueError, match=r"schema\.product is a long"):
+        schema.check_compatible({"product": "long"}, versions)
+    with pytest.raises(ValueError, match=r"schema\.qty is in no version of subject"):
+        schema.check_compatible({"qty": "long"}, versions)
+
+
+def _spec(source: dict) -> dict:
+    return {"name": "avro_orders", "source": source, "aggregates": {"orders": "count()"}}
+
+
+def test_an_avro_spec_needs_a_reachable_registry_and_names_the_setting(tmp_path: Path):
+    source = {"topic": "orders", "format": "avro", "key": "product"}
+    with pytest.raises(UsageError, match="set DUALITY_SCHEMA_REGISTRY_URL"):
+        parse_spec(_spec(source), "avro_orders.yaml", settings=_settings(tmp_path))
+    # Port 9 (discard) answers nothing here: the connection is refused at once.
+    down = _settings(tmp_path, DUALITY_SCHEMA_REGISTRY_URL="http://127.0.0.1:9/apis/ccompat/v7")
+    with pytest.raises(
+        UsageError, match=r"cannot reach the schema registry at http://127\.0\.0\.1:9"
+    ):
+        parse_spec(_spec(source), "avro_orders.yaml", settings=down)
+    with pytest.raises(UsageError, match=r"\(DUALITY_SCHEMA_REGISTRY_URL\)"):
+        Registry(down).versions("orders-value")
+
+
+def test_json_sources_are_as_before(tmp_path: Path):
+    source = {"topic": "orders", "key": "product", "schema": {"product": "string"}}
+    assert parse_spec(_spec(source), "x.yaml").source.avro is None
+    with pytest.raises(UsageError, match="subject: only an Avro source"):
+        parse_spec(_spec({**source, "subject": "s"}), "x.yaml")
+    without = {k: v for k, v in source.items() if k != "schema"}
+    with pytest.raises(UsageError, match="schema: a JSON source lists its fields"):
+        parse_spec(_spec(without), "x.yaml")
+    with pytest.raises(UsageError, match="format"):
+        parse_spec(_spec({**source, "format": "protobuf"}), "x.yaml")
