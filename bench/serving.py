@@ -8,13 +8,15 @@ first three scenarios. One replica, `duality serve` run as users run it (tests.s
 
 - `pull-query`: once the stream keeps up with the load (less than a second's events behind;
   after 120 s regardless, its lag in the figures), a client process of its own
-  (bench/pull_client.py: one keep-alive HTTP connection) asks for random keys of the table at a
-  fixed 1,000 requests/s for 30 s (scaled down with `--records`, at least 10 s); each request's
-  latency counts from when it was due. Targets: p99 at most 10 ms, and no errors (anything but
-  a 200). The replica's resident memory (its process) before the load, at its peak and after.
+  (bench/pull_client.py: four keep-alive HTTP connections, a thread each) asks for random keys
+  of the table at a fixed 1,000 requests/s for 30 s (scaled down with `--records`, at least
+  10 s); each request's latency counts from when it was due (an open loop: a slow answer does
+  not hold back the requests after it, and their wait counts). Targets: p99 at most 10 ms, and
+  no errors (anything but a 200). The replica's resident memory (its process) before the load,
+  at its peak and after.
 - `pull-query-max`: the most requests/s the replica answers: four client processes asking
-  without pause for 10 s, beside the same load (on the same cores as the replica, the stream
-  and the load).
+  without pause (one connection each) for 10 s, beside the same load (on the same cores as the
+  replica, the stream and the load).
 - `pull-freshness`: event to visible in a pull query. Five times a second an event is produced
   for one of 50 probe keys of their own (`probe-00`...; the load never writes them), each key's
   n-th event known from its `orders` count; the bench polls the replica (every 10 ms) for each
@@ -85,6 +87,7 @@ SCENARIOS = (
 
 EVENT_RATE = 5_000  # events/s of the stream's steady load
 PULL_RATE = 1_000.0  # requests/s of the paced client
+PULL_CONNECTIONS = 4  # keep-alive connections of the paced client
 PULL_SECONDS = 30.0  # the default of the paced client's run (scaled down with --records)
 MAX_CLIENTS = 4
 KEEP_UP_S = 120.0  # how long the stream is given to keep up with the load before measuring
@@ -131,11 +134,13 @@ def _client(
     seconds: float,
     out: Path,
     seed: int,
+    connections: int,
 ) -> subprocess.Popen[bytes]:
     command = [
         sys.executable,
         str(PULL_CLIENT),
         *("--url", replica.url, "--pipeline", pipeline, "--keys", str(keys)),
+        *("--connections", str(connections)),
         *("--rate", f"{rate:g}", "--seconds", f"{seconds:g}", "--seed", str(seed)),
         *("--out", str(out)),
     ]
@@ -322,7 +327,9 @@ def pull_scenarios(
         )
         out = scratch / "pull-query.json"
         paced = _finished(
-            _client(replica, spec.name, keys, PULL_RATE, seconds, out, 1), out, seconds
+            _client(replica, spec.name, keys, PULL_RATE, seconds, out, 1, PULL_CONNECTIONS),
+            out,
+            seconds,
         )
         rss_after = memory.sample()
         load_average_after = os.getloadavg()[0]
@@ -331,7 +338,8 @@ def pull_scenarios(
         progress.console.print(f"pull-query-max: {MAX_CLIENTS} clients without pause")
         outs = [scratch / f"pull-query-max-{n}.json" for n in range(MAX_CLIENTS)]
         clients = [
-            _client(replica, spec.name, keys, 0, MAX_SECONDS, o, 10 + n) for n, o in enumerate(outs)
+            _client(replica, spec.name, keys, 0, MAX_SECONDS, o, 10 + n, 1)
+            for n, o in enumerate(outs)
         ]
         closed = [_finished(c, o, MAX_SECONDS) for c, o in zip(clients, outs, strict=True)]
 
@@ -373,6 +381,7 @@ def pull_scenarios(
         0.0,
         details={
             "rate_target": PULL_RATE,
+            "connections": PULL_CONNECTIONS,
             "keys": keys,
             "event_rate": EVENT_RATE,
             "events_during": load_events,
