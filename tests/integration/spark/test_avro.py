@@ -9,6 +9,7 @@ import datetime as dt
 import io
 import random
 import struct
+import time
 import uuid
 from collections import defaultdict
 from pathlib import Path
@@ -220,3 +221,83 @@ def test_a_spec_schema_is_the_reader_schema(
     down = run_duality(unreachable, "spec", "validate", str(spec_path))
     assert down.returncode == 2, down.stderr
     assert "DUALITY_SCHEMA_REGISTRY_URL" in down.stderr, down.stderr
+
+
+def test_versions_registered_while_running_and_a_registry_outage(
+    registry_settings: Settings, pipelines: Path, tmp_path: Path
+):
+    """A version registered while the stream runs is read when its first record comes; with the
+    registry stopped, records of cached ids go on, a record of an id the stream has not met
+    waits (nothing dead-lettered, nothing lost) until the registry is back."""
+    from duality.local.schema_registry import LocalSchemaRegistry
+
+    settings = registry_settings
+    name = f"t{uuid.uuid4().hex[:10]}"
+    topic = f"{name}-orders"
+    registry = Registry(settings)
+    subject = f"{topic}-value"
+    writers = {registry.register(subject, V1): V1, registry.register(subject, V2): V2}
+    ids = list(writers)
+    path = _write_spec(pipelines, name, {"topic": topic, "format": "avro", "key": "product"})
+    spec = load_spec(path, settings=settings)  # the reader: v2, the latest when it loads
+    topics.create_topic(settings, topic, 3)
+    producer = client.producer(settings)
+    rng = random.Random(51)
+    sent: list[bytes] = []
+
+    def send(schema_id: int, count: int) -> None:
+        for _ in range(count):
+            record = {
+                "order_id": f"o{len(sent)}",
+                "product": f"p-{rng.randrange(20)}",
+                "quantity": rng.randrange(1, 9),
+                "note": "n",
+                "ts": 1_790_000_000_000 + rng.randrange(86_400_000),
+                "customer": rng.choice(("anon", "c1")),
+            }
+            frame = _frame(schema_id, writers[schema_id], record)
+            records.send(producer, topic, record["product"].encode(), frame)
+            sent.append(frame)
+        assert producer.flush(30) == 0
+
+    send(ids[0], 300)
+    send(ids[1], 300)
+    with StreamProcess(settings, spec, pipelines, tmp_path / "stream.log") as stream:
+        stream.start()
+        stream.wait_caught_up()
+        # v3 registered while the stream runs: a field added, which the reader (v2) drops.
+        v3_schema = {**V2, "fields": [*V2["fields"], {"name": "x", "type": "int", "default": 0}]}
+        v3 = registry.register(subject, v3_schema)
+        writers[v3] = v3_schema
+        send(v3, 300)
+        stream.wait_caught_up()
+        # v4 (without `customer`, which the reader defaults; with a field of its own, so that
+        # it is no earlier version's text, which the registry would give the earlier id)
+        # registered, then the registry stopped before the stream met its id.
+        region = {"name": "region", "type": "string", "default": "eu"}
+        v4_schema = {
+            **V2,
+            "fields": [*[f for f in V2["fields"] if f["name"] != "customer"], region],
+        }
+        v4 = registry.register(subject, v4_schema)
+        assert v4 not in writers, "the registry gave v4 an earlier version's id"
+        writers[v4] = v4_schema
+        local = LocalSchemaRegistry(settings)
+        assert local.stop() is not None, "the session's registry is not duality's own"
+        try:
+            send(ids[0], 200)  # cached: decoded while the registry is down
+            send(v4, 200)  # not cached: waits for the registry
+            time.sleep(10)
+            stream.check()
+            assert not read_messages(settings, spec.dlq_topic), "good records dead-lettered"
+            # The stream is waiting for v4's schema, asking again with backoff.
+            assert f"did not give schema id {v4}" in stream.log.read_text(errors="replace")
+        finally:
+            local.start()
+        stream.wait_caught_up(timeout=600)
+        assert stream.stop() == 0, stream.tail()
+
+    reader = V2
+    wanted = _oracle(sent, writers, reader)
+    truth.assert_tables_equal(truth.changelog_table(spec, read_latest(settings, spec)), wanted)
+    assert not read_messages(settings, spec.dlq_topic), "good records dead-lettered"
