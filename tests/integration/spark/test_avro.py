@@ -217,6 +217,17 @@ def test_a_spec_schema_is_the_reader_schema(
     refused = run_duality(env, "spec", "validate", str(bad_path))
     assert refused.returncode == 2 and "schema.quantity" in refused.stderr, refused.stderr
 
+    # Joins from an Avro source are refused until they are tested (issue 50).
+    joined = yaml.safe_load(spec_path.read_text())
+    joined["name"] = "reader_join"
+    joined["tables"] = {
+        "customers": {"topic": "customers", "key": "customer", "schema": {"customer": "string"}}
+    }
+    joined["join"] = [{"table": "customers", "on": "product", "type": "left"}]
+    (pipelines / "reader_join.yaml").write_text(yaml.safe_dump(joined))
+    with pytest.raises(UsageError, match="an Avro source joins no table yet"):
+        load_spec(pipelines / "reader_join.yaml", settings=settings)
+
     unreachable = {**env, "DUALITY_SCHEMA_REGISTRY_URL": "http://127.0.0.1:9/apis/ccompat/v7"}
     down = run_duality(unreachable, "spec", "validate", str(spec_path))
     assert down.returncode == 2, down.stderr
