@@ -354,7 +354,8 @@ class StreamProcess:
             committed = offsets.committed_offsets(
                 self.settings, self.spec.consumer_group, self.spec.source.topic
             )
-            return all(committed.get(p, (0, None))[0] >= end for p, end in ends.items())
+            covered = all(committed.get(p, (0, None))[0] >= end for p, end in ends.items())
+            return covered and settled(self.settings, self.spec.changelog_topic)
 
         assert_eventually(
             caught_up,
@@ -377,6 +378,17 @@ class StreamProcess:
         except OSError:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:])
+
+
+def settled(settings: Settings, *topics: str) -> bool:
+    """Whether no transaction is open on `topics`: their stable ends are their ends. A
+    transaction's offsets can be visible before its markers reach every partition it wrote, so
+    a reader that trusts the offsets alone can read its records as not yet committed."""
+    return all(
+        offsets.end_offsets(settings, topic)
+        == offsets.end_offsets(settings, topic, "read_uncommitted")
+        for topic in topics
+    )
 
 
 def first_commit_after(settings: Settings, topic: str, since: float) -> float:

@@ -26,6 +26,7 @@ from tests.harness import (
     duality_json,
     read_latest,
     read_messages,
+    settled,
 )
 
 SOURCE_PARTITIONS, TABLE_PARTITIONS = 6, 3
@@ -167,14 +168,15 @@ def _assert_changelog(settings: Settings, spec: PipelineSpec, met: dict[str, str
 
 
 def _covered(settings: Settings, spec: PipelineSpec) -> bool:
-    """Whether the group's committed offsets cover both topics' ends."""
+    """Whether the group's committed offsets cover both topics' ends, and the transaction that
+    committed them has reached every topic it wrote."""
     assert spec.joined is not None
     for topic in (spec.source.topic, spec.joined.topic):
         ends = offsets.end_offsets(settings, topic)
         committed = offsets.committed_offsets(settings, spec.consumer_group, topic)
         if any(committed.get(p, (0, None))[0] < end for p, end in ends.items()):
             return False
-    return True
+    return settled(settings, spec.changelog_topic, spec.dlq_topic, spec.table_topic)
 
 
 def test_a_left_join_meets_the_oracle_through_kills_and_a_lost_checkpoint(
