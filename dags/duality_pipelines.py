@@ -9,7 +9,7 @@
   `snapshot.schedule` (hourly by default). Publishing updates the snapshot's Asset.
 - `duality_<name>_reset`: the application reset tool, by hand only, after a confirmation.
 
-Parsing reads the YAML specs and nothing else: no broker, no Spark.
+Parsing reads the YAML specs and nothing else: no broker, no Spark, no schema registry.
 """
 
 from __future__ import annotations
@@ -156,7 +156,10 @@ def _build() -> dict[str, DAG]:
     settings = Settings.from_env()
     dags: dict[str, DAG] = {}
     for path in spec_files(settings):
-        spec = load_spec(path)  # a bad spec is an import error naming the file and field
+        # A bad spec is an import error naming the file and field. An Avro source's registry is
+        # not asked: the DAGs need no columns, and a registry that is down must not fail the
+        # import of every pipeline's DAGs (the stream's task asks it, and names the setting).
+        spec = load_spec(path, registry=False)
         for dag in (stream_dag(spec), snapshot_dag(spec, settings), reset_dag(spec)):
             dags[dag.dag_id] = dag
     return dags

@@ -194,19 +194,25 @@ class Source(BaseModel):
         return [value] if isinstance(value, str) else value
 
     _avro: AvroSource | None = PrivateAttr(default=None)
+    _columns_known: bool = PrivateAttr(default=True)
 
     @model_validator(mode="after")
     def _avro_schema(self, info: ValidationInfo) -> Source:
-        """An Avro source's columns and reader schema from its subject (decision 38)."""
+        """An Avro source's columns and reader schema from its subject (decision 38); with
+        `registry: False` in the context (the DAG file's parse), the registry is not asked."""
         if self.format != "avro":
             if self.subject is not None:
                 raise ValueError("subject: only an Avro source (format: avro) has one")
             if not self.fields:
                 raise ValueError("schema: a JSON source lists its fields")
             return self
+        context = info.context or {}
+        if context.get("registry") is False:
+            self._columns_known = bool(self.fields)
+            return self
         from duality.avro.source import resolve
 
-        settings = (info.context or {}).get("settings") or Settings.from_env()
+        settings = context.get("settings") or Settings.from_env()
         self._avro = resolve(settings, self.topic, self.subject, self.fields)
         if not self.fields:
             self.fields = dict(self._avro.columns)
@@ -214,8 +220,16 @@ class Source(BaseModel):
 
     @property
     def avro(self) -> AvroSource | None:
-        """An Avro source's subject, reader schema and where its columns came from."""
+        """An Avro source's subject, reader schema and where its columns came from; None for a
+        JSON source, and for an Avro one loaded without its registry (`load_spec(...,
+        registry=False)`)."""
         return self._avro
+
+    @property
+    def columns_known(self) -> bool:
+        """False for an Avro source without `schema:` loaded without its registry: its columns
+        (`fields`) are then empty, and the spec's expressions were not typed."""
+        return self._columns_known
 
     @model_validator(mode="after")
     def _key_and_time_in_schema(self) -> Source:
@@ -223,7 +237,7 @@ class Source(BaseModel):
             raise ValueError("key: name at least one field")
         if len(set(self.key)) != len(self.key):
             raise ValueError("key: a field is named twice")
-        if self.event_time is not None:
+        if self.event_time is not None and self._columns_known:
             if self.event_time not in self.fields:
                 raise ValueError(f"event_time field {self.event_time!r} is not in the schema")
             if self.fields[self.event_time] != "timestamp":
@@ -405,9 +419,16 @@ class PipelineSpec(BaseModel):
     def _expressions_typed(self, info: ValidationInfo) -> PipelineSpec:
         """The joined table, computed fields in order, then the filter, the key and the
         aggregates, typed."""
+        context = info.context or {}
+        if not self.source.columns_known:
+            return self  # loaded without the registry: nothing to type against (columns_known)
         source = self.source.fields
         scope: dict[str, str] = dict(source)
-        self._joined = joined_table(self, info.context or {}, load_spec)
+        try:
+            self._joined = joined_table(self, context, _table_loader(context))
+        except _ColumnsUnknown:
+            self.source._columns_known = False  # its table's columns are not known either
+            return self
         if self._joined is not None:
             scope |= self._joined.qualified()
             self._key_on_table_columns()
@@ -477,6 +498,8 @@ class PipelineSpec(BaseModel):
     def _window_and_expectations(self) -> PipelineSpec:
         if self.window is not None and self.source.event_time is None:
             raise ValueError("window: a windowed pipeline needs source.event_time")
+        if not self.source.columns_known:
+            return self  # a key on a table's column is not renamed yet (_key_on_table_columns)
         for index, expectation in enumerate(self.expectations):
             for column in expectation.columns():
                 if column not in self.snapshot_columns:
@@ -594,6 +617,24 @@ class PipelineSpec(BaseModel):
         return settings.warehouse / self.name
 
 
+class _ColumnsUnknown(Exception):
+    """A joined pipeline's columns are not known: it was loaded without the registry."""
+
+
+def _table_loader(context: Mapping[str, Any]) -> Any:
+    """How a joined pipeline's spec is read: as this one is (with or without the registry)."""
+    if context.get("registry") is not False:
+        return load_spec
+
+    def load(path: Path, reading: tuple[str, ...]) -> PipelineSpec:
+        other = load_spec(path, reading, context.get("settings"), registry=False)
+        if not other.source.columns_known:
+            raise _ColumnsUnknown(path)
+        return other
+
+    return load
+
+
 def _location(loc: tuple[Any, ...]) -> str:
     parts = [str(p) for p in loc if p not in ("function-after", "function-before")]
     if parts[:2] == ["source", "fields"]:
@@ -607,15 +648,17 @@ def parse_spec(
     folder: Path | None = None,
     reading: tuple[str, ...] = (),
     settings: Settings | None = None,
+    registry: bool = True,
 ) -> PipelineSpec:
     """Validate already-parsed YAML; errors name the origin, the spec key (`fields.band`), the
     position in an expression and the reason. A pipeline's table is looked up in `folder`;
     `reading` are the pipelines whose tables led here. An Avro source's schemas come from the
-    registry of `settings` (default: the environment's)."""
+    registry of `settings` (default: the environment's); with `registry` False it is not asked,
+    and an Avro source without `schema:` has no columns yet (`Source.columns_known`)."""
     if not isinstance(data, dict):
         raise UsageError(f"{origin}: a pipeline spec is a YAML mapping, got {type(data).__name__}")
     try:
-        context = {"folder": folder, "reading": reading, "settings": settings}
+        context = {"folder": folder, "reading": reading, "settings": settings, "registry": registry}
         return PipelineSpec.model_validate(data, context=context)
     except ValidationError as error:
         problems = []
@@ -630,8 +673,15 @@ def parse_spec(
 
 
 def load_spec(
-    path: Path, reading: tuple[str, ...] = (), settings: Settings | None = None
+    path: Path,
+    reading: tuple[str, ...] = (),
+    settings: Settings | None = None,
+    registry: bool = True,
 ) -> PipelineSpec:
+    """The spec in `path`, validated. `registry=False` loads it without asking an Avro
+    source's schema registry, for what needs no columns: the DAG file, which Airflow parses
+    every few seconds, must not depend on the registry being up (the task that runs the stream
+    loads the spec again with it, and stops with an error naming the setting when it is down)."""
     try:
         text = path.read_text()
     except OSError as error:
@@ -640,7 +690,7 @@ def load_spec(
         data = yaml.safe_load(text)
     except yaml.YAMLError as error:
         raise UsageError(f"{path}: not valid YAML: {error}") from None
-    spec = parse_spec(data, str(path), path.parent, reading, settings)
+    spec = parse_spec(data, str(path), path.parent, reading, settings, registry)
     if path.stem != spec.name:
         raise UsageError(
             f"{path}: the file is named {path.stem!r} but the pipeline {spec.name!r}: "

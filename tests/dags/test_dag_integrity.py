@@ -136,6 +136,38 @@ def test_parsing_touches_no_broker_and_no_spark():
     assert not heavy & loaded, f"parsing imported {heavy & loaded}"
 
 
+_PARSE_DAG_IDS = _PARSE.replace(
+    '{"errors": errors,', '{"dags": sorted(DagBag(dag_folder=sys.argv[1]).dags), "errors": errors,'
+)
+
+
+def test_an_avro_spec_imports_with_no_registry_reachable(tmp_path: Path):
+    """The DAG file does not ask an Avro source's schema registry (nor anything else) at parse
+    time: with the registry down and networking refused, an Avro pipeline's DAGs are there."""
+    (tmp_path / "avro_orders.yaml").write_text(
+        "name: avro_orders\n"
+        "source: {topic: orders, format: avro, key: product}\n"
+        "aggregates: {orders: count(), revenue: sum(price)}\n"
+    )
+    shipped = (SHIPPED_PIPELINES / "product_sales.yaml").read_text()
+    (tmp_path / "product_sales.yaml").write_text(shipped)
+    variables = {
+        "PYTHONPATH": os.pathsep.join(sys.path),
+        "DUALITY_PIPELINES": str(tmp_path),
+        "DUALITY_SCHEMA_REGISTRY_URL": "http://127.0.0.1:9/apis/ccompat/v7",
+    }
+    dag_file = str(ROOT / "dags" / "duality_pipelines.py")
+    result = run_python(variables, "-c", _PARSE_DAG_IDS, dag_file, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    parsed = json.loads(result.stdout.splitlines()[-1])
+    assert parsed["errors"] == {dag_file: {}}
+    assert parsed["dags"] == sorted(
+        f"duality_{name}_{kind}"
+        for name in ("avro_orders", "product_sales")
+        for kind in ("stream", "snapshot", "reset")
+    )
+
+
 def test_a_bad_spec_is_an_import_error_naming_the_file(tmp_path: Path, monkeypatch):
     from airflow.dag_processing.dagbag import DagBag
 

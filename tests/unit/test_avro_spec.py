@@ -116,3 +116,57 @@ def test_json_sources_are_as_before(tmp_path: Path):
         parse_spec(_spec(without), "x.yaml")
     with pytest.raises(UsageError, match="format"):
         parse_spec(_spec({**source, "format": "protobuf"}), "x.yaml")
+
+
+def test_without_the_registry_a_spec_loads_for_the_dag_file_and_the_task_still_asks_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """`load_spec(..., registry=False)` (the DAG file's parse) asks no registry: an Avro
+    source's columns are then unknown and its expressions untyped, while what needs no columns
+    is still checked; loading it as the stream's task does asks the registry and names the
+    setting. A pipeline joining its table is loaded the same way."""
+    from duality.spec import find_spec, load_spec
+
+    down = "http://127.0.0.1:9/apis/ccompat/v7"
+    monkeypatch.setenv("DUALITY_SCHEMA_REGISTRY_URL", down)
+    monkeypatch.setenv("DUALITY_PIPELINES", str(tmp_path))
+    (tmp_path / "avro_orders.yaml").write_text(
+        "name: avro_orders\n"
+        "source: {topic: orders, format: avro, key: product, event_time: ts}\n"
+        "fields: {revenue: quantity * price}\n"
+        "aggregates: {orders: count(), revenue: sum(revenue)}\n"
+        "expectations: [{type: expect_column_values_to_not_be_null, kwargs: {column: product}}]\n"
+    )
+    spec = load_spec(tmp_path / "avro_orders.yaml", registry=False)
+    assert not spec.source.columns_known and spec.source.fields == {}
+    assert spec.source.avro is None and spec.computed_fields == {}
+    assert spec.changelog_topic == "avro_orders-changelog"
+    assert spec.dag_id("stream") == "duality_avro_orders_stream"
+    (tmp_path / "joined.yaml").write_text(
+        "name: joined\n"
+        "source: {topic: sales, key: region, schema: {product: string, region: string}}\n"
+        "tables: {orders: {pipeline: avro_orders}}\n"
+        "join: [{table: orders, on: product}]\n"
+        "aggregates: {sales: count()}\n"
+    )
+    joined = load_spec(tmp_path / "joined.yaml", registry=False)
+    assert not joined.source.columns_known and joined.joined is None
+    # What needs no columns is checked all the same.
+    (tmp_path / "windowed.yaml").write_text(
+        "name: windowed\nsource: {topic: orders, format: avro, key: product}\n"
+        "aggregates: {orders: count()}\nwindow: {size: 1 minute, watermark: 1 minute}\n"
+    )
+    with pytest.raises(UsageError, match=r"window: a windowed pipeline needs source\.event_time"):
+        load_spec(tmp_path / "windowed.yaml", registry=False)
+    # A spec listing its schema is typed as before, without the registry.
+    (tmp_path / "listed.yaml").write_text(
+        "name: listed\n"
+        "source: {topic: orders, format: avro, key: product, schema: {product: string}}\n"
+        "aggregates: {total: sum(product)}\n"
+    )
+    with pytest.raises(UsageError, match=r"sum\(\) needs a number; product is a string"):
+        load_spec(tmp_path / "listed.yaml", registry=False)
+    # The stream's task (and every command) loads it with the registry.
+    for name in ("avro_orders", "joined"):
+        with pytest.raises(UsageError, match=r"cannot reach .*\(DUALITY_SCHEMA_REGISTRY_URL\)"):
+            find_spec(Settings.from_env(), name)
