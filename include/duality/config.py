@@ -89,12 +89,14 @@ class Settings:
     # `duality serve` (docs/serving.md): where its API listens (port 0: a free one), the folder
     # of its replicas' stores, the bearer token its API asks for (never shown: not in repr(),
     # in no log or error), and the replicas (`http://host:port`, comma-separated) that
-    # `duality query` asks; unset, the one at serve_host:serve_port.
+    # `duality query` asks; unset, the one at serve_host:serve_port. A replica's writer applies
+    # at most serve_write_records changelog records in one transaction.
     serve_host: str = "127.0.0.1"
     serve_port: int = 7080
     serve_dir: Path | None = None
     serve_token: str | None = dataclasses.field(default=None, repr=False)
     replicas: str | None = None
+    serve_write_records: int = 5_000
     # The schema registry (Confluent API) of Avro sources (docs/streams.md#formats): its URL
     # and basic-auth user and password (never shown: not in repr(), in no log or error).
     schema_registry_url: str | None = None
@@ -222,6 +224,10 @@ class Settings:
         if not 0 <= self.serve_port <= 65535:
             raise UsageError(
                 f"{PREFIX}SERVE_PORT={self.serve_port}: use a port, or 0 for a free one"
+            )
+        if self.serve_write_records < 1:
+            raise UsageError(
+                f"{PREFIX}SERVE_WRITE_RECORDS={self.serve_write_records}: use at least 1"
             )
         if self.serve_token is not None and len(self.serve_token.strip()) < MIN_SECRET_LENGTH:
             raise UsageError(
@@ -555,6 +561,8 @@ def describe() -> list[tuple[str, str, str]]:
         "unset: none. Never printed or logged",
         "replicas": "URLs of the replicas `duality query` asks, comma-separated (unset: "
         "`http://<serve_host>:<serve_port>`)",
+        "serve_write_records": "changelog records a replica's writer applies in one transaction "
+        "at most: fewer make each write visible sooner, more apply a backlog faster",
         "schema_registry_url": "schema registry (Confluent API, `http://host:port/path`) that "
         "Avro sources' schemas come from (`duality up --schema-registry` starts one and sets it)",
         "schema_registry_user": "basic-auth user of the schema registry; unset: none",

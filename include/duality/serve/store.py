@@ -1,7 +1,7 @@
 """A replica's store: one SQLite file per pipeline holding the table's rows and, in the same
 write transaction as the rows, the next changelog offset of each partition applied (decision
-36). Written by one thread (the replica's), read by any (the API's), in WAL mode so that readers
-never wait for the writer and each read sees one committed transaction."""
+36). Written by one process (the replica's writer), read by another (the API's), in WAL mode so
+that readers never wait for the writer and each read sees one committed transaction."""
 
 from __future__ import annotations
 
@@ -11,12 +11,16 @@ import fcntl
 import json
 import queue
 import sqlite3
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from duality.errors import UsageError
 from duality.serve.keys import Position
+
+# Seconds a new store waits for the lock of another `duality serve` to go.
+LOCK_WAIT_S = 5.0
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS rows (
@@ -73,22 +77,17 @@ class Read:
 
 class Store:
     """The SQLite file `path` of a replica of the changelog `topic`. The writer's connection is
-        this object's; readers take one from a pool (a thread per request would otherwise open a
-    connection per request)."""
+    this object's; readers take one from a pool (a thread per request would otherwise open a
+    connection per request).
 
-    def __init__(self, path: Path, topic: str) -> None:
+    One `duality serve` per file: the API's process holds an exclusive lock on `<path>.lock`
+    and passes it to its writer's process (`locked=False` there), so that a second `duality
+    serve` on the same folder is refused while either of them lives."""
+
+    def __init__(self, path: Path, topic: str, *, locked: bool = True) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path, self.topic = path, topic
-        # One writer per file: a second `duality serve` on the same folder is refused.
-        self._lock = open(path.with_name(path.name + ".lock"), "w")  # noqa: SIM115
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock.close()
-            raise UsageError(
-                f"{path} is the store of another running `duality serve`: give this one a "
-                "folder of its own (DUALITY_SERVE_DIR)"
-            ) from None
+        self._lock = _take_lock(path) if locked else None
         self._readers: queue.SimpleQueue[sqlite3.Connection] = queue.SimpleQueue()
         self._writer = self._connect()
         self._writer.executescript(_SCHEMA)
@@ -97,6 +96,11 @@ class Store:
             # The spec now names another changelog: this file's rows are not its rows.
             self.clear()
         self._writer.execute("INSERT OR REPLACE INTO about VALUES ('topic', ?)", (topic,))
+
+    @property
+    def lock_fd(self) -> int | None:
+        """The descriptor of the store's lock, for a child process to inherit."""
+        return None if self._lock is None else self._lock.fileno()
 
     def _connect(self) -> sqlite3.Connection:
         connection = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
@@ -253,4 +257,24 @@ class Store:
             except queue.Empty:
                 break
         self._writer.close()
-        self._lock.close()
+        if self._lock is not None:
+            self._lock.close()
+
+
+def _take_lock(path: Path) -> IO[str]:
+    """The exclusive lock of `path`'s store, waited for LOCK_WAIT_S (a SIGKILLed serve's
+    writer dies a moment after it)."""
+    lock = open(path.with_name(path.name + ".lock"), "w")  # noqa: SIM115
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return lock
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                lock.close()
+                raise UsageError(
+                    f"{path} is the store of another running `duality serve`: give this one a "
+                    "folder of its own (DUALITY_SERVE_DIR)"
+                ) from None
+            time.sleep(0.1)

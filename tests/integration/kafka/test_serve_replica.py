@@ -107,7 +107,8 @@ def test_a_replica_is_the_changelog_and_resumes_from_its_store(settings: Setting
     _write(producer, topic, ((k, -2) for k in KEYS[250:]), commit=False)  # aborted, last
     producer.flush(60)
 
-    replica = ServeProcess(scoped, tmp_path / "serve", spec.name)
+    # Small writes, so that many of them apply the backlog and the SIGKILL falls among them.
+    replica = ServeProcess(scoped.replace(serve_write_records=50), tmp_path / "serve", spec.name)
     store = replica.folder / f"{spec.name}.sqlite"
     total = len(read_messages(settings, topic))  # committed records, tombstones included
     try:
