@@ -32,6 +32,9 @@ KAFKA_CONN_ID = "kafka_default"
 SPARK_CONN_ID = "spark_default"
 # Its password is the bearer token of the replicas' API (DUALITY_SERVE_TOKEN).
 SERVE_CONN_ID = "duality_serve"
+# An Avro source's schema registry: its URL, basic-auth login and password
+# (DUALITY_SCHEMA_REGISTRY_URL, _USER, _PASSWORD; docs/streams.md#formats).
+REGISTRY_CONN_ID = "duality_schema_registry"
 
 # librdkafka names in the Kafka connection's extra -> Settings fields.
 _KAFKA_FIELDS = {
@@ -68,15 +71,17 @@ class DualityHook(BaseHook):
     def settings(self) -> Settings:
         """The settings; reading the Kafka connection's extra registers its `sasl.password` with
         Airflow's secrets masker, so a task log shows it as `***`, as reading the Spark
-        connection does its password (the batch server's secret) and `duality_serve` its
-        password (the replicas' bearer token). A secret from the environment or its file is
+        connection does its password (the batch server's secret), `duality_serve` its
+        password (the replicas' bearer token) and `duality_schema_registry` its password (and
+        the basic-auth header made of it). A secret from the environment or its file is
         registered too."""
         if self._settings is None:
             kafka = self._connection(self.kafka_conn_id)
             spark = self._connection(self.spark_conn_id)
             serve = self._connection(SERVE_CONN_ID)
+            registry = self._connection(REGISTRY_CONN_ID)
             extra = kafka.extra_dejson if kafka is not None else None
-            self._settings = _with_connections(extra, spark, serve)
+            self._settings = _with_connections(extra, spark, serve, registry)
             from airflow.sdk.log import mask_secret
 
             for secret in _secrets(self._settings):
@@ -89,8 +94,9 @@ class DualityHook(BaseHook):
             kafka = await self._aconnection(self.kafka_conn_id)
             spark = await self._aconnection(self.spark_conn_id)
             serve = await self._aconnection(SERVE_CONN_ID)
+            registry = await self._aconnection(REGISTRY_CONN_ID)
             extra = await kafka.aextra_dejson() if kafka is not None else None
-            self._settings = _with_connections(extra, spark, serve)
+            self._settings = _with_connections(extra, spark, serve, registry)
             from airflow.sdk.log import amask_secret
 
             for secret in _secrets(self._settings):
@@ -189,7 +195,10 @@ def _extra_checked(conn_id: str, connection: Any) -> Any:
 
 
 def _with_connections(
-    kafka_extra: dict[str, Any] | None, spark_conn: Any, serve_conn: Any = None
+    kafka_extra: dict[str, Any] | None,
+    spark_conn: Any,
+    serve_conn: Any = None,
+    registry_conn: Any = None,
 ) -> Settings:
     from duality.config import Settings
 
@@ -201,15 +210,63 @@ def _with_connections(
         changes |= {"batch_server_secret": spark_conn.password, "batch_server_secret_file": None}
     if serve_conn is not None and serve_conn.password:
         changes["serve_token"] = serve_conn.password
+    if registry_conn is not None:
+        changes |= registry_overrides(
+            registry_conn.conn_type,
+            registry_conn.host,
+            registry_conn.port,
+            registry_conn.schema,
+            registry_conn.login,
+            registry_conn.password,
+        )
     return Settings.from_env().replace(**changes)
 
 
+def registry_overrides(
+    conn_type: str | None,
+    host: str | None,
+    port: int | None,
+    path: str | None,
+    login: str | None,
+    password: str | None,
+) -> dict[str, Any]:
+    """The Settings fields the `duality_schema_registry` connection sets: the URL from its host
+    (a whole URL, `http://registry:8080/apis/ccompat/v7`, or a host name with the port and the
+    schema field as the path, as the URI form `http://registry:8080/apis%2Fccompat%2Fv7` gives
+    them), the basic-auth user and password from its login and password (both or neither)."""
+    changes: dict[str, Any] = {}
+    if host:
+        host = host.strip().rstrip("/")
+        if "://" in host:
+            url = host
+        else:
+            scheme = "https" if conn_type == "https" else "http"
+            url = f"{scheme}://{host}" + (f":{port}" if port else "")
+        if path:
+            url += "/" + path.strip("/")
+        changes["schema_registry_url"] = url
+    if bool(login) != bool(password):
+        raise AirflowFailException(
+            f"the Airflow connection {REGISTRY_CONN_ID!r} has a "
+            f"{'login' if login else 'password'} but no {'password' if login else 'login'}: "
+            "the schema registry's basic auth needs both (or neither)"
+        )
+    if login:
+        changes |= {"schema_registry_user": login, "schema_registry_password": password}
+    return changes
+
+
 def _secrets(settings: Settings) -> list[str]:
-    """The batch server's secret (whichever setting gives it) and the replicas' token, for
-    Airflow's masker (an unreadable secret file is left for the command to name)."""
+    """The batch server's secret (whichever setting gives it), the replicas' token and the
+    schema registry's password and basic-auth header, for Airflow's masker (an unreadable
+    secret file is left for the command to name)."""
+    from duality.avro.registry import authorization
     from duality.errors import DualityError
 
     found = [settings.serve_token] if settings.serve_token else []
+    header = authorization(settings)
+    if header is not None:  # the header's base64 shows the password too
+        found += [str(settings.schema_registry_password), header.removeprefix("Basic ")]
     try:
         secret = settings.read_batch_server_secret()
     except DualityError:

@@ -157,3 +157,46 @@ def test_the_replicas_token_comes_from_duality_serve_and_is_masked(plugins, monk
     child = hooks.child_environment(hooks.DualityHook().settings())
     assert Settings.from_env(child).serve_token == token
     assert redact(f"Bearer {token}") == "Bearer ***"
+
+
+def test_the_schema_registry_comes_from_duality_schema_registry_and_is_masked(plugins, monkeypatch):  # type: ignore[no-untyped-def]
+    """The `duality_schema_registry` connection gives an Avro source's registry: its URL (a
+    whole URL as host, or the URI form's host, port and path), its basic-auth login and
+    password; the task's child gets them, and Airflow's masker hides the password and the
+    header made of it."""
+    hooks, _, _ = plugins
+    from airflow.sdk.log import redact
+
+    from duality.avro.registry import authorization
+
+    password = "registry-password-from-airflow-0123"
+    monkeypatch.setenv("DUALITY_SCHEMA_REGISTRY_URL", "http://127.0.0.1:1/from-the-environment")
+    uri = f"http://reader:{password}@registry.internal:8080/apis%2Fccompat%2Fv7"
+    monkeypatch.setenv("AIRFLOW_CONN_DUALITY_SCHEMA_REGISTRY", uri)
+    for seen in (hooks.DualityHook().settings(), asyncio.run(hooks.DualityHook().asettings())):
+        assert seen.schema_registry_url == "http://registry.internal:8080/apis/ccompat/v7"
+        assert seen.schema_registry_user == "reader"
+        assert seen.schema_registry_password == password and password not in repr(seen)
+    settings = hooks.DualityHook().settings()
+    child = Settings.from_env(hooks.child_environment(settings))
+    assert (child.schema_registry_url, child.schema_registry_password) == (
+        "http://registry.internal:8080/apis/ccompat/v7",
+        password,
+    )
+    header = authorization(settings)
+    assert header is not None
+    assert redact(f"password {password}") == "password ***"
+    assert header.removeprefix("Basic ") not in str(redact(f"Authorization: {header}"))
+    # The JSON form with a whole URL as host; no login: the environment's user stays unset.
+    whole = {"conn_type": "http", "host": "https://registry.example.com/apis/ccompat/v7/"}
+    monkeypatch.setenv("AIRFLOW_CONN_DUALITY_SCHEMA_REGISTRY", json.dumps(whole))
+    seen = hooks.DualityHook().settings()
+    assert seen.schema_registry_url == "https://registry.example.com/apis/ccompat/v7"
+    assert seen.schema_registry_user is None and seen.schema_registry_password is None
+    # A login without a password is refused naming the connection.
+    half = {"conn_type": "http", "host": "registry", "login": "reader"}
+    monkeypatch.setenv("AIRFLOW_CONN_DUALITY_SCHEMA_REGISTRY", json.dumps(half))
+    from airflow.sdk.exceptions import AirflowFailException
+
+    with pytest.raises(AirflowFailException, match="'duality_schema_registry' has a login but"):
+        hooks.DualityHook().settings()
