@@ -14,9 +14,8 @@
   (the heartbeat's `join_state_rows`, `join_state_memory_bytes`, `join_state_sst_bytes`, from
   progress.stateOperators), and the peak RSS of the stream's process tree.
 
-Without the `streams` group, `stream-throughput` is measured here, on the baselines' topic as
-the streams group measures it (the same cold run, without the warm backlog, restart and
-failovers that follow it there), so that the ratio is of one run.
+Without the `streams` group, `stream-throughput` is measured here (`cold_throughput`), so that
+the ratio is of one run.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from streaming import (
     Point,
     StreamFigure,
     bench_spec,
+    cold_throughput,
     consume_backlog,
     target,
 )
@@ -112,23 +112,7 @@ def join_scenarios(
     progress = bench.progress
     figures: list[Figure] = []
     if throughput is None:
-        progress.console.print(f"stream over the backlog: {records:,} records, {keys:,} keys")
-        spec = bench_spec(f"bench_sales_{bench.stamp}", source, bench.pipelines)
-        point = consume_backlog(bench, spec, keys, megabytes, "stream-throughput", 0)
-        throughput = StreamFigure(
-            "stream-throughput",
-            point.events,
-            point.seconds,
-            megabytes,
-            details={
-                "keys": keys,
-                "startup_seconds": round(point.startup_seconds, 3),
-                "peak_rss_mb": round(point.peak_rss_mb, 1),
-                "max_offsets_per_trigger": MAX_OFFSETS_PER_TRIGGER,
-                "measured_by": "join group",
-            },
-            note=f"process start to running {point.startup_seconds:.1f} s (the join group's run)",
-        )
+        throughput = cold_throughput(bench, source, records, keys, megabytes, "join group")
         figures.append(throughput)
 
     progress.console.print(f"the same backlog through a left join on a table of {keys:,} rows")

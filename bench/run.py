@@ -29,6 +29,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from avro_source import avro_scenarios
 from broker_loss import broker_loss_scenario
 from commands import command_scenarios
 from joins import join_scenarios
@@ -58,7 +59,7 @@ LATENCY_RATE = 5_000.0
 LATENCY_SECONDS = 60.0
 TRIGGER_SECONDS = 0.5
 # Scenario groups beside the baselines, which always run (everything is compared with them).
-GROUPS = ("repartition", "streams", "join", "snapshots", "commands", "broker-loss", "serve")
+GROUPS = ("repartition", "streams", "join", "avro", "snapshots", "commands", "broker-loss", "serve")
 # Seconds of the serve group's load, scaled down with --records (at least 10).
 SERVE_SECONDS = 30.0
 
@@ -290,6 +291,13 @@ def main(argv: list[str] | None = None) -> int:
             bench = Bench(scoped, scratch / "pipelines", scratch / "logs", progress, stamp)
             figures.extend(
                 join_scenarios(bench, source, args.records, args.keys, megabytes, measured)
+            )
+        if "avro" in groups:
+            # Against the run's stream-throughput, else one measured by the group.
+            measured = next((f for f in figures if f.scenario == "stream-throughput"), None)
+            bench = Bench(scoped, scratch / "pipelines", scratch / "logs", progress, stamp)
+            figures.extend(
+                avro_scenarios(bench, source, args.records, args.keys, megabytes, measured)
             )
         figures.extend(repartitioned)
 

@@ -113,9 +113,12 @@ def bench_spec(
     folder: Path | None = None,
     rich: bool = False,
     table_topic: str | None = None,
+    avro: Settings | None = None,
 ) -> PipelineSpec:
     """A copy of the product_sales spec's plain aggregation reading `topic`; written to
     `folder` when given, so that a stream process finds it there through DUALITY_PIPELINES.
+    `avro`: the source is Avro (`format: avro`, the same `schema:`), its subject in the
+    registry of these settings (bench/avro.py).
     `rich` adds a filter, a computed field in the key, `count_distinct`, `latest` and `stddev`
     (the `stream-rich` scenario). `table_topic` adds a left join on the events' product with the
     table `products` read from it (bench/joins.py) and an aggregate of its `list_price`."""
@@ -126,6 +129,8 @@ def bench_spec(
     data["name"] = name
     data["source"]["topic"] = topic
     data["changelog"] = {"partitions": PARTITIONS}
+    if avro is not None:
+        data["source"]["format"] = "avro"
     if rich:
         data["fields"] = {"band": "case when amount >= 250 then 'high' else 'low' end"}
         data["where"] = "quantity > 1"
@@ -148,7 +153,7 @@ def bench_spec(
     if folder is not None:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"{name}.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
-    return parse_spec(data, f"bench spec {name}")
+    return parse_spec(data, f"bench spec {name}", settings=avro)
 
 
 # -- figures ---------------------------------------------------------------------------------
@@ -1227,6 +1232,32 @@ def latency_scenario(
         ),
     )
     return figure
+
+
+def cold_throughput(
+    bench: Bench, source: str, records: int, keys: int, megabytes: float, group: str
+) -> StreamFigure:
+    """`stream-throughput` measured by a group run without the `streams` group (`group`
+    names it): on the baselines' topic as the streams group measures it (the same cold run,
+    without the warm backlog, restart and failovers that follow it there), so that a group's
+    ratio to it is of one run."""
+    bench.progress.console.print(f"stream over the backlog: {records:,} records, {keys:,} keys")
+    spec = bench_spec(f"bench_sales_{bench.stamp}", source, bench.pipelines)
+    point = consume_backlog(bench, spec, keys, megabytes, "stream-throughput", 0)
+    return StreamFigure(
+        "stream-throughput",
+        point.events,
+        point.seconds,
+        megabytes,
+        details={
+            "keys": keys,
+            "startup_seconds": round(point.startup_seconds, 3),
+            "peak_rss_mb": round(point.peak_rss_mb, 1),
+            "max_offsets_per_trigger": MAX_OFFSETS_PER_TRIGGER,
+            "measured_by": group,
+        },
+        note=f"process start to running {point.startup_seconds:.1f} s (the {group}'s run)",
+    )
 
 
 def same_backlog(
