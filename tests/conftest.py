@@ -167,6 +167,21 @@ def registry_settings(settings: Settings) -> Iterator[Settings]:
         registry.stop()
 
 
+@pytest.fixture(scope="session")
+def object_store_settings(base_settings: Settings) -> Iterator[Settings]:
+    """`base_settings` with an S3 server (SeaweedFS, as `duality up --object-store` runs it,
+    built into the jar cache the first time) and its bucket, started once for the session and
+    stopped after it."""
+    from duality.local.object_store import LocalObjectStore
+
+    store = LocalObjectStore(base_settings)
+    store.start()
+    try:
+        yield Settings.from_env({**base_settings.as_env(), **store.client_settings()})
+    finally:
+        store.stop()
+
+
 @pytest.fixture
 def topic(request: pytest.FixtureRequest) -> str:
     """A topic name unique to this test; the test creates the topic with the configs it needs."""

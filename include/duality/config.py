@@ -102,6 +102,16 @@ class Settings:
     schema_registry_url: str | None = None
     schema_registry_user: str | None = None
     schema_registry_password: str | None = dataclasses.field(default=None, repr=False)
+    # Object storage through the S3 API (docs/operations.md "Object storage"): the endpoint
+    # (`http://host:port`), the bucket `duality up --object-store` creates, the region requests
+    # are signed for, the access key and its secret (never shown: not in repr(), in no log or
+    # error; or a file that holds it).
+    s3_endpoint: str | None = None
+    s3_bucket: str = "duality"
+    s3_region: str = "us-east-1"
+    s3_access_key: str | None = None
+    s3_secret_key: str | None = dataclasses.field(default=None, repr=False)
+    s3_secret_key_file: Path | None = None
     warehouse: Path = Path(".local/warehouse")
     checkpoint_root: Path = Path(".local/checkpoints")
     jar_cache: Path = Path(".cache/jars")
@@ -172,6 +182,7 @@ class Settings:
                 f"the schema registry's basic auth needs both {PREFIX}SCHEMA_REGISTRY_USER and "
                 f"{PREFIX}SCHEMA_REGISTRY_PASSWORD, or neither"
             )
+        self._check_object_store()
         if self.metrics_port < -1 or self.metrics_port > 65535:
             raise UsageError(
                 f"{PREFIX}METRICS_PORT={self.metrics_port}: use a port, 0 for a free one, or -1 "
@@ -213,6 +224,7 @@ class Settings:
             "reports",
             "serve_dir",
             "batch_server_secret_file",
+            "s3_secret_key_file",
             "batch_server_tls_cert",
             "batch_server_tls_key",
         ):
@@ -295,6 +307,53 @@ class Settings:
                 f"{setting} holds no secret of at least {MIN_SECRET_LENGTH} characters: write a "
                 "long random one into it (`duality up` makes one for the local stack)"
             )
+        return secret
+
+    def _check_object_store(self) -> None:
+        if self.s3_endpoint is not None and not re.fullmatch(
+            r"https?://[^\s/]+/?", self.s3_endpoint
+        ):
+            raise UsageError(
+                f"{PREFIX}S3_ENDPOINT={self.s3_endpoint!r} is not an http(s) URL of a host: write "
+                "it like http://127.0.0.1:8333 (no bucket or path; buckets are in the locations)"
+            )
+        if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", self.s3_bucket):
+            raise UsageError(
+                f"{PREFIX}S3_BUCKET={self.s3_bucket!r} is not a bucket name: use 3-63 lower-case "
+                "letters, digits, dots and hyphens"
+            )
+        if self.s3_secret_key is not None and self.s3_secret_key_file is not None:
+            raise UsageError(
+                f"both {PREFIX}S3_SECRET_KEY and {PREFIX}S3_SECRET_KEY_FILE are set: set one of "
+                "them (the file keeps the secret out of the environment)"
+            )
+        has_secret = self.s3_secret_key is not None or self.s3_secret_key_file is not None
+        if (self.s3_access_key is None) != (not has_secret):
+            raise UsageError(
+                f"the object store's credentials need both {PREFIX}S3_ACCESS_KEY and "
+                f"{PREFIX}S3_SECRET_KEY (or {PREFIX}S3_SECRET_KEY_FILE), or neither"
+            )
+
+    def read_s3_secret_key(self) -> str | None:
+        """The object store's secret key: the setting's, else the first line of its file; None
+        when neither is set. A file that cannot be read is a UsageError naming the setting
+        (never the secret)."""
+        if self.s3_secret_key is not None:
+            return self.s3_secret_key.strip()
+        if self.s3_secret_key_file is None:
+            return None
+        setting = f"{PREFIX}S3_SECRET_KEY_FILE={self.s3_secret_key_file}"
+        try:
+            text = self.s3_secret_key_file.read_text()
+        except (OSError, UnicodeDecodeError) as error:
+            reason = getattr(error, "strerror", None) or type(error).__name__
+            raise UsageError(
+                f"{setting} cannot be read ({reason}): point it at the file holding the object "
+                "store's secret key"
+            ) from None
+        secret = (text.strip().splitlines() or [""])[0].strip()
+        if not secret:
+            raise UsageError(f"{setting} is empty: write the object store's secret key into it")
         return secret
 
     def _check_sasl(self) -> None:
@@ -473,6 +532,8 @@ def java_properties(config: Mapping[str, str]) -> str:
 STACK_FILE = "stack.json"
 _ONE_SETTING_TWO_FORMS = (
     ("BATCH_SERVER_SECRET", "BATCH_SERVER_SECRET_FILE"),
+    ("S3_SECRET_KEY", "S3_SECRET_KEY_FILE"),
+    ("S3_SECRET_KEY_FILE", "S3_SECRET_KEY"),
     ("BATCH_SERVER_SECRET_FILE", "BATCH_SERVER_SECRET"),
 )
 
@@ -568,6 +629,16 @@ def describe() -> list[tuple[str, str, str]]:
         "schema_registry_user": "basic-auth user of the schema registry; unset: none",
         "schema_registry_password": "basic-auth password of the schema registry; never printed "
         "or logged",
+        "s3_endpoint": "the S3 API's URL (`http://host:port`) of the object store that "
+        "`s3a://` locations are on (`duality up --object-store` starts one and sets it)",
+        "s3_bucket": "the bucket `duality up --object-store` creates",
+        "s3_region": "the region requests to the object store are signed for",
+        "s3_access_key": "access key of the object store (in Airflow, the `aws_default` "
+        "connection's login)",
+        "s3_secret_key": "secret key of the object store (in Airflow, the `aws_default` "
+        "connection's password); never printed or logged",
+        "s3_secret_key_file": "a file holding the object store's secret key, instead of "
+        "`DUALITY_S3_SECRET_KEY` (`duality up --object-store` makes one)",
         "warehouse": "folder of Delta tables",
         "checkpoint_root": "folder of streaming checkpoints",
         "jar_cache": "folder the Maven-fetched jars are copied into",

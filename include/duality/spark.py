@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import psutil
 
+from duality import object_store
 from duality.config import Settings
 from duality.errors import UsageError
 
@@ -155,6 +156,8 @@ def session_config(settings: Settings, app_name: str) -> dict[str, str]:
         # again, and the JIT their new classes (docs/decisions/0020-generated-code-cache.md).
         "spark.sql.codegen.cache.maxEntries": "1000",
     }
+    # S3A, when an object store is configured (docs/operations.md "Object storage").
+    config |= object_store.s3a_config(settings)
     if local:
         cores = str(local_cores(settings.spark_master))
         config |= {
@@ -227,7 +230,17 @@ def session(
         builder = builder.config(key, value)
     spark = _with_stdout_to_stderr(builder.getOrCreate)
     spark.sparkContext.setLogLevel("WARN")
+    hadoop_secret(spark, settings)
     return spark
+
+
+def hadoop_secret(spark: SparkSession, settings: Settings) -> None:
+    """The object store's secret key on the session's Hadoop configuration, which S3A reads
+    (and the executors get with each job), rather than in a `--conf` of the driver's command
+    line, where `ps` would show it."""
+    secret = settings.read_s3_secret_key()
+    if settings.s3_endpoint and secret:
+        spark.sparkContext._jsc.hadoopConfiguration().set("fs.s3a.secret.key", secret)
 
 
 def scratch_config(folder: Path, sharing: str | None = None) -> dict[str, str]:

@@ -35,6 +35,10 @@ SERVE_CONN_ID = "duality_serve"
 # An Avro source's schema registry: its URL, basic-auth login and password
 # (DUALITY_SCHEMA_REGISTRY_URL, _USER, _PASSWORD; docs/streams.md#formats).
 REGISTRY_CONN_ID = "duality_schema_registry"
+# The object store, as Airflow's Amazon provider names its connection: the login is the access
+# key, the password its secret, the extra's `endpoint_url` (or the host) the S3 API's URL and
+# its `region_name` the region (DUALITY_S3_*; docs/operations.md "Object storage").
+AWS_CONN_ID = "aws_default"
 
 # librdkafka names in the Kafka connection's extra -> Settings fields.
 _KAFKA_FIELDS = {
@@ -72,16 +76,18 @@ class DualityHook(BaseHook):
         """The settings; reading the Kafka connection's extra registers its `sasl.password` with
         Airflow's secrets masker, so a task log shows it as `***`, as reading the Spark
         connection does its password (the batch server's secret), `duality_serve` its
-        password (the replicas' bearer token) and `duality_schema_registry` its password (and
-        the basic-auth header made of it). A secret from the environment or its file is
-        registered too."""
+        password (the replicas' bearer token), `duality_schema_registry` its password (and
+        the basic-auth header made of it) and `aws_default` its password (the object store's
+        secret key). A secret from the environment or its file is registered too."""
         if self._settings is None:
             kafka = self._connection(self.kafka_conn_id)
             spark = self._connection(self.spark_conn_id)
             serve = self._connection(SERVE_CONN_ID)
             registry = self._connection(REGISTRY_CONN_ID)
+            aws = self._connection(AWS_CONN_ID)
             extra = kafka.extra_dejson if kafka is not None else None
-            self._settings = _with_connections(extra, spark, serve, registry)
+            aws_extra = aws.extra_dejson if aws is not None else None
+            self._settings = _with_connections(extra, spark, serve, registry, aws, aws_extra)
             from airflow.sdk.log import mask_secret
 
             for secret in _secrets(self._settings):
@@ -95,8 +101,10 @@ class DualityHook(BaseHook):
             spark = await self._aconnection(self.spark_conn_id)
             serve = await self._aconnection(SERVE_CONN_ID)
             registry = await self._aconnection(REGISTRY_CONN_ID)
+            aws = await self._aconnection(AWS_CONN_ID)
             extra = await kafka.aextra_dejson() if kafka is not None else None
-            self._settings = _with_connections(extra, spark, serve, registry)
+            aws_extra = await aws.aextra_dejson() if aws is not None else None
+            self._settings = _with_connections(extra, spark, serve, registry, aws, aws_extra)
             from airflow.sdk.log import amask_secret
 
             for secret in _secrets(self._settings):
@@ -199,6 +207,8 @@ def _with_connections(
     spark_conn: Any,
     serve_conn: Any = None,
     registry_conn: Any = None,
+    aws_conn: Any = None,
+    aws_extra: dict[str, Any] | None = None,
 ) -> Settings:
     from duality.config import Settings
 
@@ -219,7 +229,37 @@ def _with_connections(
             registry_conn.login,
             registry_conn.password,
         )
+    if aws_conn is not None:
+        changes |= aws_overrides(aws_conn.host, aws_conn.login, aws_conn.password, aws_extra)
     return Settings.from_env().replace(**changes)
+
+
+def aws_overrides(
+    host: str | None,
+    login: str | None,
+    password: str | None,
+    extra: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The Settings fields the `aws_default` connection sets: the endpoint from its extra's
+    `endpoint_url` (the Amazon provider's name; else its host), the region from `region_name`,
+    the access key and secret from its login and password (both or neither; the connection's
+    secret takes over the environment's and its file)."""
+    extra = extra or {}
+    changes: dict[str, Any] = {}
+    endpoint = extra.get("endpoint_url") or host
+    if endpoint:
+        changes["s3_endpoint"] = str(endpoint).strip().rstrip("/")
+    if extra.get("region_name"):
+        changes["s3_region"] = str(extra["region_name"])
+    if bool(login) != bool(password):
+        raise AirflowFailException(
+            f"the Airflow connection {AWS_CONN_ID!r} has a "
+            f"{'login' if login else 'password'} but no {'password' if login else 'login'}: "
+            "the object store's access key (login) needs its secret (password), or neither"
+        )
+    if login:
+        changes |= {"s3_access_key": login, "s3_secret_key": password, "s3_secret_key_file": None}
+    return changes
 
 
 def registry_overrides(
@@ -257,9 +297,9 @@ def registry_overrides(
 
 
 def _secrets(settings: Settings) -> list[str]:
-    """The batch server's secret (whichever setting gives it), the replicas' token and the
-    schema registry's password and basic-auth header, for Airflow's masker (an unreadable
-    secret file is left for the command to name)."""
+    """The batch server's secret (whichever setting gives it), the replicas' token, the
+    schema registry's password and basic-auth header and the object store's secret key, for
+    Airflow's masker (an unreadable secret file is left for the command to name)."""
     from duality.avro.registry import authorization
     from duality.errors import DualityError
 
@@ -267,11 +307,13 @@ def _secrets(settings: Settings) -> list[str]:
     header = authorization(settings)
     if header is not None:  # the header's base64 shows the password too
         found += [str(settings.schema_registry_password), header.removeprefix("Basic ")]
-    try:
-        secret = settings.read_batch_server_secret()
-    except DualityError:
-        return found
-    return [*found, secret] if secret else found
+    for read in (settings.read_s3_secret_key, settings.read_batch_server_secret):
+        try:
+            secret = read()
+        except DualityError:
+            continue
+        found += [secret] if secret else []
+    return found
 
 
 def spark_master(host: str | None, port: int | None) -> str | None:

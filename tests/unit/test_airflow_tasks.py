@@ -200,3 +200,36 @@ def test_the_schema_registry_comes_from_duality_schema_registry_and_is_masked(pl
 
     with pytest.raises(AirflowFailException, match="'duality_schema_registry' has a login but"):
         hooks.DualityHook().settings()
+
+
+def test_the_object_store_comes_from_aws_default_and_is_masked(plugins, monkeypatch):  # type: ignore[no-untyped-def]
+    """The `aws_default` connection (the Amazon provider's name) gives the object store: its
+    extra's endpoint_url and region_name, its login (the access key) and password (the secret,
+    taking over the environment's secret file); the task's child gets them, and Airflow's masker
+    hides the secret."""
+    hooks, _, _ = plugins
+    from airflow.sdk.exceptions import AirflowFailException
+    from airflow.sdk.log import redact
+
+    secret = "aws-secret-from-airflow-0123456789"
+    monkeypatch.setenv("DUALITY_S3_ACCESS_KEY", "from-the-environment")
+    monkeypatch.setenv("DUALITY_S3_SECRET_KEY_FILE", "/run/secrets/s3_secret")
+    connection = {
+        "conn_type": "aws",
+        "login": "AKIAFROMAIRFLOW",
+        "password": secret,
+        "extra": json.dumps({"endpoint_url": "http://seaweedfs:8333/", "region_name": "eu-x-1"}),
+    }
+    monkeypatch.setenv("AIRFLOW_CONN_AWS_DEFAULT", json.dumps(connection))
+    for seen in (hooks.DualityHook().settings(), asyncio.run(hooks.DualityHook().asettings())):
+        assert (seen.s3_endpoint, seen.s3_region) == ("http://seaweedfs:8333", "eu-x-1")
+        assert (seen.s3_access_key, seen.s3_secret_key) == ("AKIAFROMAIRFLOW", secret)
+        assert seen.s3_secret_key_file is None and secret not in repr(seen)
+    child = hooks.child_environment(hooks.DualityHook().settings())
+    assert "DUALITY_S3_SECRET_KEY_FILE" not in child
+    assert Settings.from_env(child).read_s3_secret_key() == secret
+    assert redact(f"secret {secret}") == "secret ***"
+    half = {"conn_type": "aws", "login": "AKIAFROMAIRFLOW"}
+    monkeypatch.setenv("AIRFLOW_CONN_AWS_DEFAULT", json.dumps(half))
+    with pytest.raises(AirflowFailException, match="'aws_default' has a login but no password"):
+        hooks.DualityHook().settings()

@@ -341,18 +341,55 @@ def test_the_batch_servers_secret_is_a_compose_secret_of_the_server_and_airflow(
     the batch server and every Airflow service, where DUALITY_BATCH_SERVER_SECRET_FILE points;
     the secret itself is in no environment."""
     secrets = _compose().get("secrets") or {}
-    assert set(secrets) == {"batch_server_secret"}, secrets
+    assert set(secrets) == {"batch_server_secret", "s3_secret_key"}, secrets
     assert secrets["batch_server_secret"] == {"file": "./secrets/batch-server-secret"}
     assert "secrets/" in (ROOT / ".gitignore").read_text().split()
     assert "secrets/" in (ROOT / ".dockerignore").read_text().split()
     for name in (BATCH_SERVER, *AIRFLOW):
         mounted = [s if isinstance(s, str) else s["source"] for s in _service(name)["secrets"]]
-        assert mounted == ["batch_server_secret"], name
+        assert mounted[0] == "batch_server_secret", name
         settings = Settings.from_env(_env(name))
         assert settings.batch_server_secret_file == Path("/run/secrets/batch_server_secret")
         assert settings.batch_server_secret is None, name
     for name in _services():
         assert f"{PREFIX}BATCH_SERVER_SECRET" not in _env(name), name
+
+
+def test_the_object_store_is_the_one_duality_up_runs():
+    """docs/operations.md, "Object storage": the object-store service is SeaweedFS at the
+    version `duality up --object-store` builds, with its options, answering where
+    DUALITY_S3_ENDPOINT points, to the identity of DUALITY_S3_ACCESS_KEY and the compose secret
+    s3_secret_key (in no environment), mounted wherever a process reads it; its bucket is made
+    by object-store-init before the batch server and Airflow start."""
+    from duality.local.object_store import SERVER_FLAGS, VERSION
+
+    service = _service("object-store")
+    assert service["build"] == {"context": ".", "dockerfile": "docker/seaweedfs.Dockerfile"}
+    dockerfile = (ROOT / "docker" / "seaweedfs.Dockerfile").read_text()
+    assert f"ARG SEAWEEDFS_VERSION={VERSION}\n" in dockerfile
+    command = _command("object-store")
+    assert command[0] == "server" and set(SERVER_FLAGS) <= set(command), command
+    options = dict(part.split("=", 1) for part in command[1:] if "=" in part)
+    assert options["-s3.config"] == "/tmp/s3.json" and "> /tmp/s3.json" in dockerfile
+    settings = Settings.from_env(_env(BATCH_SERVER))
+    endpoint = urlsplit(str(settings.s3_endpoint))
+    assert (endpoint.hostname, endpoint.port) == ("object-store", int(options["-s3.port"]))
+    assert service["hostname"] == "object-store"
+    assert _env("object-store")["S3_ACCESS_KEY"] == settings.s3_access_key
+    assert (_compose()["secrets"]["s3_secret_key"]) == {"file": "./secrets/s3-secret-key"}
+    assert settings.s3_secret_key_file == Path("/run/secrets/s3_secret_key")
+    readers = ("object-store", "object-store-init", BATCH_SERVER, *AIRFLOW)
+    for name in readers:
+        mounted = [s if isinstance(s, str) else s["source"] for s in _service(name)["secrets"]]
+        assert "s3_secret_key" in mounted, name
+    for name in _services():
+        assert f"{PREFIX}S3_SECRET_KEY" not in _env(name), name
+    assert _command("object-store-init") == ["python", "-m", "duality.object_store"]
+    waits = _service("object-store-init")["depends_on"]
+    assert waits["object-store"]["condition"] == "service_healthy"
+    for name in (BATCH_SERVER, *(n for n in AIRFLOW if n != "airflow-init")):
+        waits = _service(name)["depends_on"]
+        assert waits["object-store-init"]["condition"] == "service_completed_successfully", name
 
 
 def test_every_interpolation_has_a_default():

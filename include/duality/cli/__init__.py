@@ -16,7 +16,7 @@ from typing import Any
 
 from rich.console import Console
 
-from duality import spec
+from duality import object_store, spec
 from duality.arguments import not_negative
 from duality.batch_server import BATCH_COMMANDS, run_remote
 from duality.cli import batch, serving, stack, streams
@@ -135,6 +135,9 @@ def main(
     try:
         try:
             settings = Settings.from_env(environ)
+            if command in object_store.CHECKED_COMMANDS and command != "up":
+                # `up` checks after starting its own object store, if it runs one.
+                object_store.preflight(settings)
             if forward and settings.batch_server and args.command in BATCH_COMMANDS:
                 return run_remote(settings, argv, command)
             started = time.monotonic()

@@ -49,6 +49,13 @@ def add_commands(commands: Commands) -> None:
         "Avro sources read their schemas from; sets DUALITY_SCHEMA_REGISTRY_URL",
     )
     up.add_argument(
+        "--object-store",
+        action="store_true",
+        help="also start an S3 server (SeaweedFS, built once into the jar cache) with its data "
+        "under the local folder, an access key and its bucket (DUALITY_S3_BUCKET); sets "
+        "DUALITY_S3_ENDPOINT, DUALITY_S3_ACCESS_KEY and DUALITY_S3_SECRET_KEY_FILE",
+    )
+    up.add_argument(
         "--airflow-db",
         choices=AIRFLOW_DBS,
         help="Airflow's metadata database: standalone on SQLite (default), or its components "
@@ -74,6 +81,7 @@ def _cmd_up(settings: Settings, args: Namespace, console: Console) -> stack.Stac
             sasl=args.sasl,
             monitoring=args.monitoring,
             schema_registry=args.schema_registry,
+            object_store=args.object_store,
             progress=spinner.update,
         )
     if args.json:
@@ -126,6 +134,13 @@ def _cmd_up(settings: Settings, args: Namespace, console: Console) -> stack.Stac
             f"schema registry {verb} at [bold]{registry.url}[/] (pid {registry.pid}; Apicurio "
             f"Registry, schemas kept in {registry.log.parent}); log {registry.log}"
         )
+    store = started.object_store
+    if store is not None:
+        verb = "already running" if store.already_running else "started"
+        console.print(
+            f"S3 server {verb} at [bold]{store.endpoint}[/] (pid {store.pid}; SeaweedFS, bucket "
+            f"[bold]{store.bucket}[/], data in {store.log.parent / 'data'}); log {store.log}"
+        )
     web = started.airflow
     verb = "already running" if web.already_running else "started"
     console.print(
@@ -153,6 +168,8 @@ def _cmd_down(settings: Settings, args: Namespace, console: Console) -> stack.St
         console.print(f"{name} stopped (pid {pid})")
     if stopped.schema_registry is not None:
         console.print(f"schema registry stopped (pid {stopped.schema_registry})")
+    if stopped.object_store is not None:
+        console.print(f"S3 server stopped (pid {stopped.object_store})")
     if stopped.spark.was_running:
         console.print(f"Spark master and workers stopped (pids {stopped.spark.pids})")
     for node in stopped.brokers:
@@ -204,6 +221,11 @@ def _print_status(report: stack.StackStatus, console: Console) -> None:
             ready = "yes" if program.ready else "no"
             pid = str(program.pid or "-")
             rows.append((name, program.state, program.address or "-", pid, ready, str(program.log)))
+    store = report.object_store
+    if store is not None:
+        ready = "yes" if store.ready else "no"
+        pid = str(store.pid or "-")
+        rows.append(("s3", store.state, store.endpoint or "-", pid, ready, str(store.log)))
     for name, component in airflow.components.items():
         rows.append(
             (

@@ -22,10 +22,12 @@ from duality.local.kraft import (
     stop_brokers,
 )
 from duality.local.monitoring import LocalMonitoring, MonitoringStatus, MonitoringStopped
+from duality.local.object_store import LocalObjectStore, ObjectStoreStatus
 from duality.local.schema_registry import LocalSchemaRegistry, RegistryStatus
 from duality.local.scram import Scram
 from duality.local.serving import LocalServing
 from duality.local.spark_cluster import SparkStatus, SparkStopped, local_spark
+from duality.object_store import preflight
 from duality.serve.control import ServingStatus, ServingStopped
 from duality.spark import sweep_scratch
 from duality.stream import control
@@ -40,6 +42,7 @@ class Topology:
     sasl: bool = False  # clients log in with SCRAM-SHA-512 as the settings' user
     monitoring: bool = False  # Prometheus and its Pushgateway run too
     schema_registry: bool = False  # Apicurio Registry runs too (Avro sources)
+    object_store: bool = False  # an S3 server (SeaweedFS) runs too, with its bucket
 
     def __post_init__(self) -> None:
         if self.brokers < 1:
@@ -85,6 +88,7 @@ class StackUp:
     monitoring: MonitoringStatus | None = None
     serving: ServingStatus | None = None
     schema_registry: RegistryStatus | None = None
+    object_store: ObjectStoreStatus | None = None
 
 
 def up(
@@ -96,13 +100,17 @@ def up(
     sasl: bool = False,
     monitoring: bool = False,
     schema_registry: bool = False,
+    object_store: bool = False,
     progress: Callable[[str], None] = lambda _: None,
 ) -> StackUp:
     """Start what does not run: Kafka, Prometheus and its Pushgateway (with `monitoring`),
     Spark (the cluster, if any, and the batch server the batch steps run on), the replicas of
     the pipelines' tables (`duality serve`), then Airflow (whose tasks need Kafka and Spark);
     what is not given is what runs, else the default, and another topology than what runs is
-    refused (monitoring and the schema registry can be added to a running stack)."""
+    refused (monitoring, the schema registry and the object store can be added to a running
+    stack). Locations on object storage are checked first: a missing bucket, refused credentials
+    or an endpoint that does not answer stop it before anything starts (but for the object store
+    it starts itself, whose bucket it creates)."""
     recorded = recorded_stack(settings)
     base = recorded or Topology(airflow_db=settings.airflow_db)
     topology = Topology(
@@ -112,16 +120,19 @@ def up(
         sasl=base.sasl or sasl,
         monitoring=base.monitoring or monitoring,
         schema_registry=base.schema_registry or schema_registry,
+        object_store=base.object_store or object_store,
     )
 
     def fixed(of: Topology) -> Topology:  # what a running stack cannot have added
-        return dataclasses.replace(of, monitoring=False, schema_registry=False)
+        return dataclasses.replace(of, monitoring=False, schema_registry=False, object_store=False)
 
     if recorded is not None and fixed(topology) != fixed(recorded):
         raise UsageError(
             f"the local stack in {settings.local_dir} runs {_describe(recorded)}; "
             f"`duality down` first, then `duality up` with {_describe(topology)}"
         )
+    if not topology.object_store:
+        preflight(settings)
     scram = Scram.from_settings(settings) if topology.sasl else None
     nodes = _kafka(settings, topology, scram)
     where = nodes.settings.bootstrap_servers
@@ -149,6 +160,14 @@ def up(
         progress("starting the schema registry (Apicurio Registry)")
         registry = local_registry.start()
         chosen |= local_registry.client_settings()
+    bucket = None
+    if topology.object_store:
+        # Before Spark's batch server and Airflow: their steps read and write its locations.
+        local_store = LocalObjectStore(settings)
+        progress("starting the S3 server (SeaweedFS)")
+        bucket = local_store.start(progress=progress)
+        chosen |= local_store.client_settings()
+        preflight(Settings.from_env({**settings.as_env(), **chosen}))
     spark = None
     if topology.spark_workers:
         cluster = local_spark(settings, topology.spark_workers)
@@ -174,7 +193,7 @@ def up(
     serving = LocalServing(stacked).start()
     progress(f"starting Airflow on {settings.airflow_url}")
     airflow = LocalAirflow(stacked).start(progress=progress)
-    return StackUp(topology, broker, airflow, batch, spark, watching, serving, registry)
+    return StackUp(topology, broker, airflow, batch, spark, watching, serving, registry, bucket)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,18 +206,20 @@ class StackDown:
     monitoring: MonitoringStopped
     serving: ServingStopped | None = None
     schema_registry: int | None = None  # the pid of the schema registry it stopped
+    object_store: int | None = None  # the pid of the S3 server it stopped
 
 
 def down(settings: Settings) -> StackDown:
     """Airflow first (a supervisor run could start a stream again), the streams, the
-    replicas, the batch server, Prometheus and its Pushgateway, the schema registry, Spark,
-    Kafka."""
+    replicas, the batch server, Prometheus and its Pushgateway, the schema registry, the S3
+    server, Spark, Kafka."""
     airflow = LocalAirflow(settings).stop()
     streams = control.stop_all(settings)
     serving = LocalServing(settings).stop()
     batch = LocalBatchServer(settings).stop()
     monitoring = LocalMonitoring(settings).stop()
     registry = LocalSchemaRegistry(settings).stop()
+    store = LocalObjectStore(settings).stop()
     # What the stopped (or once killed) drivers' JVMs left in their temporary folders.
     sweep_scratch(settings)
     topology = recorded_stack(settings) or Topology()
@@ -208,7 +229,7 @@ def down(settings: Settings) -> StackDown:
     spark = local_spark(settings, max(1, workers)).stop()
     brokers = stop_brokers(settings)
     (settings.local_dir / STACK_FILE).unlink(missing_ok=True)
-    return StackDown(brokers, spark, airflow, streams, batch, monitoring, serving, registry)
+    return StackDown(brokers, spark, airflow, streams, batch, monitoring, serving, registry, store)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,6 +263,7 @@ class StackStatus:
     spark: SparkStatus | None = None
     monitoring: MonitoringStatus | None = None  # when it runs, or the stack was started with it
     serving: ServingStatus | None = None
+    object_store: ObjectStoreStatus | None = None  # when it runs, or the stack was started with it
 
 
 def status(settings: Settings) -> StackStatus:
@@ -287,7 +309,9 @@ def status(settings: Settings) -> StackStatus:
     shown = monitoring if topology.monitoring or monitoring.state != "stopped" else None
     batch = LocalBatchServer(settings).status()
     serving = LocalServing(settings).status()
-    return StackStatus(topology, broker, airflow, batch, spark, shown, serving)
+    store = LocalObjectStore(settings).status()
+    store_shown = store if topology.object_store or store.state != "stopped" else None
+    return StackStatus(topology, broker, airflow, batch, spark, shown, serving, store_shown)
 
 
 def require_sound(stack: StackStatus) -> None:

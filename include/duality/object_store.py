@@ -1,0 +1,346 @@
+"""Object storage through the S3 API (docs/operations.md "Object storage", decision 39): which
+of duality's locations are `s3a://bucket/prefix` ones, the checks that stop a command before any
+work when the endpoint, the credentials or the bucket are wrong, and the few requests duality
+makes itself (signed with AWS Signature Version 4; Spark reaches the store through Hadoop's S3A,
+delta-rs through its own client)."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import hmac
+import http.client
+import shutil
+import subprocess
+import time
+import urllib.parse
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+from duality.config import PREFIX, Settings
+from duality.errors import UsageError
+
+SCHEMES = ("s3a://", "s3://")
+# How long a check waits for the endpoint to answer each request.
+CHECK_TIMEOUT_S = 5.0
+
+
+def is_remote(location: object) -> bool:
+    """Whether `location` (a setting's value, a spec's path) is on object storage."""
+    return str(location).startswith(SCHEMES)
+
+
+def split(location: str) -> tuple[str, str]:
+    """`s3a://bucket/some/prefix` -> (`bucket`, `some/prefix`)."""
+    rest = location.split("://", 1)[1]
+    bucket, _, key = rest.partition("/")
+    return bucket, key.strip("/")
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    status: int
+    reason: str
+    body: bytes
+    headers: Mapping[str, str]
+
+
+class Unreachable(UsageError):
+    """The endpoint did not answer (refused, timed out, no such host)."""
+
+
+def _endpoint(settings: Settings) -> urllib.parse.SplitResult:
+    if not settings.s3_endpoint:
+        raise UsageError(
+            f"{PREFIX}S3_ENDPOINT is not set, and a location is on object storage: set it to the "
+            "S3 API's URL (http://host:port; `duality up --object-store` starts a local one), "
+            "or give local paths"
+        )
+    return urllib.parse.urlsplit(settings.s3_endpoint)
+
+
+def request(
+    settings: Settings,
+    method: str,
+    path: str,
+    *,
+    body: bytes = b"",
+    headers: Mapping[str, str] | None = None,
+    query: Mapping[str, str] | None = None,
+    timeout: float = CHECK_TIMEOUT_S,
+) -> Answer:
+    """One signed request to the endpoint (`path` is `/bucket[/key]`). An endpoint that does not
+    answer: Unreachable, naming the setting (never the secret)."""
+    url = _endpoint(settings)
+    secret = settings.read_s3_secret_key()
+    host = url.netloc
+    canonical_path = urllib.parse.quote(path, safe="/-_.~")
+    canonical_query = "&".join(
+        f"{urllib.parse.quote(k, safe='-_.~')}={urllib.parse.quote(v, safe='-_.~')}"
+        for k, v in sorted((query or {}).items())
+    )
+    now = datetime.datetime.now(datetime.UTC)
+    stamp, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
+    payload = hashlib.sha256(body).hexdigest()
+    sent = {"host": host, "x-amz-date": stamp, "x-amz-content-sha256": payload}
+    sent |= {k.lower(): v for k, v in (headers or {}).items()}
+    if settings.s3_access_key and secret:
+        names = sorted(sent)
+        canonical = "\n".join(
+            [
+                method,
+                canonical_path,
+                canonical_query,
+                "".join(f"{n}:{sent[n].strip()}\n" for n in names),
+                ";".join(names),
+                payload,
+            ]
+        )
+        scope = f"{day}/{settings.s3_region}/s3/aws4_request"
+        to_sign = "\n".join(
+            ["AWS4-HMAC-SHA256", stamp, scope, hashlib.sha256(canonical.encode()).hexdigest()]
+        )
+        key = f"AWS4{secret}".encode()
+        for part in (day, settings.s3_region, "s3", "aws4_request"):
+            key = hmac.new(key, part.encode(), hashlib.sha256).digest()
+        signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
+        sent["authorization"] = (
+            f"AWS4-HMAC-SHA256 Credential={settings.s3_access_key}/{scope}, "
+            f"SignedHeaders={';'.join(names)}, Signature={signature}"
+        )
+    kind = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+    connection = kind(host, timeout=timeout)
+    target = canonical_path + (f"?{canonical_query}" if canonical_query else "")
+    try:
+        connection.request(method, target, body=body or None, headers=sent)
+        answer = connection.getresponse()
+        return Answer(answer.status, answer.reason, answer.read(), dict(answer.getheaders()))
+    except OSError as error:
+        reason = getattr(error, "strerror", None) or str(error) or type(error).__name__
+        raise Unreachable(
+            f"the object store at {PREFIX}S3_ENDPOINT={settings.s3_endpoint} does not answer "
+            f"({reason}): start it (`duality up --object-store` runs a local one) or correct "
+            f"{PREFIX}S3_ENDPOINT"
+        ) from None
+    finally:
+        connection.close()
+
+
+def _error_code(answer: Answer) -> str:
+    text = answer.body.decode(errors="replace")
+    start = text.find("<Code>")
+    if start < 0:
+        return answer.reason
+    return text[start + 6 : text.find("</Code>", start)]
+
+
+def check_bucket(settings: Settings, bucket: str, setting: str) -> None:
+    """Stop, naming `setting` (the location's) and the fix, unless the endpoint answers, takes
+    the credentials and holds `bucket`."""
+    answer = request(settings, "HEAD", f"/{bucket}")
+    if answer.status == 200:
+        return
+    where = f"{PREFIX}S3_ENDPOINT={settings.s3_endpoint}"
+    if answer.status in (401, 403):
+        who = (
+            f"{PREFIX}S3_ACCESS_KEY={settings.s3_access_key}"
+            if settings.s3_access_key
+            else f"no credentials ({PREFIX}S3_ACCESS_KEY is not set)"
+        )
+        raise UsageError(
+            f"the object store at {where} refuses {who} for bucket {bucket!r} (HTTP "
+            f"{answer.status}): set {PREFIX}S3_ACCESS_KEY and {PREFIX}S3_SECRET_KEY (or "
+            f"{PREFIX}S3_SECRET_KEY_FILE; in Airflow, the aws_default connection's login and "
+            "password) to a key that may read and write it"
+        )
+    if answer.status == 404:
+        raise UsageError(
+            f"{setting}: the bucket {bucket!r} does not exist at {where}: create it (`duality "
+            f"up --object-store` creates {PREFIX}S3_BUCKET={settings.s3_bucket!r}), or name an "
+            "existing bucket"
+        )
+    raise UsageError(
+        f"{setting}: the object store at {where} answered HTTP {answer.status} "
+        f"({_error_code(answer)}) for bucket {bucket!r}: check the endpoint and the bucket"
+    )
+
+
+def remote_locations(
+    settings: Settings, extra: Iterable[tuple[str, str]] = ()
+) -> list[tuple[str, str]]:
+    """(setting, location) of every location of `settings` on object storage, and of `extra`."""
+    named = [
+        (f"{PREFIX}{name.upper()}", str(getattr(settings, name)))
+        for name in ("warehouse", "checkpoint_root", "reports")
+    ]
+    return [(n, loc) for n, loc in [*named, *extra] if is_remote(loc)]
+
+
+def preflight(settings: Settings, extra: Iterable[tuple[str, str]] = ()) -> None:
+    """Before any work, when an object store is configured: the endpoint answers, takes the
+    settings' credentials and holds the bucket (`S3_BUCKET`, and that of every location on
+    object storage), or a UsageError naming the setting and the fix. Nothing to check when no
+    endpoint is set and every location is local."""
+    wanted = [(f"{PREFIX}S3_BUCKET", f"s3a://{settings.s3_bucket}")] if settings.s3_endpoint else []
+    checked: set[str] = set()
+    for setting, location in [*wanted, *remote_locations(settings, extra)]:
+        bucket, _ = split(location)
+        if bucket and bucket not in checked:
+            check_bucket(settings, bucket, f"{setting}={location}")
+            checked.add(bucket)
+
+
+# The commands that stop before any work when the object store is not usable.
+CHECKED_COMMANDS = frozenset(
+    {"up", "stream start", "snapshot", "validate", "publish", "read", "repartition", "reset"}
+)
+
+
+def create_bucket(settings: Settings, bucket: str, timeout: float = 60.0) -> None:
+    """Create `bucket` unless it exists; retried while the server is still starting (its S3
+    gateway answers before its filer does)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        answer = request(settings, "HEAD", f"/{bucket}")
+        if answer.status == 200:
+            return
+        if answer.status == 404:
+            answer = request(settings, "PUT", f"/{bucket}")
+            if answer.status in (200, 409):  # 409: made meanwhile
+                return
+        if time.monotonic() > deadline:
+            raise UsageError(
+                f"could not create the bucket {bucket!r} at {PREFIX}S3_ENDPOINT="
+                f"{settings.s3_endpoint}: HTTP {answer.status} ({_error_code(answer)})"
+            )
+        time.sleep(0.5)
+
+
+def create_if_absent(settings: Settings, location: str, body: bytes) -> bool:
+    """Write the object at `location` (`s3a://bucket/key`) only if none is there: one PUT with
+    `If-None-Match: *`, which the server refuses (412) when another writer created it first.
+    Whether this call created it. A server that ignores the condition cannot be told from one
+    that honours it here; `conditional_writes_honoured` checks a bucket once."""
+    bucket, key = split(location)
+    answer = request(settings, "PUT", f"/{bucket}/{key}", body=body, headers={"If-None-Match": "*"})
+    if answer.status == 200:
+        return True
+    if answer.status in (409, 412):
+        return False
+    raise UsageError(
+        f"the object store at {PREFIX}S3_ENDPOINT={settings.s3_endpoint} refused to write "
+        f"{location}: HTTP {answer.status} ({_error_code(answer)})"
+    )
+
+
+# hadoop-aws at the Hadoop version pyspark 4.1 bundles (its jars/hadoop-client-api-3.4.2.jar),
+# the AWS SDK bundle it is built against, and the stream library its S3A input may use.
+S3A_ARTIFACTS = (
+    "org.apache.hadoop:hadoop-aws:3.4.2",
+    "software.amazon.awssdk:bundle:2.29.52",
+    "software.amazon.s3.analyticsaccelerator:analyticsaccelerator-s3:1.2.1",
+)
+
+
+def s3a_jars(settings: Settings, progress: Callable[[str], None] = lambda _: None) -> list[Path]:
+    """The S3A jars in `<jar_cache>/s3`, fetched from Maven Central the first time (the SDK
+    bundle is 640 MB: only sessions that reach an object store load them, from this folder on
+    the class path rather than through `spark.jars`, which would copy them to every executor)."""
+    folder = settings.jar_cache / "s3"
+    names = [a.split(":")[1] + "-" + a.split(":")[2] + ".jar" for a in S3A_ARTIFACTS]
+    if all((folder / name).is_file() for name in names):
+        return [folder / name for name in names]
+    if shutil.which("mvn") is None:
+        raise UsageError("mvn is not installed: install Maven (apt-get install maven)")
+    download = folder.with_name("s3.download")
+    shutil.rmtree(download, ignore_errors=True)
+    download.mkdir(parents=True)
+    for artifact in S3A_ARTIFACTS:
+        progress(f"fetching {artifact} from Maven Central into {folder}")
+        done = subprocess.run(
+            [
+                "mvn",
+                "--quiet",
+                "--batch-mode",
+                "-Dstyle.color=never",
+                "dependency:copy",
+                f"-Dartifact={artifact}",
+                f"-DoutputDirectory={download}",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=download,
+        )
+        if done.returncode != 0:
+            shutil.rmtree(download, ignore_errors=True)
+            raise UsageError(
+                f"could not fetch {artifact} from Maven Central:\n"
+                + (done.stdout + done.stderr)[-2000:]
+            )
+    shutil.rmtree(folder, ignore_errors=True)
+    download.rename(folder)
+    return [folder / name for name in names]
+
+
+def s3a_config(settings: Settings) -> dict[str, str]:
+    """Spark's settings for S3A when an object store is configured (but the secret, which
+    `hadoop_secret` puts on the running session's Hadoop configuration: a `--conf` would show it
+    in the driver's command line)."""
+    if not settings.s3_endpoint:
+        return {}
+    jars = ":".join(str(jar) for jar in s3a_jars(settings))
+    config = {
+        "spark.driver.extraClassPath": jars,
+        "spark.executor.extraClassPath": jars,
+        "spark.hadoop.fs.s3a.endpoint": settings.s3_endpoint,
+        "spark.hadoop.fs.s3a.endpoint.region": settings.s3_region,
+        "spark.hadoop.fs.s3a.path.style.access": "true",
+        "spark.hadoop.fs.s3a.connection.ssl.enabled": str(
+            settings.s3_endpoint.startswith("https")
+        ).lower(),
+        # A commit is created only if absent: S3A's create without overwrite becomes a PUT with
+        # If-None-Match: * (Hadoop 3.4.2, HADOOP-19256), which Delta's S3 log store uses for
+        # `_delta_log/N.json` (decision 39).
+        "spark.hadoop.fs.s3a.create.conditional.enabled": "true",
+        "spark.hadoop.fs.s3a.performance.flags": "create",
+        # Transient errors (a 503 "slow down", a reset connection) are retried with backoff.
+        "spark.hadoop.fs.s3a.retry.limit": "10",
+        "spark.hadoop.fs.s3a.retry.interval": "500ms",
+        "spark.hadoop.fs.s3a.retry.throttle.limit": "20",
+        "spark.hadoop.fs.s3a.retry.throttle.interval": "500ms",
+        "spark.hadoop.fs.s3a.attempts.maximum": "5",
+        "spark.hadoop.fs.s3a.connection.establish.timeout": "5s",
+        "spark.hadoop.fs.s3a.connection.timeout": "60s",
+    }
+    if settings.s3_access_key:
+        config |= {
+            "spark.hadoop.fs.s3a.aws.credentials.provider": (
+                "org.apache.hadoop.fs.s3a.SimpleAWSCredentialsProvider"
+            ),
+            "spark.hadoop.fs.s3a.access.key": settings.s3_access_key,
+        }
+    return config
+
+
+def delta_rs_options(settings: Settings) -> dict[str, str]:
+    """Storage options for delta-rs (`deltalake`) to read `s3://` or `s3a://` tables of the
+    settings' object store."""
+    options = {
+        "AWS_ENDPOINT_URL": str(settings.s3_endpoint),
+        "AWS_REGION": settings.s3_region,
+        "AWS_ALLOW_HTTP": str(str(settings.s3_endpoint).startswith("http://")).lower(),
+        "AWS_S3_ADDRESSING_STYLE": "path",
+    }
+    secret = settings.read_s3_secret_key()
+    if settings.s3_access_key and secret:
+        options |= {"AWS_ACCESS_KEY_ID": settings.s3_access_key, "AWS_SECRET_ACCESS_KEY": secret}
+    return options
+
+
+if __name__ == "__main__":
+    # `python -m duality.object_store`: create the settings' bucket unless it exists (what
+    # docker-compose.yml's object-store-init does; `duality up --object-store` does it itself).
+    from_env = Settings.from_env()
+    create_bucket(from_env, from_env.s3_bucket)
+    print(f"bucket {from_env.s3_bucket} at {from_env.s3_endpoint}")
