@@ -706,14 +706,15 @@ def spec_files(settings: Settings) -> list[Path]:
     return sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")])
 
 
-def find_spec(settings: Settings, name_or_path: str) -> PipelineSpec:
-    """A spec by pipeline name (looked up in the pipelines folder) or by file path."""
+def find_spec(settings: Settings, name_or_path: str, registry: bool = True) -> PipelineSpec:
+    """A spec by pipeline name (looked up in the pipelines folder) or by file path; `registry`
+    as `load_spec`'s."""
     candidate = Path(name_or_path)
     if candidate.suffix in (".yaml", ".yml") or candidate.is_file():
-        return load_spec(candidate, settings=settings)
+        return load_spec(candidate, settings=settings, registry=registry)
     for path in spec_files(settings):
         if path.stem == name_or_path:
-            return load_spec(path, settings=settings)
+            return load_spec(path, settings=settings, registry=registry)
     known = ", ".join(p.stem for p in spec_files(settings)) or "none"
     raise UsageError(
         f"no pipeline {name_or_path!r} in {settings.pipelines} (known: {known}); "

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from duality.avro.writer import AvroWriter, writer_for
 from duality.config import Settings
 from duality.errors import UsageError
 from duality.kafka import client, records, topics
@@ -30,6 +31,19 @@ BAD_KINDS = (
     "oversized",
     "late",
 )
+# An Avro source's bad records: frames the decoder refuses (decision 38), then a decoded record
+# the stream refuses as it would a JSON one.
+AVRO_BAD_KINDS = (
+    "short_frame",
+    "no_magic_byte",
+    "unknown_schema_id",
+    "undecodable",
+    "missing_key",
+    "null_value",
+    "late",
+)
+# A schema id no registry hands out soon.
+UNKNOWN_SCHEMA_ID = 2_000_000_000
 # A JSON object followed by more text, each a way a producer can get it wrong.
 _TRAILING = (" {}", "x", ',{"second":1}', "\n]")
 # Doubles that JSON cannot hold: literals JSON does not have, strings, and an overflow.
@@ -51,6 +65,8 @@ class WorkloadReport:
     bad: Counter[str] = dataclasses.field(default_factory=Counter)
     keys: int = 0
     seconds: float = 0.0
+    # An Avro workload's writer schema: "subject orders_avro-value, schema id 3".
+    schema: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -60,6 +76,7 @@ class WorkloadReport:
             "bad": dict(self.bad),
             "keys": self.keys,
             "seconds": round(self.seconds, 3),
+            **({"schema": self.schema} if self.schema else {}),
         }
 
 
@@ -87,7 +104,9 @@ class Workload:
         bad_fraction: float,
         seed: int | None = None,
         values: Mapping[str, Sequence[Any]] | None = None,
+        writer: AvroWriter | None = None,
     ):
+        """`writer`: an Avro source's records are framed with it (else written as JSON)."""
         if keys < 1:
             raise UsageError(f"--keys must be at least 1, got {keys}")
         if zipf < 0:
@@ -97,6 +116,9 @@ class Workload:
         self.spec = spec
         self.keys = keys
         self.values = dict(values or {})  # a field's values to draw from, for a spec's filter
+        self.writer = writer
+        if writer is not None:  # an enum field is written with its symbols
+            self.values = {**writer.symbols, **self.values}
         self.bad_fraction = bad_fraction
         self.rng = np.random.default_rng(seed)
         weights = 1.0 / np.arange(1, keys + 1) ** zipf
@@ -109,10 +131,11 @@ class Workload:
         self.doubles = [f for f, t in fields.items() if t == "double" and f in spec.required_fields]
         self.kinds = [
             k
-            for k in BAD_KINDS
+            for k in (BAD_KINDS if writer is None else AVRO_BAD_KINDS)
             if (k != "late" or spec.window is not None)
             and (k != "non_finite" or self.doubles)
             and (k != "missing_key" or first_key in fields)
+            and (k != "missing_key" or writer is None or first_key in writer.nullable)
         ]
         self.typed_fields = [
             f
@@ -169,6 +192,31 @@ class Workload:
             record[spec.source.event_time] = _iso(late)
         return json.dumps(record).encode()
 
+    def _bad_avro(self, kind: str, record: dict[str, Any]) -> bytes | None:
+        writer = self.writer
+        assert writer is not None
+        if kind == "null_value":
+            return None
+        if kind == "missing_key":
+            record[self.spec.source.key[0]] = None
+        if kind == "late":
+            self._bad("late", record)  # its event time moved back, then framed as Avro
+        frame = writer.frame(record)
+        if kind == "short_frame":
+            return frame[: int(self.rng.integers(0, 5))]
+        if kind == "no_magic_byte":
+            return b"\x01" + frame[1:]
+        if kind == "unknown_schema_id":
+            return b"\x00" + UNKNOWN_SCHEMA_ID.to_bytes(4, "big") + frame[5:]
+        if kind == "undecodable":
+            return frame + b"\x00"  # bytes after the record
+        return frame
+
+    def _encode(self, record: dict[str, Any]) -> bytes:
+        if self.writer is not None:
+            return self.writer.frame(record)
+        return json.dumps(record).encode()
+
     def records(self, count: int) -> list[tuple[bytes | None, bytes | None, str]]:
         """`count` records as (key, value, kind) where kind is 'valid' or a bad kind."""
         indexes = self.rng.choice(self.keys, size=count, p=self.key_probabilities)
@@ -182,9 +230,10 @@ class Workload:
             key = str(record[key_field]).encode()
             if bad_draws[i]:
                 kind = self.kinds[int(kinds[i])]
-                out.append((key, self._bad(kind, record), kind))
+                bad = self._bad if self.writer is None else self._bad_avro
+                out.append((key, bad(kind, record), kind))
             else:
-                out.append((key, json.dumps(record).encode(), "valid"))
+                out.append((key, self._encode(record), "valid"))
         return out
 
 
@@ -202,24 +251,28 @@ def produce(
     progress: Callable[[int], None] | None = None,
     values: Mapping[str, Sequence[Any]] | None = None,
 ) -> WorkloadReport:
-    """Produce `events` records to the spec's source topic (created if missing)."""
-    if spec.source.format != "json":
-        raise UsageError(
-            f"pipeline {spec.name} reads {spec.source.format}: `duality produce` writes JSON "
-            "workloads only so far (issue 50); produce its records with an Avro producer that "
-            "registers their schema"
-        )
+    """Produce `events` records to the spec's source topic (created if missing). An Avro
+    source's are in the Confluent wire format, their schema registered (`avro.writer`)."""
     if events < 0:
         raise UsageError(f"--events must be 0 or more, got {events}")
     if rate is not None and rate <= 0:
         raise UsageError(f"--rate must be positive, got {rate}")
+    writer = writer_for(settings, spec) if spec.source.format == "avro" else None
     workload = Workload(
-        spec, keys=keys, zipf=zipf, bad_fraction=bad_fraction, seed=seed, values=values
+        spec,
+        keys=keys,
+        zipf=zipf,
+        bad_fraction=bad_fraction,
+        seed=seed,
+        values=values,
+        writer=writer,
     )
     topic = spec.source.topic
     topics.create_topic(settings, topic, partitions, exist_ok=True)
     producer = client.producer(settings, queue_buffering_max_messages=500_000)
     report = WorkloadReport(topic=topic, keys=keys)
+    if writer is not None:
+        report.schema = f"subject {writer.subject}, schema id {writer.schema_id}"
     start = time.monotonic()
     chunk = 10_000 if rate is None else max(1, int(rate // 10))
     produced = 0

@@ -170,3 +170,58 @@ def test_without_the_registry_a_spec_loads_for_the_dag_file_and_the_task_still_a
     for name in ("avro_orders", "joined"):
         with pytest.raises(UsageError, match=r"cannot reach .*\(DUALITY_SCHEMA_REGISTRY_URL\)"):
             find_spec(Settings.from_env(), name)
+
+
+def test_the_avro_workload_frames_records_and_every_bad_kind(tmp_path: Path):
+    """`duality produce`'s Avro records (without a registry: the writer as it would be
+    registered): good ones decode with fastavro to the record, each bad kind is one the stream
+    refuses: a short frame, no magic byte, another schema id, bytes after the record, a null
+    key, a null value."""
+    import io
+    import struct
+
+    import fastavro
+
+    from duality import workload
+    from duality.avro.writer import AvroWriter, spec_schema
+
+    source = {
+        "topic": "orders",
+        "format": "avro",
+        "key": "product",
+        "schema": {"product": "string", "quantity": "long", "ts": "timestamp"},
+    }
+    spec = parse_spec(_spec(source), "avro_orders.yaml", registry=False)
+    written = spec_schema(spec)
+    assert written["name"] == "AvroOrdersEvent"
+    assert [f["type"] for f in written["fields"]] == [
+        ["null", "string"],
+        ["null", "long"],
+        ["null", {"type": "long", "logicalType": "timestamp-millis"}],
+    ]
+    parsed = fastavro.parse_schema(written)
+    writer = AvroWriter(
+        "orders-value", 7, written, {}, frozenset(f["name"] for f in written["fields"]), parsed
+    )
+    made = workload.Workload(spec, keys=5, zipf=1.0, bad_fraction=0.5, seed=3, writer=writer)
+    kinds: dict[str, int] = {}
+    for _, value, kind in made.records(400):
+        kinds[kind] = kinds.get(kind, 0) + 1
+        frame = value or b""
+        if kind == "null_value":
+            assert value is None
+            continue
+        if kind == "short_frame":
+            assert len(frame) < 5
+            continue
+        assert frame[0] == (1 if kind == "no_magic_byte" else 0), kind
+        schema_id = struct.unpack(">I", frame[1:5])[0]
+        assert schema_id == (workload.UNKNOWN_SCHEMA_ID if kind == "unknown_schema_id" else 7)
+        body = io.BytesIO(frame[5:])
+        record = fastavro.schemaless_reader(body, parsed, parsed)
+        assert (body.tell() < len(frame) - 5) == (kind == "undecodable"), kind
+        assert (record["product"] is None) == (kind == "missing_key"), kind
+        if kind == "valid":
+            assert record["product"].startswith("product-") and 1 <= record["quantity"] <= 9
+            assert record["ts"].tzinfo is not None
+    assert set(kinds) == {"valid", *workload.AVRO_BAD_KINDS} - {"late"}, kinds

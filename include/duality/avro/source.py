@@ -29,6 +29,8 @@ class AvroSource:
     # The registry's Confluent API, and the Authorization header for it (never shown).
     registry: str = ""
     authorization: str | None = dataclasses.field(default=None, repr=False)
+    # Whether the columns are the spec's `schema:` (else the subject's latest version's).
+    listed: bool = False
 
 
 def resolve(
@@ -61,5 +63,5 @@ def resolve(
     reader = json.dumps(schema.reader_schema(fields, latest.schema))
     origin = f"the spec's schema, read from {origin}"
     return AvroSource(
-        subject, reader, dict(fields), origin, (), registry.url, authorization(settings)
+        subject, reader, dict(fields), origin, (), registry.url, authorization(settings), True
     )

@@ -130,7 +130,10 @@ def _cmd_produce(settings: Settings, args: Namespace, console: Console) -> dict[
 
     from duality import workload
 
-    pipeline = spec.find_spec(settings, args.pipeline)
+    # An Avro spec that lists its schema loads before its subject exists: producing registers it.
+    pipeline = spec.find_spec(settings, args.pipeline, registry=False)
+    if not pipeline.source.columns_known:  # an Avro source's columns are its subject's
+        pipeline = spec.find_spec(settings, args.pipeline)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task(f"producing to {pipeline.source.topic}", total=args.events)
         report = workload.produce(
@@ -148,9 +151,10 @@ def _cmd_produce(settings: Settings, args: Namespace, console: Console) -> dict[
     result = report.as_dict()
     if not args.json:
         bad = ", ".join(f"{n} {kind}" for kind, n in sorted(report.bad.items())) or "none"
+        written = f" as Avro ({report.schema})" if report.schema else ""
         console.print(
-            f"{report.produced:,} events to {report.topic} in {report.seconds:.1f}s over "
-            f"{report.keys:,} keys: {report.valid:,} valid; bad: {bad}"
+            f"{report.produced:,} events to {report.topic}{written} in {report.seconds:.1f}s "
+            f"over {report.keys:,} keys: {report.valid:,} valid; bad: {bad}"
         )
     return result
 

@@ -5,8 +5,10 @@ of bad frame is dead-lettered, byte for byte, with its reason."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import io
+import json
 import random
 import struct
 import time
@@ -312,3 +314,73 @@ def test_versions_registered_while_running_and_a_registry_outage(
     wanted = _oracle(sent, writers, reader)
     truth.assert_tables_equal(truth.changelog_table(spec, read_latest(settings, spec)), wanted)
     assert not read_messages(settings, spec.dlq_topic), "good records dead-lettered"
+
+
+def test_duality_produce_writes_an_avro_workload_the_stream_reads(
+    registry_settings: Settings, pipelines: Path, tmp_path: Path
+):
+    """`duality produce` of an Avro spec that lists its schema registers a writer schema of its
+    fields under the subject (the same id when run again) and writes the Confluent wire format
+    with bad frames among the records: the changelog equals a fastavro oracle of the topic and
+    every bad record is dead-lettered."""
+    settings = registry_settings
+    name = f"t{uuid.uuid4().hex[:10]}"
+    topic = f"{name}-orders"
+    pipelines.mkdir(parents=True)
+    path = pipelines / f"{name}.yaml"
+    source = {
+        "topic": topic,
+        "format": "avro",
+        "key": "product",
+        "schema": {"product": "string", "quantity": "long", "amount": "double", "ts": "timestamp"},
+    }
+    aggregates = {"orders": "count()", "units": "sum(quantity)", "latest_ts": "max(ts)"}
+    path.write_text(yaml.safe_dump({"name": name, "source": source, "aggregates": aggregates}))
+    env = {**settings.process_env(), "DUALITY_PIPELINES": str(pipelines)}
+    runs = []
+    for seed in ("5", "6"):
+        done = run_duality(
+            env, "produce", name, "--events", "1500", "--seed", seed, "--bad-fraction", "0.05",
+            "--partitions", "3", "--json",
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        runs.append(json.loads(done.stdout))
+    subject = f"{topic}-value"
+    registry = Registry(settings)
+    assert registry.versions(subject) == [1], "producing again registered another version"
+    writer_id = registry.version(subject).id
+    assert runs[0]["schema"] == runs[1]["schema"] == f"subject {subject}, schema id {writer_id}"
+    bad = sum(sum(r["bad"].values()) for r in runs)
+    kinds = {kind for r in runs for kind in r["bad"]}
+    assert {"short_frame", "no_magic_byte", "unknown_schema_id", "undecodable"} <= kinds, kinds
+
+    # The oracle reads the topic itself: a frame of the writer's id that fastavro decodes to its
+    # end with a product counts; everything else must be a dead letter.
+    writer = fastavro.parse_schema(registry.schema(writer_id))
+    wanted: dict[tuple, dict[str, Any]] = defaultdict(
+        lambda: {"orders": 0, "units": 0, "latest_ts": None}
+    )
+    refused = 0
+    for message in read_messages(settings, topic):
+        frame = message.value() or b""
+        decoded = None
+        if len(frame) > 5 and frame[0] == 0 and struct.unpack(">I", frame[1:5])[0] == writer_id:
+            body = io.BytesIO(frame[5:])
+            with contextlib.suppress(Exception):
+                decoded = fastavro.schemaless_reader(body, writer, writer)
+            decoded = decoded if body.tell() == len(frame) - 5 else None
+        if decoded is None or decoded["product"] is None:
+            refused += 1
+            continue
+        row = wanted[(decoded["product"],)]
+        row["orders"] += 1
+        row["units"] += decoded["quantity"]
+        ts = (decoded["ts"] - EPOCH) // dt.timedelta(milliseconds=1)
+        row["latest_ts"] = ts if row["latest_ts"] is None else max(row["latest_ts"], ts)
+    assert refused == bad and len(wanted) > 10
+
+    spec = load_spec(path, settings=settings)
+    stream = StreamProcess(settings, spec, pipelines, tmp_path / "stream.log")
+    stream.run_until_caught_up()
+    truth.assert_tables_equal(truth.changelog_table(spec, read_latest(settings, spec)), wanted)
+    assert len(read_messages(settings, spec.dlq_topic)) == bad
