@@ -112,7 +112,7 @@ monitoring:
 	    prometheus prometheus-pushgateway; }
 
 demo: setup
-	$(VENV)/bin/duality up
+	$(VENV)/bin/duality up --schema-registry
 	$(VENV)/bin/duality demo
 
 # Three workers (pytest-xdist), each running whole groups of tests that share a stack

@@ -2,7 +2,8 @@
 records is streamed, snapshotted, validated, published and repartitioned, then summed up; two
 more pipelines are streamed and snapshotted side by side with it: `regional_sales` (a filter,
 computed fields, hopping windows) and `tier_sales` (the same orders joined with a `customers`
-table the demo fills)."""
+table the demo fills); and, when the stack runs a schema registry (`duality up --schema-registry`,
+as `make demo` starts it), `avro_sales` from orders written as Avro."""
 
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ CUSTOMER_VALUES = {
     "region": ["north", "south", "east", "west"],
 }
 PIPELINES = (PIPELINE, RICH_PIPELINE, JOIN_PIPELINE)
+# The pipeline of issue #50: orders in the Confluent wire format, their schema registered by the
+# workload; run when the settings name a schema registry.
+AVRO_PIPELINE = "avro_sales"
 _CATCH_UP_TIMEOUT_S = 600.0
 # After the committed offsets cover the topics, how long to wait for a heartbeat that says so
 # (its counts are then the last batch's).
@@ -49,6 +53,17 @@ def run(
     client.ensure_reachable(settings)
     specs = {name: spec.find_spec(settings, name) for name in PIPELINES}
     pipeline, rich, joined = specs[PIPELINE], specs[RICH_PIPELINE], specs[JOIN_PIPELINE]
+    # Its subject may not exist yet: the workload registers it, then the spec loads its columns.
+    avro = None
+    if settings.schema_registry_url:
+        avro = spec.find_spec(settings, AVRO_PIPELINE, registry=False)
+        if not avro.source.columns_known:  # its columns are its subject's: it must exist
+            avro = spec.find_spec(settings, AVRO_PIPELINE)
+    else:
+        console.print(
+            f"[yellow]{AVRO_PIPELINE} (an Avro source) is left out: no schema registry; "
+            "`duality up --schema-registry` starts one (`make demo` does)[/]"
+        )
     airflow = LocalAirflow(settings)
     if airflow.health() is None:
         raise LocalStackError(
@@ -73,7 +88,8 @@ def run(
         console.print(f"[bold]>[/] {text}")
         return lambda detail: status_line.update(f"{text}: {detail}")
 
-    dead_before = {p.name: _records(settings, p.dlq_topic) for p in specs.values()}
+    watched = [*specs.values(), *([avro] if avro is not None else [])]
+    dead_before = {p.name: _records(settings, p.dlq_topic) for p in watched}
     with console.status("") as status_line:
         say = step(f"producing {events:,} orders with skewed products and bad records")
         report = workload.produce(
@@ -98,6 +114,20 @@ def run(
             values=RICH_VALUES,
             progress=lambda done: say(f"{done:,} of {events:,}"),
         )
+        reports = {PIPELINE: report, RICH_PIPELINE: rich_report, JOIN_PIPELINE: report}
+        if avro is not None:
+            say = step(f"producing {events:,} orders as Avro for {AVRO_PIPELINE}")
+            reports[AVRO_PIPELINE] = workload.produce(
+                settings,
+                avro,
+                events=events,
+                keys=200,
+                bad_fraction=0.02,
+                seed=seed,
+                partitions=3,
+                progress=lambda done: say(f"{done:,} of {events:,}"),
+            )
+            specs[AVRO_PIPELINE] = spec.find_spec(settings, AVRO_PIPELINE)
         assert joined.joined is not None
         say = step(
             f"writing {CUSTOMER_ROWS:,} customers to the compacted topic {joined.joined.topic} "
@@ -107,7 +137,7 @@ def run(
             settings, joined, rows=CUSTOMER_ROWS, values=CUSTOMER_VALUES, seed=seed
         )
 
-        names = " and ".join([", ".join(PIPELINES[:-1]), PIPELINES[-1]])
+        names = " and ".join([", ".join(list(specs)[:-1]), list(specs)[-1]])
         say = step(f"the supervisor DAGs start the streams of {names}")
         every = tuple(specs.values())
         _run_dags(api, {p.dag_id("stream"): {"action": "start"} for p in every}, say)
@@ -122,7 +152,7 @@ def run(
         result["pipelines"] = {
             p.name: {
                 "source": p.source.topic,
-                "produced": (rich_report if p is rich else report).as_dict(),
+                "produced": reports[p.name].as_dict(),
                 "stream": counted[p.name],
                 "snapshot": _published(api, dags[p.name], runs[dags[p.name]]),
                 "dead_letters": _records(settings, p.dlq_topic) - dead_before[p.name],

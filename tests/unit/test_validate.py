@@ -9,7 +9,8 @@ from duality.spec import load_spec, spec_files
 
 
 def _specs() -> dict:
-    return {p.stem: load_spec(p) for p in spec_files(Settings.from_env())}
+    # Without the registry: avro_sales lists its schema, so it is typed all the same.
+    return {p.stem: load_spec(p, registry=False) for p in spec_files(Settings.from_env())}
 
 
 def test_snapshot_columns_and_types_follow_the_spec():

@@ -53,7 +53,7 @@ def _cmd_serve(settings: Settings, args: Namespace, console: Console) -> Any:
     names = args.pipelines or [path.stem for path in spec.spec_files(settings)]
     if not names:
         raise UsageError(f"no pipeline specs in {settings.pipelines}: name one to serve")
-    specs = [spec.find_spec(settings, name) for name in names]
+    specs = [_served_spec(settings, name) for name in names]
     stop = threading.Event()
     for number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(number, lambda *_: stop.set())
@@ -68,6 +68,14 @@ def _cmd_serve(settings: Settings, args: Namespace, console: Console) -> Any:
     if not args.json:
         console.print(f"stopped after {served.seconds:.0f}s")
     return served
+
+
+def _served_spec(settings: Settings, name: str) -> spec.PipelineSpec:
+    """A replica needs the table's key and columns, not an Avro source's registry: a spec that
+    lists its schema loads without it (`duality up` starts the replicas before any workload has
+    registered the subject); one that does not asks the registry for its columns."""
+    loaded = spec.find_spec(settings, name, registry=False)
+    return loaded if loaded.source.columns_known else spec.find_spec(settings, name)
 
 
 def _cmd_query(settings: Settings, args: Namespace, console: Console) -> dict[str, Any]:
