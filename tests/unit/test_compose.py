@@ -47,6 +47,7 @@ AIRFLOW_COMMANDS = {
 }
 AIRFLOW = tuple(AIRFLOW_COMMANDS)
 POSTGRES = "postgres"
+SCHEMA_REGISTRY = "schema-registry"
 WAREHOUSE_VOLUME = "warehouse"
 
 
@@ -239,7 +240,7 @@ def _listeners(value: str) -> dict[str, tuple[str, int]]:
 
 
 def test_every_service_of_the_stack_is_there():
-    assert {*KAFKA, *SPARK, BATCH_SERVER, POSTGRES, *AIRFLOW} <= set(_services())
+    assert {*KAFKA, *SPARK, BATCH_SERVER, POSTGRES, *AIRFLOW, SCHEMA_REGISTRY} <= set(_services())
 
 
 @pytest.mark.parametrize("name", AIRFLOW)
@@ -996,3 +997,26 @@ def test_every_query_names_only_metrics_duality_exports():
         named |= names
     # Each alert's metrics are read: the reader did not skip them.
     assert {"up", "duality_validation_success", "duality_dead_letters_total"} <= named
+
+
+def test_the_schema_registry_is_the_one_avro_sources_ask():
+    """Avro sources' registry (issue 50): the release the local stack runs, at the URL every
+    duality process's settings name, its schemas in a topic of the cluster, and healthy only
+    once it answers, after the brokers."""
+    from duality.local.schema_registry import CONFLUENT_API, VERSION
+
+    service = _service(SCHEMA_REGISTRY)
+    assert service["image"] == f"apicurio/apicurio-registry:{VERSION}"
+    env = _env(SCHEMA_REGISTRY)
+    assert env["APICURIO_STORAGE_KIND"] == "kafkasql", "a restart would lose the schemas' ids"
+    settings = Settings.from_env(_env("airflow-scheduler"))
+    assert env["APICURIO_KAFKASQL_BOOTSTRAP_SERVERS"] == settings.bootstrap_servers
+    url = urlsplit(str(settings.schema_registry_url))
+    assert (url.hostname, url.path) == (service["hostname"], CONFLUENT_API)
+    assert url.hostname == SCHEMA_REGISTRY
+    assert f"http://localhost:{url.port}/health/ready" in " ".join(service["healthcheck"]["test"])
+    assert any(p.endswith(f":{url.port}") for p in service["ports"]), service["ports"]
+    for broker in KAFKA:
+        assert service["depends_on"][broker]["condition"] == "service_healthy", broker
+    for name in (*SPARK, BATCH_SERVER, *AIRFLOW):
+        assert Settings.from_env(_env(name)).schema_registry_url == url.geturl(), name
