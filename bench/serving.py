@@ -8,7 +8,7 @@ first three scenarios. One replica, `duality serve` run as users run it (tests.s
 
 - `pull-query`: once the stream keeps up with the load (less than a second's events behind;
   after 120 s regardless, its lag in the figures), a client process of its own
-  (bench/pull_client.py: four keep-alive HTTP connections, a thread each) asks for random keys
+  (bench/pullclient, in Go: four keep-alive HTTP connections) asks for random keys
   of the table at a fixed 1,000 requests/s for 30 s (scaled down with `--records`, at least
   10 s); each request's latency counts from when it was due (an open loop: a slow answer does
   not hold back the requests after it, and their wait counts). Targets: p99 at most 10 ms, and
@@ -41,8 +41,8 @@ import http.client
 import json
 import os
 import random
+import shutil
 import subprocess
-import sys
 import threading
 import time
 import urllib.parse
@@ -75,7 +75,7 @@ from streaming import (
 from tests.harness import SteadyLoad
 from tests.serving import ServeProcess, stable_ends
 
-PULL_CLIENT = Path(__file__).resolve().parent / "pull_client.py"
+PULL_CLIENT = Path(__file__).resolve().parent / "pullclient"  # its Go source
 # The scenario names whose records/s are no copy of the backlog (no ratio to the baselines).
 SCENARIOS = (
     "pull-query",
@@ -126,7 +126,20 @@ def _ms(values: list[float], q: float) -> float | None:
     return round(percentile(values, q), 3) if values else None
 
 
+def _build_client(scratch: Path) -> Path:
+    """The pull-query client (bench/pullclient, Go's standard library only), built into
+    `scratch`."""
+    if shutil.which("go") is None:
+        raise RuntimeError("the serve group's pull-query client is written in Go: install Go")
+    binary = scratch / "pullclient"
+    subprocess.run(
+        ["go", "build", "-o", str(binary), "."], cwd=PULL_CLIENT, check=True, capture_output=True
+    )
+    return binary
+
+
 def _client(
+    binary: Path,
     replica: ServeProcess,
     pipeline: str,
     keys: int,
@@ -137,8 +150,7 @@ def _client(
     connections: int,
 ) -> subprocess.Popen[bytes]:
     command = [
-        sys.executable,
-        str(PULL_CLIENT),
+        str(binary),
         *("--url", replica.url, "--pipeline", pipeline, "--keys", str(keys)),
         *("--connections", str(connections)),
         *("--rate", f"{rate:g}", "--seconds", f"{seconds:g}", "--seed", str(seed)),
@@ -265,6 +277,7 @@ def pull_scenarios(
 ) -> list[Figure]:
     """`pull-query`, `pull-query-max` and `pull-freshness`, on one stream and one replica."""
     settings, progress = bench.settings, bench.progress
+    binary = _build_client(scratch)
     topic = f"bench-serve-{bench.stamp}"
     topics.create_topic(settings, topic, PARTITIONS)
     spec = bench_spec(f"bench_serve_{bench.stamp}", topic, bench.pipelines)
@@ -327,7 +340,7 @@ def pull_scenarios(
         )
         out = scratch / "pull-query.json"
         paced = _finished(
-            _client(replica, spec.name, keys, PULL_RATE, seconds, out, 1, PULL_CONNECTIONS),
+            _client(binary, replica, spec.name, keys, PULL_RATE, seconds, out, 1, PULL_CONNECTIONS),
             out,
             seconds,
         )
@@ -338,7 +351,7 @@ def pull_scenarios(
         progress.console.print(f"pull-query-max: {MAX_CLIENTS} clients without pause")
         outs = [scratch / f"pull-query-max-{n}.json" for n in range(MAX_CLIENTS)]
         clients = [
-            _client(replica, spec.name, keys, 0, MAX_SECONDS, o, 10 + n, 1)
+            _client(binary, replica, spec.name, keys, 0, MAX_SECONDS, o, 10 + n, 1)
             for n, o in enumerate(outs)
         ]
         closed = [_finished(c, o, MAX_SECONDS) for c, o in zip(clients, outs, strict=True)]
@@ -364,6 +377,7 @@ def pull_scenarios(
 
     latencies = sorted(paced["latencies_ms"])
     p50, p99, p999 = (_ms(latencies, q) for q in (50, 99, 99.9))
+    services = sorted(paced["services_ms"])
     errors = int(paced["errors"])
     requests_max = sum(int(c["requests"]) for c in closed)
     seconds_max = max(float(c["seconds"]) for c in closed)
@@ -389,6 +403,10 @@ def pull_scenarios(
             "p99_ms": p99,
             "p999_ms": p999,
             "max_ms": round(latencies[-1], 3) if latencies else None,
+            # From when each request was sent rather than due: the difference is the client's
+            # own wait (a connection or its process's turn on a core).
+            "service_p50_ms": _ms(services, 50),
+            "service_p99_ms": _ms(services, 99),
             "errors": errors,
             "first_error": paced["first_error"],
             "statuses": paced["statuses"],

@@ -60,6 +60,10 @@ class Settings:
     # A stream's driver holds no keys (they are in RocksDB, off the heap) and only a micro-batch's
     # output, so its heap is kept small: the JVM grows to whatever heap it is allowed.
     stream_driver_memory: str = "1g"
+    # The scheduling priority (nice, 0-19) of a stream's driver and its Spark (in local mode,
+    # its executors too): higher yields the cores to what needs answers in milliseconds on the
+    # same machine (a serving replica, a broker) while a micro-batch runs (docs/serving.md).
+    stream_nice: int = 0
     # Cores one application takes on a Spark cluster (`spark.cores.max`); unset, all free ones,
     # which leaves none for a batch job beside a stream.
     spark_cores_max: int | None = None
@@ -233,6 +237,11 @@ class Settings:
                 object.__setattr__(self, field, (self.home / value).resolve())
 
     def _check_serving(self) -> None:
+        if not 0 <= self.stream_nice <= 19:
+            raise UsageError(
+                f"{PREFIX}STREAM_NICE={self.stream_nice}: use a priority from 0 (the default) "
+                "to 19 (the lowest)"
+            )
         if not 0 <= self.serve_port <= 65535:
             raise UsageError(
                 f"{PREFIX}SERVE_PORT={self.serve_port}: use a port, or 0 for a free one"
@@ -589,6 +598,8 @@ def describe() -> list[tuple[str, str, str]]:
         "repartition, reset)",
         "stream_driver_memory": "memory of a stream's Spark driver (its state is in RocksDB, off "
         "this heap)",
+        "stream_nice": "scheduling priority (nice, 0-19) of a stream's driver and its Spark in "
+        "local mode: raise it where a serving replica or a broker shares the stream's cores",
         "spark_cores_max": "cores each application may take on a Spark cluster (unset: all free "
         "ones; `duality up --spark-workers N` sets N, so streams and batch jobs fit side by side)",
         "batch_server": "batch server (`host:port`) that batch steps run on, in its warm Spark "

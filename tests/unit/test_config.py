@@ -69,6 +69,8 @@ def test_environment_overrides(tmp_path: Path):
         ("DUALITY_AIRFLOW_DB", "postgresql", "use sqlite"),
         ("DUALITY_AIRFLOW_DB", "mysql", "or postgres"),
         ("DUALITY_BATCH_SERVER", "sc://localhost:15002", "like 127.0.0.1:7078"),
+        ("DUALITY_STREAM_NICE", "20", "from 0 (the default) to 19"),
+        ("DUALITY_SERVE_WRITE_RECORDS", "0", "at least 1"),
     ],
 )
 def test_bad_settings_name_the_variable_and_the_fix(variable: str, value: str, named: str):

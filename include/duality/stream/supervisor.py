@@ -80,6 +80,18 @@ def owned_pid_file(path: Path) -> Iterator[None]:
                 path.unlink()
 
 
+def _driver_setup(nice: int) -> Callable[[], None]:
+    """What the driver's process does before it runs (between fork and exec): die with the
+    supervisor, and take the stream's priority (DUALITY_STREAM_NICE), which its JVM inherits."""
+
+    def setup() -> None:
+        die_with_parent()
+        if nice:
+            os.nice(nice)
+
+    return setup
+
+
 def supervise(settings: Settings, spec: PipelineSpec, pipeline: str, options: StreamOptions) -> int:
     """Hold the lock and the pid file and keep a driver process running until SIGTERM; a
     driver that exits with a usage error (a bad spec, say) ends the supervision."""
@@ -102,7 +114,7 @@ def supervise(settings: Settings, spec: PipelineSpec, pipeline: str, options: St
         while not stopping.is_set():
             # The kernel kills the driver when the supervisor dies, even by SIGKILL, so a
             # killed stream never leaves a driver running without the lock.
-            child = subprocess.Popen(command, preexec_fn=die_with_parent)
+            child = subprocess.Popen(command, preexec_fn=_driver_setup(settings.stream_nice))
             code = child.wait()
             if stopping.is_set():
                 break

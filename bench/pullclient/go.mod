@@ -1,0 +1,3 @@
+module duality/bench/pullclient
+
+go 1.22
