@@ -26,6 +26,7 @@ from tests.harness import (
     duality_json,
     make_pipeline,
     read_topic,
+    settled,
 )
 from tests.integration.spark.test_stream import _verify_records
 
@@ -78,11 +79,14 @@ def _fully_replicated(settings: Settings, topics: list[str]) -> bool:
 
 
 def _covered(settings: Settings, spec: PipelineSpec) -> bool:
-    """Whether the stream's committed offsets cover its source: with the load paused, its
-    changelog and dead letters then hold all they ever will of these records."""
+    """Whether the stream's committed offsets cover its source and the transaction that
+    committed them has reached its changelog and dead letters (harness.settled): with the load
+    paused, they then hold all they ever will of these records."""
     ends = offsets.end_offsets(settings, spec.source.topic)
     committed = offsets.committed_offsets(settings, spec.consumer_group, spec.source.topic)
-    return all(committed.get(p, (0, None))[0] >= end for p, end in ends.items())
+    return all(committed.get(p, (0, None))[0] >= end for p, end in ends.items()) and settled(
+        settings, spec.changelog_topic, spec.dlq_topic
+    )
 
 
 def _assert_exact(settings: Settings, spec: PipelineSpec) -> None:
