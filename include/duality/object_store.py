@@ -11,6 +11,7 @@ import datetime
 import hashlib
 import hmac
 import http.client
+import os
 import shutil
 import subprocess
 import time
@@ -22,8 +23,9 @@ from duality.config import PREFIX, Settings
 from duality.errors import UsageError
 
 SCHEMES = ("s3a://", "s3://")
-# How long a check waits for the endpoint to answer each request.
+# How long a check waits for the endpoint to answer each request, and a write.
 CHECK_TIMEOUT_S = 5.0
+WRITE_TIMEOUT_S = 60.0
 
 
 def is_remote(location: object) -> bool:
@@ -206,7 +208,7 @@ def create_bucket(settings: Settings, bucket: str, timeout: float = 60.0) -> Non
         if answer.status == 200:
             return
         if answer.status == 404:
-            answer = request(settings, "PUT", f"/{bucket}")
+            answer = request(settings, "PUT", f"/{bucket}", timeout=WRITE_TIMEOUT_S)
             if answer.status in (200, 409):  # 409: made meanwhile
                 return
         if time.monotonic() > deadline:
@@ -220,10 +222,18 @@ def create_bucket(settings: Settings, bucket: str, timeout: float = 60.0) -> Non
 def create_if_absent(settings: Settings, location: str, body: bytes) -> bool:
     """Write the object at `location` (`s3a://bucket/key`) only if none is there: one PUT with
     `If-None-Match: *`, which the server refuses (412) when another writer created it first.
-    Whether this call created it. A server that ignores the condition cannot be told from one
-    that honours it here; `conditional_writes_honoured` checks a bucket once."""
+    Whether this call created it. (A server that ignored the condition would answer 200 to
+    both: the integration test checks the local one refuses the second.)"""
     bucket, key = split(location)
-    answer = request(settings, "PUT", f"/{bucket}/{key}", body=body, headers={"If-None-Match": "*"})
+    # A first write may wait for the server to grow a volume for the bucket (9 s here).
+    answer = request(
+        settings,
+        "PUT",
+        f"/{bucket}/{key}",
+        body=body,
+        headers={"If-None-Match": "*"},
+        timeout=WRITE_TIMEOUT_S,
+    )
     if answer.status == 200:
         return True
     if answer.status in (409, 412):
@@ -253,7 +263,9 @@ def s3a_jars(settings: Settings, progress: Callable[[str], None] = lambda _: Non
         return [folder / name for name in names]
     if shutil.which("mvn") is None:
         raise UsageError("mvn is not installed: install Maven (apt-get install maven)")
-    download = folder.with_name("s3.download")
+    # A folder of this process's own, renamed into place: drivers starting at once each fetch,
+    # and the first rename wins.
+    download = folder.with_name(f"s3.download-{os.getpid()}")
     shutil.rmtree(download, ignore_errors=True)
     download.mkdir(parents=True)
     for artifact in S3A_ARTIFACTS:
@@ -278,9 +290,58 @@ def s3a_jars(settings: Settings, progress: Callable[[str], None] = lambda _: Non
                 f"could not fetch {artifact} from Maven Central:\n"
                 + (done.stdout + done.stderr)[-2000:]
             )
-    shutil.rmtree(folder, ignore_errors=True)
-    download.rename(folder)
+    try:
+        download.rename(folder)
+    except OSError:  # another process's fetch is in place (or a partial folder is in the way)
+        if not all((folder / name).is_file() for name in names):
+            shutil.rmtree(folder, ignore_errors=True)
+            download.rename(folder)
+    shutil.rmtree(download, ignore_errors=True)
     return [folder / name for name in names]
+
+
+# Delta's log store for s3a:// tables with several writers (decision 39), compiled the first time
+# a session needs it, against pyspark's jars and the jar cache's delta-storage.
+LOG_STORE_SOURCE = Path(__file__).parent / "s3a" / "ConditionalLogStore.java"
+LOG_STORE_CLASS = "duality.s3a.ConditionalLogStore"
+
+
+def log_store_jar(settings: Settings) -> Path:
+    """`<jar_cache>/s3/duality-log-store-<digest>.jar`, compiled from LOG_STORE_SOURCE unless
+    there (its name carries the source's digest: a changed source is compiled again). It goes
+    on `spark.jars`, beside Delta, whose classes it extends."""
+    import pyspark
+
+    digest = hashlib.sha256(LOG_STORE_SOURCE.read_bytes()).hexdigest()[:16]
+    jar = settings.jar_cache / "s3" / f"duality-log-store-{digest}.jar"
+    if jar.is_file():
+        return jar
+    javac, jar_tool = shutil.which("javac"), shutil.which("jar")
+    if javac is None or jar_tool is None:
+        raise UsageError("javac is not installed: install a Java 17 JDK")
+    storage = sorted((settings.jar_cache / "spark").glob("delta-storage-*.jar"))
+    if not storage:
+        raise UsageError(
+            f"the jar cache {settings.jar_cache / 'spark'} lacks delta-storage: run `make setup`"
+        )
+    classes = jar.with_name(f".classes-{os.getpid()}")
+    shutil.rmtree(classes, ignore_errors=True)
+    classpath = f"{Path(pyspark.__file__).parent / 'jars'}/*:{storage[-1]}"
+    partial = jar.with_name(f".{jar.name}.{os.getpid()}")
+    try:
+        for command in (
+            [javac, "--release", "17", "-d", str(classes), "-cp", classpath, str(LOG_STORE_SOURCE)],
+            [jar_tool, "cf", str(partial), "-C", str(classes), "."],
+        ):
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                output = (done.stdout + done.stderr)[-2000:]
+                raise UsageError(f"could not compile {LOG_STORE_SOURCE.name}:\n{output}")
+        os.replace(partial, jar)
+    finally:
+        shutil.rmtree(classes, ignore_errors=True)
+        partial.unlink(missing_ok=True)
+    return jar
 
 
 def s3a_config(settings: Settings) -> dict[str, str]:
@@ -299,11 +360,12 @@ def s3a_config(settings: Settings) -> dict[str, str]:
         "spark.hadoop.fs.s3a.connection.ssl.enabled": str(
             settings.s3_endpoint.startswith("https")
         ).lower(),
-        # A commit is created only if absent: S3A's create without overwrite becomes a PUT with
-        # If-None-Match: * (Hadoop 3.4.2, HADOOP-19256), which Delta's S3 log store uses for
-        # `_delta_log/N.json` (decision 39).
+        # A commit file is created only if absent, by a PUT with If-None-Match: * (S3A's
+        # conditional create, Hadoop 3.4.2, HADOOP-19256), through duality's log store: of two
+        # drivers racing for `_delta_log/N.json` the second is refused (decision 39).
         "spark.hadoop.fs.s3a.create.conditional.enabled": "true",
-        "spark.hadoop.fs.s3a.performance.flags": "create",
+        "spark.delta.logStore.s3a.impl": LOG_STORE_CLASS,
+        "spark.delta.logStore.s3.impl": LOG_STORE_CLASS,
         # Transient errors (a 503 "slow down", a reset connection) are retried with backoff.
         "spark.hadoop.fs.s3a.retry.limit": "10",
         "spark.hadoop.fs.s3a.retry.interval": "500ms",

@@ -156,8 +156,12 @@ def session_config(settings: Settings, app_name: str) -> dict[str, str]:
         # again, and the JIT their new classes (docs/decisions/0020-generated-code-cache.md).
         "spark.sql.codegen.cache.maxEntries": "1000",
     }
-    # S3A, when an object store is configured (docs/operations.md "Object storage").
-    config |= object_store.s3a_config(settings)
+    # S3A, when an object store is configured (docs/operations.md "Object storage"), and
+    # duality's log store for Delta's commits there, beside Delta in `spark.jars`.
+    s3a = object_store.s3a_config(settings)
+    if s3a:
+        config |= s3a
+        config["spark.jars"] += f",{object_store.log_store_jar(settings)}"
     if local:
         cores = str(local_cores(settings.spark_master))
         config |= {

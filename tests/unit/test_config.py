@@ -193,3 +193,48 @@ def test_a_process_duality_starts_inherits_no_setting_the_settings_unset(monkeyp
     env = settings.process_env()
     assert env["DUALITY_BATCH_SERVER_SECRET"] == "s" * 32
     assert "DUALITY_BATCH_SERVER_SECRET_FILE" not in env and env["PATH_FOR_THE_TEST"] == "kept"
+
+
+@pytest.mark.parametrize(
+    ("environ", "named"),
+    [
+        ({"DUALITY_S3_ENDPOINT": "127.0.0.1:8333"}, "DUALITY_S3_ENDPOINT='127.0.0.1:8333'"),
+        ({"DUALITY_S3_ENDPOINT": "http://h:1/bucket"}, "no bucket or path"),
+        ({"DUALITY_S3_BUCKET": "Bad_Bucket"}, "DUALITY_S3_BUCKET='Bad_Bucket'"),
+        ({"DUALITY_S3_ACCESS_KEY": "k"}, "both DUALITY_S3_ACCESS_KEY and DUALITY_S3_SECRET_KEY"),
+        ({"DUALITY_S3_SECRET_KEY": "s3-secret-0123"}, "both DUALITY_S3_ACCESS_KEY"),
+        (
+            {
+                "DUALITY_S3_ACCESS_KEY": "k",
+                "DUALITY_S3_SECRET_KEY": "s3-secret-0123",
+                "DUALITY_S3_SECRET_KEY_FILE": "/run/secret",
+            },
+            "both DUALITY_S3_SECRET_KEY and DUALITY_S3_SECRET_KEY_FILE",
+        ),
+    ],
+)
+def test_bad_object_store_settings_are_named_without_the_secret(
+    environ: dict[str, str], named: str
+):
+    with pytest.raises(UsageError) as error:
+        Settings.from_env(environ)
+    assert named in str(error.value) and "s3-secret-0123" not in str(error.value)
+
+
+def test_the_object_store_secret_is_read_from_its_file_and_never_shown(tmp_path: Path):
+    secret = tmp_path / "secret"
+    secret.write_text("from-the-file-0123456789\n")
+    settings = Settings.from_env(
+        {
+            "DUALITY_S3_ENDPOINT": "http://127.0.0.1:8333",
+            "DUALITY_S3_ACCESS_KEY": "duality",
+            "DUALITY_S3_SECRET_KEY_FILE": str(secret),
+        }
+    )
+    assert settings.read_s3_secret_key() == "from-the-file-0123456789"
+    given = settings.replace(s3_secret_key="given-0123456789", s3_secret_key_file=None)
+    assert given.read_s3_secret_key() == "given-0123456789"
+    assert "given-0123456789" not in repr(given)
+    missing = settings.replace(s3_secret_key_file=tmp_path / "nothing")
+    with pytest.raises(UsageError, match=r"DUALITY_S3_SECRET_KEY_FILE=.*cannot be read"):
+        missing.read_s3_secret_key()

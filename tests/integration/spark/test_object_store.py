@@ -61,7 +61,9 @@ def test_a_bad_object_store_stops_commands_before_any_work(
     assert not (mine.local_dir / "streams").exists() and not mine.warehouse.exists()
 
 
-def _writer(settings: Settings, table: str, writer: str, commits: int) -> subprocess.Popen[str]:
+def _writer(
+    settings: Settings, table: str, writer: str, commits: int, order: str
+) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [
             sys.executable,
@@ -70,6 +72,7 @@ def _writer(settings: Settings, table: str, writer: str, commits: int) -> subpro
             table,
             writer,
             str(commits),
+            order,
         ],
         env={**settings.process_env()},
         stdout=subprocess.PIPE,
@@ -82,18 +85,23 @@ def _writer(settings: Settings, table: str, writer: str, commits: int) -> subpro
 def test_two_drivers_racing_for_versions_lose_none_and_delta_rs_reads_each(
     object_store_settings: Settings,
 ):
-    """Two drivers append to one new table at once, racing for every version from 0: Delta's
-    commits go through S3A's conditional create (If-None-Match: *), so the loser of a version
-    retries at the next one. Every commit is a version of its own, whole, and delta-rs reads
+    """Two drivers append to one table at once (the second starts once the first made version
+    0), racing for every later version: Delta's commits go through duality's log store, whose
+    conditional create (If-None-Match: *) refuses the loser of a version, which retries at the
+    next one. Every commit is a version of its own, whole, and delta-rs reads
     each version as the commits up to it; the secret shows in no configuration or command line."""
     commits = 4
     table = f"s3a://{object_store_settings.s3_bucket}/{unique_name('race')}/table"
-    writers = [_writer(object_store_settings, table, w, commits) for w in ("a", "b")]
+    writers = [
+        _writer(object_store_settings, table, w, commits, order)
+        for w, order in (("a", "first"), ("b", "next"))
+    ]
     results: list[dict[str, Any]] = []
     try:
         for process in writers:
             out, err = process.communicate(timeout=600)
-            assert process.returncode == 0, err[-4000:]
+            causes = [line for line in err.splitlines() if "Exception" in line][:5]
+            assert process.returncode == 0, "\n".join(causes) + err[-2000:]
             results.append(json.loads(out.strip().splitlines()[-1]))
     finally:
         for process in writers:
