@@ -1,24 +1,17 @@
 package duality.avro;
 
-import com.fasterxml.jackson.core.JsonFactory;
-import com.fasterxml.jackson.core.JsonGenerator;
 import java.io.IOException;
 import java.io.InputStream;
-import java.io.StringWriter;
 import java.net.HttpURLConnection;
 import java.net.URI;
 import java.nio.ByteBuffer;
 import java.nio.charset.StandardCharsets;
 import java.time.Instant;
-import java.time.ZoneOffset;
-import java.time.format.DateTimeFormatter;
-import java.util.Base64;
 import java.util.Map;
 import java.util.concurrent.ConcurrentHashMap;
 import org.apache.avro.LogicalType;
 import org.apache.avro.Schema;
 import org.apache.avro.SchemaCompatibility;
-import org.apache.avro.generic.GenericData;
 import org.apache.avro.generic.GenericDatumReader;
 import org.apache.avro.generic.GenericRecord;
 import org.apache.avro.io.BinaryDecoder;
@@ -33,65 +26,150 @@ import org.apache.spark.sql.types.DataType;
 
 /**
  * Avro records in the Confluent wire format (a magic byte 0, a 4-byte big-endian schema id, the
- * Avro binary record) decoded into JSON text of the reader schema, for a stream's JSON path to
- * parse as it parses a JSON source (docs/streams.md#formats, decision 38). The writer schema is
- * fetched by id from the registry's Confluent API ({@code GET /schemas/ids/N}) once per JVM and
- * kept; the record is read by Avro's schema resolution into the reader schema.
+ * Avro binary record) decoded into a Spark struct of the spec's columns, typed, for the stream's
+ * query to check as it checks a parsed JSON record (docs/streams.md#formats, decision 38). The
+ * writer schema is fetched by id from the registry's Confluent API ({@code GET /schemas/ids/N})
+ * once per JVM and kept; the record is read by Avro's schema resolution into the reader schema,
+ * and each column is its reader field's value: a string (an enum's symbol), a long, an int, a
+ * double (a float widened), a boolean, or a timestamp (a long of {@code timestamp-millis} or
+ * {@code -micros}); null when the field is null.
  *
- * <p>The function gives a struct of {@code json} (the record's JSON text, null when bad) and
- * {@code error} (why the record is bad, null when good): no magic byte, a short frame, an unknown
- * schema id, bytes that do not decode, a writer schema incompatible with the reader. When the
- * registry cannot be reached (or answers 5xx) the fetch is retried with backoff, without end: a
+ * <p>The function gives a struct of {@code p} (the columns, null when bad) and {@code error}
+ * (why the record is bad, null when good): no magic byte, a short frame, an unknown schema id,
+ * bytes that do not decode, a writer schema incompatible with the reader. When the registry
+ * cannot be reached (or answers 5xx) the fetch is retried with backoff, without end: a
  * micro-batch waits for the registry rather than fail or dead-letter good records. An id the
  * registry does not know (404) is a bad record, and is asked again after {@link #UNKNOWN_TTL_MS}.
  */
 public final class ConfluentAvro implements UDF1<byte[], Row> {
   private static final long serialVersionUID = 1L;
 
-  static final DataType RESULT = DataType.fromDDL("json string, error string");
   static final long UNKNOWN_TTL_MS = 10_000;
   private static final long MAX_BACKOFF_MS = 30_000;
   private static final int TIMEOUT_MS = 10_000;
+  // A spec column's type -> its Spark SQL type.
+  private static final Map<String, String> SQL_TYPES =
+      Map.of(
+          "string", "string",
+          "long", "bigint",
+          "int", "int",
+          "double", "double",
+          "boolean", "boolean",
+          "timestamp", "timestamp");
 
   // Per JVM (an executor's, or the driver's in local mode): writer schemas by registry and id,
   // ids the registry did not know and when it said so, readers by writer id and reader schema.
   private static final Map<String, Schema> WRITERS = new ConcurrentHashMap<>();
   private static final Map<String, Long> UNKNOWN = new ConcurrentHashMap<>();
   private static final Map<String, Object> READERS = new ConcurrentHashMap<>();
-  private static final JsonFactory JSON = new JsonFactory();
-  private static final DateTimeFormatter MILLIS =
-      DateTimeFormatter.ofPattern("yyyy-MM-dd'T'HH:mm:ss.SSS'Z'").withZone(ZoneOffset.UTC);
-  private static final DateTimeFormatter MICROS =
-      DateTimeFormatter.ofPattern("yyyy-MM-dd'T'HH:mm:ss.SSSSSS'Z'").withZone(ZoneOffset.UTC);
 
   private final String registry;
   private final String authorization;
   private final String readerText;
+  private final String[] names;
+  private final String[] kinds;
+  // Per task (each task deserializes its own copy of the function): the reader schema, each
+  // column's field position and conversion in it, and the record and decoder reused per call.
   private transient Schema reader;
+  private transient int[] positions;
+  private transient int[] conversions;
+  private transient GenericRecord reused;
+  private transient BinaryDecoder decoder;
 
-  ConfluentAvro(String registry, String authorization, String readerSchema) {
+  private static final int STRING = 0;
+  private static final int LONG = 1;
+  private static final int INT = 2;
+  private static final int DOUBLE = 3;
+  private static final int BOOLEAN = 4;
+  private static final int MILLIS = 5;
+  private static final int MICROS = 6;
+
+  ConfluentAvro(String registry, String authorization, String readerSchema, String columns) {
     this.registry = registry.replaceAll("/+$", "");
     this.authorization = authorization;
     this.readerText = readerSchema;
+    String[] parts = columns.split(",");
+    this.names = new String[parts.length];
+    this.kinds = new String[parts.length];
+    for (int i = 0; i < parts.length; i++) {
+      String[] column = parts[i].split(":", 2);
+      if (column.length != 2 || !SQL_TYPES.containsKey(column[1])) {
+        throw new IllegalArgumentException("not a column name:type: " + parts[i]);
+      }
+      names[i] = column[0];
+      kinds[i] = column[1];
+    }
+  }
+
+  /** The function's Spark type: {@code p} (the columns) and {@code error}. */
+  DataType resultType() {
+    StringBuilder columns = new StringBuilder();
+    for (int i = 0; i < names.length; i++) {
+      columns.append(i == 0 ? "" : ", ").append('`').append(names[i]).append("`: ");
+      columns.append(SQL_TYPES.get(kinds[i]));
+    }
+    return DataType.fromDDL("p struct<" + columns + ">, error string");
   }
 
   /**
-   * The column decoding {@code value} (binary) into the struct above. {@code authorization} is
-   * an HTTP Authorization header's value, or null; called from Python ({@code
-   * duality.avro.frame}).
+   * The column decoding {@code value} (binary) into the struct above. {@code columns} are the
+   * spec's columns as {@code name:type} separated by commas (types of a spec: string, long, int,
+   * double, boolean, timestamp), each a field of the reader schema; {@code authorization} is an
+   * HTTP Authorization header's value, or null. Called from Python ({@code duality.avro.frame}).
    */
   public static Column decode(
-      Column value, String registry, String authorization, String readerSchema) {
-    UserDefinedFunction udf =
-        functions.udf(new ConfluentAvro(registry, authorization, readerSchema), RESULT);
+      Column value, String registry, String authorization, String readerSchema, String columns) {
+    ConfluentAvro function = new ConfluentAvro(registry, authorization, readerSchema, columns);
+    UserDefinedFunction udf = functions.udf(function, function.resultType());
     return udf.asNonNullable().apply(new Column[] {value});
   }
 
   private Schema reader() {
     if (reader == null) {
-      reader = new Schema.Parser().parse(readerText);
+      Schema parsed = new Schema.Parser().parse(readerText);
+      int[] at = new int[names.length];
+      int[] how = new int[names.length];
+      for (int i = 0; i < names.length; i++) {
+        Schema.Field field = parsed.getField(names[i]);
+        if (field == null) {
+          throw new IllegalArgumentException("the reader schema has no field " + names[i]);
+        }
+        at[i] = field.pos();
+        how[i] = conversion(kinds[i], field.schema());
+      }
+      positions = at;
+      conversions = how;
+      reader = parsed;
     }
     return reader;
+  }
+
+  /** How a column of spec type {@code kind} is read from a field of Avro type {@code avro}. */
+  private static int conversion(String kind, Schema avro) {
+    if (avro.getType() == Schema.Type.UNION) {
+      for (Schema branch : avro.getTypes()) {
+        if (branch.getType() != Schema.Type.NULL) {
+          avro = branch;
+          break;
+        }
+      }
+    }
+    switch (kind) {
+      case "string":
+        return STRING;
+      case "long":
+        return LONG;
+      case "int":
+        return INT;
+      case "double":
+        return DOUBLE;
+      case "boolean":
+        return BOOLEAN;
+      default: // timestamp
+        LogicalType logical = avro.getLogicalType();
+        boolean micros = logical != null && logical.getName().equals("timestamp-micros");
+        return micros ? MICROS : MILLIS;
+    }
   }
 
   @Override
@@ -99,6 +177,7 @@ public final class ConfluentAvro implements UDF1<byte[], Row> {
     if (value == null) {
       return RowFactory.create(null, null);
     }
+    reader();
     if (value.length < 5) {
       return bad("short frame: " + value.length + " bytes, a Confluent frame has at least 5");
     }
@@ -118,20 +197,47 @@ public final class ConfluentAvro implements UDF1<byte[], Row> {
     }
     @SuppressWarnings("unchecked")
     GenericDatumReader<GenericRecord> datumReader = (GenericDatumReader<GenericRecord>) resolved;
-    GenericRecord record;
+    Object[] columns = new Object[names.length];
     try {
-      BinaryDecoder decoder = DecoderFactory.get().binaryDecoder(value, 5, value.length - 5, null);
-      record = datumReader.read(null, decoder);
+      decoder = DecoderFactory.get().binaryDecoder(value, 5, value.length - 5, decoder);
+      GenericRecord record = datumReader.read(reused, decoder);
+      reused = record;
       if (!decoder.isEnd()) {
         return bad("does not decode with schema id " + id + ": bytes after the record");
       }
+      for (int i = 0; i < columns.length; i++) {
+        columns[i] = column(conversions[i], record.get(positions[i]));
+      }
     } catch (IOException | RuntimeException e) {
+      // A record the reader failed on mid-way is not reused.
+      reused = null;
       return bad("does not decode with schema id " + id + ": " + e);
     }
-    try {
-      return RowFactory.create(json(record), null);
-    } catch (IOException | RuntimeException e) {
-      return bad("does not decode with schema id " + id + ": " + e);
+    return RowFactory.create(RowFactory.create(columns), null);
+  }
+
+  /** A reader field's value as its column's. */
+  private static Object column(int conversion, Object value) {
+    if (value == null) {
+      return null;
+    }
+    switch (conversion) {
+      case STRING:
+        return value.toString();
+      case LONG:
+        return ((Number) value).longValue();
+      case INT:
+        return ((Number) value).intValue();
+      case DOUBLE:
+        return ((Number) value).doubleValue();
+      case BOOLEAN:
+        return (Boolean) value;
+      case MILLIS:
+        return Instant.ofEpochMilli((Long) value);
+      default: // MICROS
+        long micros = (Long) value;
+        return Instant.ofEpochSecond(
+            Math.floorDiv(micros, 1_000_000L), Math.floorMod(micros, 1_000_000L) * 1000L);
     }
   }
 
@@ -239,93 +345,6 @@ public final class ConfluentAvro implements UDF1<byte[], Row> {
       return new Schema.Parser().parse(answer.get("schema").asText());
     } finally {
       connection.disconnect();
-    }
-  }
-
-  // -- the record as JSON --------------------------------------------------------------------
-
-  static String json(GenericRecord record) throws IOException {
-    StringWriter out = new StringWriter();
-    try (JsonGenerator generator = JSON.createGenerator(out)) {
-      write(generator, record.getSchema(), record);
-    }
-    return out.toString();
-  }
-
-  private static void write(JsonGenerator out, Schema schema, Object value) throws IOException {
-    if (schema.getType() == Schema.Type.UNION) {
-      schema = schema.getTypes().get(GenericData.get().resolveUnion(schema, value));
-    }
-    LogicalType logical = schema.getLogicalType();
-    switch (schema.getType()) {
-      case NULL:
-        out.writeNull();
-        return;
-      case BOOLEAN:
-        out.writeBoolean((Boolean) value);
-        return;
-      case INT:
-        out.writeNumber((Integer) value);
-        return;
-      case LONG:
-        long number = (Long) value;
-        if (logical != null && logical.getName().equals("timestamp-millis")) {
-          out.writeString(MILLIS.format(Instant.ofEpochMilli(number)));
-        } else if (logical != null && logical.getName().equals("timestamp-micros")) {
-          out.writeString(
-              MICROS.format(
-                  Instant.ofEpochSecond(
-                      Math.floorDiv(number, 1_000_000L),
-                      Math.floorMod(number, 1_000_000L) * 1000L)));
-        } else {
-          out.writeNumber(number);
-        }
-        return;
-      case FLOAT:
-        out.writeNumber((Float) value);
-        return;
-      case DOUBLE:
-        out.writeNumber((Double) value);
-        return;
-      case STRING:
-      case ENUM:
-        out.writeString(value.toString());
-        return;
-      case BYTES:
-        ByteBuffer buffer = ((ByteBuffer) value).duplicate();
-        byte[] bytes = new byte[buffer.remaining()];
-        buffer.get(bytes);
-        out.writeString(Base64.getEncoder().encodeToString(bytes));
-        return;
-      case FIXED:
-        out.writeString(Base64.getEncoder().encodeToString(((GenericData.Fixed) value).bytes()));
-        return;
-      case ARRAY:
-        out.writeStartArray();
-        for (Object item : (java.util.Collection<?>) value) {
-          write(out, schema.getElementType(), item);
-        }
-        out.writeEndArray();
-        return;
-      case MAP:
-        out.writeStartObject();
-        for (Map.Entry<?, ?> entry : ((Map<?, ?>) value).entrySet()) {
-          out.writeFieldName(entry.getKey().toString());
-          write(out, schema.getValueType(), entry.getValue());
-        }
-        out.writeEndObject();
-        return;
-      case RECORD:
-        GenericRecord record = (GenericRecord) value;
-        out.writeStartObject();
-        for (Schema.Field field : schema.getFields()) {
-          out.writeFieldName(field.name());
-          write(out, field.schema(), record.get(field.pos()));
-        }
-        out.writeEndObject();
-        return;
-      default:
-        throw new IOException("no JSON for Avro type " + schema.getType());
     }
   }
 }

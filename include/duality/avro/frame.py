@@ -1,8 +1,9 @@
-"""The decoder of an Avro source's records in the stream's query: `ConfluentAvro.java` (in
-duality's jar), called through the JVM gateway, one call per record in the JVM."""
+"""The decoder of Avro records in the stream's query: `ConfluentAvro.java` (in duality's jar),
+called through the JVM gateway, one call per record in the JVM."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -11,9 +12,12 @@ if TYPE_CHECKING:
     from duality.avro.source import AvroSource
 
 
-def decode(spark: SparkSession, source: AvroSource, value: Column) -> Column:
-    """A struct of `json` (the record as JSON text of the reader schema, null when bad) and
-    `error` (why it is bad, null when good; null for a null value too)."""
+def decode(
+    spark: SparkSession, source: AvroSource, columns: Mapping[str, str], value: Column
+) -> Column:
+    """A struct of `p` (the record's `columns`, each a field of the reader schema, typed as a
+    parsed JSON record's are; null when bad) and `error` (why it is bad, null when good; both
+    null for a null value)."""
     from pyspark.sql.classic.column import Column as ClassicColumn
 
     jvm = spark._jvm
@@ -23,5 +27,6 @@ def decode(spark: SparkSession, source: AvroSource, value: Column) -> Column:
         source.registry,
         source.authorization,
         source.reader,
+        ",".join(f"{name}:{kind}" for name, kind in columns.items()),
     )
     return ClassicColumn(decoded)

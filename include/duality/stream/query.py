@@ -123,7 +123,70 @@ def parse(
 ) -> tuple[DataFrame, Column]:
     """The raw Kafka rows with `_p`, their source fields typed, and why a record does not
     parse (null when it does): `classify`'s first step, before a join. Rows for which `only`
-    is false are not parsed (their `_p` is null, their reason nonsense)."""
+    is false are not parsed (their `_p` is null, their reason nonsense). A JSON record is
+    parsed by Spark's JSON reader, an Avro record decoded by `ConfluentAvro.java` straight into
+    the same typed `_p` (decision 38); the checks of its fields below are the same."""
+    from pyspark.sql import functions as F
+
+    fields = spec.source.fields
+    limit, size = spec.source.max_record_bytes, F.octet_length("value")
+    oversized = F.concat(
+        F.lit("oversized: "), size.cast("string"), F.lit(f" bytes, the limit is {limit}")
+    )
+    checks: list[tuple[Column, Column]] = [
+        (F.col("value").isNull(), F.lit("null value")),
+        (size > limit, oversized),
+    ]
+    avro = spec.source.avro
+    if avro is not None:
+        from duality.avro.frame import decode
+
+        decoded = decode(raw.sparkSession, avro, fields, F.col("value"))
+        frame = raw.withColumn("_avro", once(decoded if only is None else F.when(only, decoded)))
+        frame = frame.withColumn("_p", F.col("_avro.p"))
+        checks.append((F.col("_avro.error").isNotNull(), F.col("_avro.error")))
+    else:
+        frame, text, one_value = _parse_json(spec, raw, only)
+        checks += [
+            (~F.coalesce(one_value, F.lit(False)), F.lit("malformed JSON: not one JSON value")),
+            (~F.ltrim(text).startswith("{"), F.lit("not a JSON object")),
+            (F.col("_v").isNull(), F.lit("malformed JSON: text after the object")),
+        ]
+        # Every JSON value reads as a string, so this parse tells a missing field from one of
+        # the wrong type; only records with a null typed field get that far.
+        as_text = ", ".join(f"`{f}` string" for f in spec.required_fields)
+    for field in spec.required_fields:
+        kind = fields[field]
+        value = F.col(f"_p.{field}")
+        wrong = F.lit(f"wrong type for {field}: expected {kind}")
+        absent = F.lit(f"missing field {field}")
+        if avro is not None:
+            # The decoder gives each field its column's type (the reader schema, checked
+            # against every version when the spec loaded): a null is a missing field, as a JSON
+            # null is.
+            checks.append((value.isNull(), absent))
+        elif kind == "string":
+            json_type = F.schema_of_variant(F.col(f"_v.{field}"))
+            missing = json_type.isNull() | (json_type == "VOID")
+            not_string = json_type.isNull() | (json_type != "STRING")
+            checks.append((not_string, F.when(missing, absent).otherwise(wrong)))
+        else:
+            present = F.from_json(text, as_text)[field].isNotNull()
+            checks.append((value.isNull(), F.when(present, wrong).otherwise(absent)))
+        if kind == "double":
+            infinite = F.isnan(value) | (F.abs(value) == F.lit(float("inf")))
+            got = F.lit(f"wrong type for {field}: expected a finite double, got ")
+            checks.append((infinite, F.concat(got, value.cast("string"))))
+    # The first check that holds names the reason; later ones are not evaluated.
+    error = F.coalesce(*[F.when(condition, reason) for condition, reason in checks])
+    return frame, error
+
+
+def _parse_json(
+    spec: PipelineSpec, raw: DataFrame, only: Column | None
+) -> tuple[DataFrame, Column, Column]:
+    """The JSON records parsed: `_v` (the object, its string fields as variants) and `_p` (its
+    fields typed); the text, and whether it is one JSON value."""
     from pyspark.sql import functions as F
 
     fields = spec.source.fields
@@ -132,16 +195,6 @@ def parse(
         f"`{f}` {'variant' if k == 'string' else SQL_TYPES[k]}" for f, k in fields.items()
     )
     text = F.col("value").cast("string")
-    avro = spec.source.avro
-    if avro is not None:
-        # An Avro record is decoded in the JVM into JSON text of the reader schema, which the
-        # JSON path below parses as it parses a JSON record's (decision 38); a record that does
-        # not decode has the decoder's reason and no text.
-        from duality.avro.frame import decode
-
-        decoded = decode(raw.sparkSession, avro, F.col("value"))
-        raw = raw.withColumn("_avro", once(decoded if only is None else F.when(only, decoded)))
-        text = F.col("_avro.json")
     # Spark's JSON readers stop after the first value, so `{..} tail` or `{..}{..}` would read
     # as one object. Text with anything after its first value cannot be both the only value of
     # `{"v": ...}` and the only element of `[...]`; the second parse is also the typed one.
@@ -154,41 +207,7 @@ def parse(
         f: F.variant_get(v, "$", "string") if fields[f] == "string" else v for f, v in typed.items()
     }
     frame = frame.withColumn("_p", F.struct(*[v.alias(f) for f, v in typed.items()]))
-    limit, size = spec.source.max_record_bytes, F.octet_length("value")
-    oversized = F.concat(
-        F.lit("oversized: "), size.cast("string"), F.lit(f" bytes, the limit is {limit}")
-    )
-    checks: list[tuple[Column, Column]] = [
-        (F.col("value").isNull(), F.lit("null value")),
-        (size > limit, oversized),
-        *([(F.col("_avro.error").isNotNull(), F.col("_avro.error"))] if avro is not None else []),
-        (~F.coalesce(one_value, F.lit(False)), F.lit("malformed JSON: not one JSON value")),
-        (~F.ltrim(text).startswith("{"), F.lit("not a JSON object")),
-        (F.col("_v").isNull(), F.lit("malformed JSON: text after the object")),
-    ]
-    # Every JSON value reads as a string, so this parse tells a missing field from one of the
-    # wrong type; only records with a null typed field get that far.
-    as_text = ", ".join(f"`{f}` string" for f in spec.required_fields)
-    for field in spec.required_fields:
-        kind = fields[field]
-        value = F.col(f"_p.{field}")
-        wrong = F.lit(f"wrong type for {field}: expected {kind}")
-        absent = F.lit(f"missing field {field}")
-        if kind == "string":
-            json_type = F.schema_of_variant(F.col(f"_v.{field}"))
-            missing = json_type.isNull() | (json_type == "VOID")
-            not_string = json_type.isNull() | (json_type != "STRING")
-            checks.append((not_string, F.when(missing, absent).otherwise(wrong)))
-            continue
-        present = F.from_json(text, as_text)[field].isNotNull()
-        checks.append((value.isNull(), F.when(present, wrong).otherwise(absent)))
-        if kind == "double":
-            infinite = F.isnan(value) | (F.abs(value) == F.lit(float("inf")))
-            got = F.lit(f"wrong type for {field}: expected a finite double, got ")
-            checks.append((infinite, F.concat(got, value.cast("string"))))
-    # The first check that holds names the reason; later ones are not evaluated.
-    error = F.coalesce(*[F.when(condition, reason) for condition, reason in checks])
-    return frame.drop("_parsed"), error
+    return frame.drop("_parsed"), text, one_value
 
 
 def _evaluate(spec: PipelineSpec, frame: DataFrame, error: Column) -> DataFrame:
