@@ -391,6 +391,18 @@ def settled(settings: Settings, *topics: str) -> bool:
     )
 
 
+def joined_covered(settings: Settings, spec: PipelineSpec) -> bool:
+    """Whether a joined pipeline's committed offsets cover both its source's and its table
+    topic's ends, and the transaction that committed them has reached every topic it wrote."""
+    assert spec.joined is not None
+    for topic in (spec.source.topic, spec.joined.topic):
+        ends = offsets.end_offsets(settings, topic)
+        committed = offsets.committed_offsets(settings, spec.consumer_group, topic)
+        if any(committed.get(p, (0, None))[0] < end for p, end in ends.items()):
+            return False
+    return settled(settings, spec.changelog_topic, spec.dlq_topic, spec.table_topic)
+
+
 def first_commit_after(settings: Settings, topic: str, since: float) -> float:
     """Seconds from `since` (monotonic) until a read_committed consumer, placed at the topic's
     stable end now, reads a record: the next transaction committed."""

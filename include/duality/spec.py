@@ -406,16 +406,6 @@ class PipelineSpec(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _avro_joins_nothing(self) -> PipelineSpec:
-        # Not yet tested together (issue 50): refused rather than accepted untried.
-        if self.source.format == "avro" and (self.join or self.tables):
-            raise ValueError(
-                "join: a pipeline with an Avro source joins no table yet (issue 50); join from "
-                "a JSON source, or leave tables and join out"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _expressions_typed(self, info: ValidationInfo) -> PipelineSpec:
         """The joined table, computed fields in order, then the filter, the key and the
         aggregates, typed."""

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
+from duality.config import Settings
 from duality.errors import UsageError
 from duality.spec import load_spec
 from tests.harness import run_duality
@@ -126,12 +127,34 @@ def test_another_pipelines_table_has_its_key_and_aggregates(tmp_path: Path):
             _changed(aggregates={"orders": "count()", "x": "sum(customers.nope)"}),
             "unknown field 'customers.nope'",
         ),
+        (
+            _changed(tables={"customers": {**CUSTOMERS, "key": "customer", "subject": "c-value"}}),
+            "tables.customers: subject: only an Avro table (format: avro) has one",
+        ),
+        (
+            _changed(tables={"customers": {"pipeline": "product_totals", "format": "avro"}}),
+            "tables.customers: format: a pipeline's table is its changelog, which is JSON",
+        ),
     ],
 )
 def test_a_bad_join_names_the_key_and_the_fix(tmp_path: Path, data: dict[str, Any], needle: str):
     with pytest.raises(UsageError) as raised:
         load_spec(_write(tmp_path, data))
     assert needle in str(raised.value)
+
+
+def test_an_avro_table_asks_the_registry_unless_told_not_to(tmp_path: Path):
+    """An Avro table's `schema:` is checked against its subject when the spec loads: without a
+    registry that names the setting; the DAG file's way (registry=False) does not ask."""
+    avro = {**CUSTOMERS, "key": "customer", "format": "avro"}
+    path = _write(tmp_path, _changed(tables={"customers": avro}))
+    settings = Settings.from_env({"DUALITY_HOME": str(tmp_path)})
+    assert settings.schema_registry_url is None
+    with pytest.raises(UsageError, match="DUALITY_SCHEMA_REGISTRY_URL"):
+        load_spec(path, settings=settings)
+    joined = load_spec(path, settings=settings, registry=False).joined
+    assert joined is not None and joined.avro is None
+    assert joined.columns == {"customer": "string", "tier": "string"}
 
 
 def test_windowed_and_composite_key_pipelines_are_refused_as_tables(tmp_path: Path):

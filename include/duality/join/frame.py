@@ -38,26 +38,48 @@ def seed_schema() -> str:
     return "`key` binary, `value` binary, `partition` int, `offset` bigint, `_side` int"
 
 
-def table_rows(joined: JoinedTable, records: DataFrame, only: Column | None = None) -> DataFrame:
+def table_rows(
+    joined: JoinedTable,
+    records: DataFrame,
+    only: Column | None = None,
+    copied: Column | None = None,
+) -> DataFrame:
     """Table records (Kafka's `key`, `value`, `partition`, `offset`) as `_jk` (the record key
     as text), `_trow` (the row; null for a tombstone) and `_error` (why a record is bad); rows
-    for which `only` is false are left alone (all three null)."""
+    for which `only` is false are left alone (all three null). An Avro table's records are
+    decoded by `ConfluentAvro.java` into the row, except those for which `copied` holds: rows
+    of the pipeline's copy of the table, which is JSON (`join_stream`)."""
     from pyspark.sql import functions as F
 
     guard = F.lit(True) if only is None else only
     ddl = ", ".join(f"`{c}` {SQL_TYPES[t]}" for c, t in joined.columns.items())
     text = F.col("value").cast("string")
-    frame = records.withColumn("_tparsed", once(F.when(guard, F.from_json(text, ddl))))
+    where = f"table {joined.name} (topic {joined.topic})"
+    frame, avro = records, F.lit(False)
+    if joined.avro is not None:
+        from duality.avro.frame import decode
+
+        avro = guard if copied is None else guard & ~copied
+        decoded = decode(records.sparkSession, joined.avro, joined.columns, F.col("value"))
+        frame = frame.withColumn("_tavro", once(F.when(avro, decoded)))
+    json = guard & ~avro
+    frame = frame.withColumn("_tparsed", once(F.when(json, F.from_json(text, ddl))))
     parsed = F.col("_tparsed")
+    if joined.avro is not None:
+        parsed = F.when(avro, F.col("_tavro.p")).otherwise(parsed)
     as_text = F.from_json(text, ", ".join(f"`{c}` string" for c in joined.columns))
     jk = F.col("key").cast("string")
-    where = f"table {joined.name} (topic {joined.topic})"
     checks: list[tuple[Column, Column]] = [
         (F.col("key").isNull(), F.lit(f"{where}: a record without a key")),
         (
-            F.json_object_keys(text).isNull(),
+            json & F.json_object_keys(text).isNull(),
             F.lit(f"{where}: malformed JSON or not a JSON object"),
         ),
+    ]
+    if joined.avro is not None:
+        reason = F.col("_tavro.error")
+        checks.append((avro & reason.isNotNull(), F.concat(F.lit(f"{where}: "), reason)))
+    checks += [
         (
             parsed[joined.key].isNull(),
             F.lit(f"{where}: missing or mistyped key field {joined.key}"),
@@ -72,8 +94,10 @@ def table_rows(joined: JoinedTable, records: DataFrame, only: Column | None = No
             ),
         ),
     ]
+    # The decoder types an Avro record's columns itself (its reader schema was checked against
+    # every version of the subject when the spec loaded).
     for column, kind in joined.columns.items():
-        wrong = as_text[column].isNotNull() & parsed[column].isNull()
+        wrong = json & as_text[column].isNotNull() & parsed[column].isNull()
         checks.append((wrong, F.lit(f"{where}: wrong type for {column}: expected {kind}")))
     present = guard & F.col("value").isNotNull()
     error = F.when(present, F.coalesce(*[F.when(c, r) for c, r in checks]))
@@ -105,7 +129,13 @@ def join_stream(spec: PipelineSpec, records: DataFrame, seeds: DataFrame) -> Dat
     keyed = F.col("_parse_error").isNull() & failed.isNull()
     table = table_rows(joined, records, only=from_table)
     seeds = seeds.withColumn("timestamp", F.lit(None).cast("timestamp"))
-    seeded = table_rows(joined, seeds.withColumn("topic", F.lit(joined.topic)))
+    # Seeds restored from the pipeline's copy of the table are JSON; those read from the
+    # table's topic (at a first start) are in its format.
+    seeded = table_rows(
+        joined,
+        seeds.withColumn("topic", F.lit(joined.topic)),
+        copied=F.col("_side") == SEED,
+    )
     parsed = records.schema["_p"].dataType.simpleString()
 
     def side(frame: Frame, kind: Column, jk: Column, ts: Column, p: Column, error: Column) -> Frame:

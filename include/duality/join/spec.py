@@ -8,7 +8,15 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from duality.errors import UsageError
 from duality.expressions import checking
@@ -16,6 +24,7 @@ from duality.expressions.tree import Expression, ExpressionError
 from duality.schema import KEY_TYPES, FieldType, field_names
 
 if TYPE_CHECKING:
+    from duality.avro.source import AvroSource
     from duality.spec import PipelineSpec
 
 # How a pipeline's table is read: duality.spec.load_spec, passed in by the spec that joins it.
@@ -25,17 +34,23 @@ LoadSpec = Callable[[Path, tuple[str, ...]], "PipelineSpec"]
 class Table(BaseModel):
     """A table a pipeline joins (docs/streams.md#joins): a compacted topic whose latest record
     per key is the row (a tombstone deletes it), or `pipeline: <name>`, another pipeline's table
-    as its changelog publishes it."""
+    as its changelog publishes it. A topic's records are JSON, or Avro (`format: avro`, the
+    Confluent wire format, decision 38): then `schema:` is the reader schema, checked against
+    the versions of its subject (`subject`, else `<topic>-value`) when the spec loads."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     topic: str | None = Field(
         default=None, min_length=1, max_length=249, pattern=r"^[a-zA-Z0-9._-]+$"
     )
-    format: Literal["json"] = "json"
+    format: Literal["json", "avro"] = "json"
+    # An Avro table's registry subject; unset, `<topic>-value` (TopicNameStrategy).
+    subject: str | None = Field(default=None, min_length=1)
     fields: dict[str, FieldType] | None = Field(default=None, alias="schema", min_length=1)
     key: str | None = None
     pipeline: str | None = None
+
+    _avro: AvroSource | None = PrivateAttr(default=None)
 
     @field_validator("fields")
     @classmethod
@@ -70,6 +85,35 @@ class Table(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _avro_table(self, info: ValidationInfo) -> Table:
+        """An Avro table's reader schema from its `schema:` and its subject's versions; with
+        `registry: False` in the context (the DAG file's parse), the registry is not asked."""
+        if self.format != "avro":
+            if self.subject is not None:
+                raise ValueError("subject: only an Avro table (format: avro) has one")
+            return self
+        if self.pipeline is not None:
+            raise ValueError(
+                "format: a pipeline's table is its changelog, which is JSON; leave format out"
+            )
+        context = info.context or {}
+        if context.get("registry") is False:
+            return self
+        from duality.avro.source import resolve
+        from duality.config import Settings
+
+        assert self.topic is not None and self.fields is not None
+        settings = context.get("settings") or Settings.from_env()
+        self._avro = resolve(settings, self.topic, self.subject, self.fields)
+        return self
+
+    @property
+    def avro(self) -> AvroSource | None:
+        """An Avro table's subject and reader schema; None for a JSON one, and for an Avro one
+        loaded without its registry."""
+        return self._avro
+
 
 class Join(BaseModel):
     """`join: [{table: customers, on: customer, type: left}]`: each event with the table's row
@@ -94,7 +138,8 @@ class Join(BaseModel):
 class JoinedTable:
     """A joined table, resolved: its name in the spec, the topic it is read from, its columns
     (name -> type), its key column, how it is joined and the typed `on` expression. `pipeline`
-    names the pipeline whose changelog it is, if any."""
+    names the pipeline whose changelog it is, if any; `avro` is an Avro table's reader schema
+    and registry."""
 
     name: str
     topic: str
@@ -103,6 +148,7 @@ class JoinedTable:
     type: str
     on: Expression
     pipeline: str | None = None
+    avro: AvroSource | None = None
 
     @property
     def key_type(self) -> str:
@@ -137,9 +183,11 @@ def joined_table(
     if table is None:
         known = ", ".join(spec.tables) or "none: declare it under tables"
         raise ExpressionError(f"no table {join.table!r} (tables: {known})", "join[0].table")
+    avro = None
     if table.pipeline is not None:
         topic, columns, key = _pipeline_table(spec, join.table, table.pipeline, context, load)
     else:
+        avro = table.avro
         assert table.topic is not None and table.fields is not None and table.key is not None
         topic, columns, key = table.topic, dict(table.fields), table.key
     if topic == spec.source.topic:
@@ -155,7 +203,7 @@ def joined_table(
             "join[0].on",
             1,
         )
-    return JoinedTable(join.table, topic, columns, key, join.type, on, table.pipeline)
+    return JoinedTable(join.table, topic, columns, key, join.type, on, table.pipeline, avro)
 
 
 def _pipeline_table(

@@ -27,7 +27,15 @@ from duality.errors import UsageError
 from duality.kafka import client, records, topics
 from duality.spec import load_spec
 from tests import truth
-from tests.harness import StreamProcess, read_latest, read_messages, run_duality, unique_name
+from tests.harness import (
+    StreamProcess,
+    assert_eventually,
+    joined_covered,
+    read_latest,
+    read_messages,
+    run_duality,
+    unique_name,
+)
 
 V1: dict[str, Any] = {
     "type": "record",
@@ -219,17 +227,6 @@ def test_a_spec_schema_is_the_reader_schema(
     refused = run_duality(env, "spec", "validate", str(bad_path))
     assert refused.returncode == 2 and "schema.quantity" in refused.stderr, refused.stderr
 
-    # Joins from an Avro source are refused until they are tested (issue 50).
-    joined = yaml.safe_load(spec_path.read_text())
-    joined["name"] = "reader_join"
-    joined["tables"] = {
-        "customers": {"topic": "customers", "key": "customer", "schema": {"customer": "string"}}
-    }
-    joined["join"] = [{"table": "customers", "on": "product", "type": "left"}]
-    (pipelines / "reader_join.yaml").write_text(yaml.safe_dump(joined))
-    with pytest.raises(UsageError, match="an Avro source joins no table yet"):
-        load_spec(pipelines / "reader_join.yaml", settings=settings)
-
     unreachable = {**env, "DUALITY_SCHEMA_REGISTRY_URL": "http://127.0.0.1:9/apis/ccompat/v7"}
     down = run_duality(unreachable, "spec", "validate", str(spec_path))
     assert down.returncode == 2, down.stderr
@@ -314,6 +311,143 @@ def test_versions_registered_while_running_and_a_registry_outage(
     wanted = _oracle(sent, writers, reader)
     truth.assert_tables_equal(truth.changelog_table(spec, read_latest(settings, spec)), wanted)
     assert not read_messages(settings, spec.dlq_topic), "good records dead-lettered"
+
+
+ORDER = {
+    "type": "record",
+    "name": "Order",
+    "namespace": "dev.duality.test",
+    "fields": [
+        {"name": "order_id", "type": "string"},
+        {"name": "product", "type": "string"},
+        {"name": "customer", "type": "string"},
+        {"name": "quantity", "type": "int"},
+    ],
+}
+# The table's writer: `rate` a float, which the spec's `schema:` reads as a double.
+CUSTOMER = {
+    "type": "record",
+    "name": "Customer",
+    "namespace": "dev.duality.test",
+    "fields": [
+        {"name": "customer", "type": "string"},
+        {"name": "tier", "type": "string"},
+        {"name": "rate", "type": "float"},
+    ],
+}
+
+
+def test_an_avro_source_joined_to_an_avro_table(
+    registry_settings: Settings, pipelines: Path, tmp_path: Path
+):
+    """Avro orders joined (left) with an Avro table of customers: its rows read at the first
+    start, then updated, deleted and added while the stream runs; the changelog equals a
+    plain-Python oracle decoding every frame with fastavro, and a table record that is no
+    Confluent frame is dead-lettered with its reason."""
+    settings = registry_settings
+    name = f"t{uuid.uuid4().hex[:10]}"
+    topic, table_topic = f"{name}-orders", f"{name}-customers"
+    registry = Registry(settings)
+    order_id = registry.register(f"{topic}-value", ORDER)
+    customer_id = registry.register(f"{table_topic}-value", CUSTOMER)
+    data = {
+        "name": name,
+        # No `schema:`: the source's columns are its subject's; the table lists its own.
+        "source": {"topic": topic, "format": "avro", "key": "product"},
+        "tables": {
+            "customers": {
+                "topic": table_topic,
+                "format": "avro",
+                "schema": {"customer": "string", "tier": "string", "rate": "double"},
+                "key": "customer",
+            }
+        },
+        "join": [{"table": "customers", "on": "customer", "type": "left"}],
+        "aggregates": {
+            "orders": "count()",
+            "units": "sum(quantity)",
+            "gold": "count_if(customers.tier = 'gold')",
+            "no_row": "count_if(customers.tier is null)",
+            "top_rate": "max(customers.rate)",
+        },
+        "changelog": {"partitions": 3},
+    }
+    pipelines.mkdir(parents=True, exist_ok=True)
+    path = pipelines / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    spec = load_spec(path, settings=settings)
+    assert spec.joined is not None and spec.joined.avro is not None
+    topics.create_topic(settings, topic, 3)
+    topics.create_topic(settings, table_topic, 2, config={"cleanup.policy": "compact"})
+    producer = client.producer(settings)
+    rng = random.Random(52)
+    rows: dict[str, bytes | None] = {}  # the table as it stands: a customer's latest frame
+    wanted: dict[tuple, dict[str, Any]] = {}
+    reader = fastavro.parse_schema(
+        {**CUSTOMER, "fields": [*CUSTOMER["fields"][:2], {"name": "rate", "type": "double"}]}
+    )
+
+    def table(customer: str, tier: str | None) -> None:
+        frame = None
+        if tier is not None:
+            row = {"customer": customer, "tier": tier, "rate": rng.randrange(1, 400) / 8 + 0.1}
+            frame = _frame(customer_id, CUSTOMER, row)
+        records.send(producer, table_topic, customer.encode(), frame)
+        rows[customer] = frame
+
+    def orders(count: int) -> None:
+        """Orders of customers c0..c14, each meeting its customer's row as it stands."""
+        for _ in range(count):
+            customer = f"c{rng.randrange(15)}"
+            record = {
+                "order_id": f"o{rng.randrange(10**9)}",
+                "product": f"p-{rng.randrange(12)}",
+                "customer": customer,
+                "quantity": rng.randrange(1, 9),
+            }
+            records.send(producer, topic, customer.encode(), _frame(order_id, ORDER, record))
+            agg = wanted.setdefault(
+                (record["product"],),
+                {"orders": 0, "units": 0, "gold": 0, "no_row": 0, "top_rate": None},
+            )
+            agg["orders"] += 1
+            agg["units"] += record["quantity"]
+            frame = rows.get(customer)
+            if frame is None:
+                agg["no_row"] += 1
+                continue
+            writer = fastavro.parse_schema(CUSTOMER)
+            row = fastavro.schemaless_reader(io.BytesIO(frame[5:]), writer, reader)
+            agg["gold"] += row["tier"] == "gold"
+            top = agg["top_rate"]
+            agg["top_rate"] = row["rate"] if top is None else max(top, row["rate"])
+        assert producer.flush(30) == 0
+
+    # Before the first start: rows of c0..c9 and a table record that is no Confluent frame.
+    for n in range(10):
+        table(f"c{n}", rng.choice(("gold", "silver")))
+    records.send(producer, table_topic, b"c99", b'{"customer": "c99"}')
+    orders(150)
+    with StreamProcess(settings, spec, pipelines, tmp_path / "stream.log") as stream:
+        stream.start()
+        caught_up = lambda: stream.check() or joined_covered(settings, spec)  # noqa: E731
+        assert_eventually(caught_up, timeout=240, interval=1.0, message=str(stream.log))
+        # While it runs: rows changed, one deleted (a tombstone), one added; then more orders.
+        for n in range(5):
+            table(f"c{n}", "gold")
+        table("c5", None)
+        table("c12", "gold")
+        assert producer.flush(30) == 0
+        assert_eventually(caught_up, timeout=240, interval=1.0, message=str(stream.log))
+        orders(150)
+        assert_eventually(caught_up, timeout=240, interval=1.0, message=str(stream.log))
+        assert stream.stop() == 0, stream.tail()
+
+    truth.assert_tables_equal(truth.changelog_table(spec, read_latest(settings, spec)), wanted)
+    letters = read_messages(settings, spec.dlq_topic)
+    assert [m.value() for m in letters] == [b'{"customer": "c99"}']
+    reason = dict(letters[0].headers() or [])["duality.error"].decode()
+    assert reason.startswith(f"table customers (topic {table_topic}): no magic byte"), reason
 
 
 def test_duality_produce_writes_an_avro_workload_the_stream_reads(

@@ -17,16 +17,16 @@ from typing import Any
 import yaml
 
 from duality.config import Settings
-from duality.kafka import client, offsets, topics
+from duality.kafka import client, topics
 from duality.spec import PipelineSpec, load_spec
 from duality.stream import heartbeat
 from tests.harness import (
     StreamProcess,
     assert_eventually,
     duality_json,
+    joined_covered,
     read_latest,
     read_messages,
-    settled,
 )
 
 SOURCE_PARTITIONS, TABLE_PARTITIONS = 6, 3
@@ -167,18 +167,6 @@ def _assert_changelog(settings: Settings, spec: PipelineSpec, met: dict[str, str
     assert got == expected
 
 
-def _covered(settings: Settings, spec: PipelineSpec) -> bool:
-    """Whether the group's committed offsets cover both topics' ends, and the transaction that
-    committed them has reached every topic it wrote."""
-    assert spec.joined is not None
-    for topic in (spec.source.topic, spec.joined.topic):
-        ends = offsets.end_offsets(settings, topic)
-        committed = offsets.committed_offsets(settings, spec.consumer_group, topic)
-        if any(committed.get(p, (0, None))[0] < end for p, end in ends.items()):
-            return False
-    return settled(settings, spec.changelog_topic, spec.dlq_topic, spec.table_topic)
-
-
 def test_a_left_join_meets_the_oracle_through_kills_and_a_lost_checkpoint(
     settings: Settings, tmp_path: Path
 ):
@@ -198,7 +186,7 @@ def test_a_left_join_meets_the_oracle_through_kills_and_a_lost_checkpoint(
 
     def caught_up() -> None:
         assert_eventually(
-            lambda: stream.check() or _covered(settings, spec),
+            lambda: stream.check() or joined_covered(settings, spec),
             timeout=240,
             message=f"the stream did not catch up; {stream.log}",
         )
@@ -316,7 +304,7 @@ def test_an_inner_join_by_tier_counts_unmatched_events_and_resets(
 
     def caught_up() -> None:
         assert_eventually(
-            lambda: stream.check() or _covered(settings, spec),
+            lambda: stream.check() or joined_covered(settings, spec),
             timeout=240,
             message=f"the stream did not catch up; {stream.log}",
         )
