@@ -118,7 +118,7 @@ def bench_spec(
     """A copy of the product_sales spec's plain aggregation reading `topic`; written to
     `folder` when given, so that a stream process finds it there through DUALITY_PIPELINES.
     `avro`: the source is Avro (`format: avro`, the same `schema:`), its subject in the
-    registry of these settings (bench/avro.py).
+    registry of these settings (bench/avro_source.py).
     `rich` adds a filter, a computed field in the key, `count_distinct`, `latest` and `stddev`
     (the `stream-rich` scenario). `table_topic` adds a left join on the events' product with the
     table `products` read from it (bench/joins.py) and an aggregate of its `list_price`."""
