@@ -17,6 +17,11 @@ from typing import Any
 from duality.errors import LocalStackError
 
 _FINISHED = ("success", "failed")
+# A request that changes nothing twice is asked again when Airflow's database was busy (SQLite,
+# the local stack's default, answers "database is locked" under load; Airflow shows it as a 500
+# "Database error"): after 1, 2, 4 and 8 s.
+_IDEMPOTENT = ("GET", "PATCH")
+_BUSY_RETRIES = 4
 
 
 class AirflowClient:
@@ -35,19 +40,25 @@ class AirflowClient:
         request = urllib.request.Request(
             f"{self.url}{path}", data=data, method=method, headers=headers
         )
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                text = response.read()
-        except urllib.error.HTTPError as error:
-            detail = error.read().decode(errors="replace")[:500]
-            raise LocalStackError(
-                f"Airflow at {self.url} answered {error.code} to {method} {path}: {detail}"
-            ) from None
-        except OSError as error:
-            raise LocalStackError(
-                f"Airflow does not answer at {self.url} ({error}): start it with `duality up`, or "
-                "point DUALITY_AIRFLOW_URL at it"
-            ) from None
+        for attempt in range(_BUSY_RETRIES + 1):
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    text = response.read()
+                break
+            except urllib.error.HTTPError as error:
+                detail = error.read().decode(errors="replace")[:500]
+                busy = error.code == 500 and "Database error" in detail
+                if busy and method in _IDEMPOTENT and attempt < _BUSY_RETRIES:
+                    time.sleep(2.0**attempt)
+                    continue
+                raise LocalStackError(
+                    f"Airflow at {self.url} answered {error.code} to {method} {path}: {detail}"
+                ) from None
+            except OSError as error:
+                raise LocalStackError(
+                    f"Airflow does not answer at {self.url} ({error}): start it with `duality "
+                    "up`, or point DUALITY_AIRFLOW_URL at it"
+                ) from None
         return json.loads(text) if text else None
 
     def token(self) -> str:
