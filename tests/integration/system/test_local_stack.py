@@ -31,6 +31,13 @@ def _monitoring_processes(marker: str) -> list[psutil.Process]:
     return found
 
 
+def _ended(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def test_up_twice_status_down(tmp_path: Path):
     port = free_port()
     env = Settings.from_env().replace(
@@ -40,7 +47,7 @@ def test_up_twice_status_down(tmp_path: Path):
         airflow_url=f"http://localhost:{free_port()}",
     )
     try:
-        first = duality_json(env, "up", "--monitoring", timeout=UP_TIMEOUT_S)
+        first = duality_json(env, "up", "--monitoring", "--object-store", timeout=UP_TIMEOUT_S)
         started = first["broker"]
         assert started["already_running"] is False
         watching = first["monitoring"]
@@ -53,6 +60,15 @@ def test_up_twice_status_down(tmp_path: Path):
         serving = first["serving"]
         assert serving["already_running"] is False and serving["healthy"] is True
         assert record["settings"]["DUALITY_REPLICAS"] == serving["url"]
+        # The S3 server (docs/operations.md "Object storage"), its bucket made, its endpoint,
+        # key and secret's file (a private one) in the record, never the secret.
+        store = first["object_store"]
+        assert (store["state"], store["ready"]) == ("running", True)
+        assert store["already_running"] is False
+        assert record["settings"]["DUALITY_S3_ENDPOINT"] == store["endpoint"]
+        s3_secret = Path(record["settings"]["DUALITY_S3_SECRET_KEY_FILE"])
+        assert s3_secret.stat().st_mode & 0o777 == 0o600
+        assert "DUALITY_S3_SECRET_KEY" not in record["settings"]
 
         # A second `up` keeps what runs, monitoring included.
         second = duality_json(env, "up")
@@ -62,6 +78,8 @@ def test_up_twice_status_down(tmp_path: Path):
         assert second["monitoring"]["already_running"] is True
         assert second["serving"]["already_running"] is True
         assert second["serving"]["pid"] == serving["pid"]
+        assert second["object_store"]["already_running"] is True
+        assert second["object_store"]["pid"] == store["pid"]
         assert len(_monitoring_processes(str(tmp_path))) == 2
         assert len(_kafka_processes(str(tmp_path))) == 1
         # The broker's JVM unpacks its native libraries into its own folder, not /tmp.
@@ -89,6 +107,11 @@ def test_up_twice_status_down(tmp_path: Path):
             assert private.stat().st_mode & 0o777 == 0o600, private
         assert status["batch"]["state"] == "running" and status["batch"]["steps"] == []
         assert (status["serving"]["state"], status["serving"]["url"]) == ("running", serving["url"])
+        assert (status["object_store"]["state"], status["object_store"]["pid"]) == (
+            "running",
+            store["pid"],
+        )
+        assert s3_secret.read_text().strip() not in json.dumps([first, second, status])
         secret = (own / "secret").read_text().strip()
         assert secret not in json.dumps([first, second, status])
         for path in (tmp_path / "local").rglob("*"):
@@ -108,6 +131,8 @@ def test_up_twice_status_down(tmp_path: Path):
     assert _monitoring_processes(str(tmp_path)) == []
     assert json.loads(down.stdout)["serving"] == {"was_running": True, "pid": serving["pid"]}
     assert not psutil.pid_exists(serving["pid"])
+    assert json.loads(down.stdout)["object_store"] == store["pid"]
+    assert _ended(store["pid"])  # SeaweedFS is killed after 15 s: a zombie until reaped
     assert not left.exists()
 
     stopped = run_duality(env, "status", "--json")
