@@ -141,9 +141,17 @@ def parse(
     if avro is not None:
         from duality.avro.frame import decode
 
-        decoded = decode(raw.sparkSession, avro, fields, F.col("value"))
+        # Only the fields the pipeline uses are decoded (the reader schema projected on them:
+        # Avro skips the others without building them), as Spark prunes a JSON parse's; the
+        # others are null in `_p`, which nothing reads.
+        used = {f: fields[f] for f in spec.required_fields}
+        decoded = decode(raw.sparkSession, avro, used, F.col("value"))
         frame = raw.withColumn("_avro", once(decoded if only is None else F.when(only, decoded)))
-        frame = frame.withColumn("_p", F.col("_avro.p"))
+        typed = {f: F.col(f"_avro.p.{f}") if f in used else F.lit(None) for f in fields}
+        frame = frame.withColumn(
+            "_p",
+            F.struct(*[v.cast(SQL_TYPES[fields[f]]).alias(f) for f, v in typed.items()]),
+        )
         checks.append((F.col("_avro.error").isNotNull(), F.col("_avro.error")))
     else:
         frame, text, one_value = _parse_json(spec, raw, only)
