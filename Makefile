@@ -142,7 +142,7 @@ bench: setup
 	$(PY) bench/run.py $(BENCH_ARGS)
 
 up: setup
-	$(VENV)/bin/duality up
+	$(VENV)/bin/duality up --schema-registry
 
 down:
 	@if [ -x $(VENV)/bin/duality ]; then $(VENV)/bin/duality down; fi
