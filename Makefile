@@ -17,7 +17,7 @@ CLASS_ARCHIVE := $(VENV)/share/duality/spark-driver.jsa
 JOIN_JAR := $(VENV)/share/duality/duality-join.jar
 PYTEST_ARGS ?=
 
-.PHONY: help setup browser postgres monitoring demo test test-unit test-integration bench up down status lint lock clean
+.PHONY: help setup browser postgres monitoring object-store demo test test-unit test-integration bench up down status lint lock clean
 
 help:
 	@echo "make demo    run the demo on the local stack (sets itself up)"
@@ -103,6 +103,12 @@ postgres:
 # Prometheus, promtool and the Pushgateway from Debian, for `duality up --monitoring` and the
 # alert rules' tests (tests/unit/test_alert_rules.py). duality runs them under .local/monitoring/
 # on ports of its own; the system's services are not used.
+# The local S3 server (SeaweedFS, built from its Go module: about 4 minutes of two cores the
+# first time) and Spark's S3A jars, made once before the tests rather than by the first two
+# tests that need them, at once and beside the others.
+object-store: setup
+	@DUALITY_JAR_CACHE=$(JAR_CACHE) $(PY) -m duality.local.object_store
+
 monitoring:
 	@command -v prometheus >/dev/null && command -v promtool >/dev/null && \
 	  command -v prometheus-pushgateway >/dev/null || { \
@@ -124,7 +130,7 @@ PARALLEL := -n $(TEST_WORKERS) --dist loadscope
 # start, alone on the two cores.
 ALONE := tests/integration/system/three_nodes/test_broker_loss.py
 
-test: setup browser postgres monitoring
+test: setup browser postgres monitoring object-store
 ifeq ($(strip $(PYTEST_ARGS)),)
 	$(PY) -m pytest $(ALONE)
 	$(PY) -m pytest $(PARALLEL) --deselect $(ALONE)
@@ -135,7 +141,7 @@ endif
 test-unit: setup monitoring
 	$(PY) -m pytest -m unit $(PYTEST_ARGS)
 
-test-integration: setup browser postgres monitoring
+test-integration: setup browser postgres monitoring object-store
 	$(PY) -m pytest $(PARALLEL) -m "integration or e2e" $(PYTEST_ARGS)
 
 bench: setup

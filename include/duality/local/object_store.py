@@ -6,6 +6,7 @@ requests are refused), and the settings' bucket created in it (decision 39)."""
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 import secrets
@@ -57,6 +58,16 @@ def build(jar_cache: Path, progress: Callable[[str], None] = lambda _: None) -> 
     weed = folder / "weed"
     if weed.is_file() and os.access(weed, os.X_OK):
         return weed
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # One build at a time: a process that finds another building waits for its program.
+    with open(folder.with_name(f"{VERSION}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if weed.is_file() and os.access(weed, os.X_OK):
+            return weed
+        return _build(folder, weed, jar_cache, progress)
+
+
+def _build(folder: Path, weed: Path, jar_cache: Path, progress: Callable[[str], None]) -> Path:
     go = shutil.which("go")
     if go is None:
         raise UsageError(
@@ -101,7 +112,7 @@ def build(jar_cache: Path, progress: Callable[[str], None] = lambda _: None) -> 
             + (done.stdout + done.stderr)[-3000:]
         )
     folder.mkdir(parents=True, exist_ok=True)
-    os.replace(work / "weed", weed)  # atomic: a process building at once replaces a whole file
+    os.replace(work / "weed", weed)
     shutil.rmtree(work, ignore_errors=True)
     progress(f"built {weed}")
     return weed
@@ -281,3 +292,13 @@ class LocalObjectStore:
         # look, to the same key.
         self.pid_file.unlink(missing_ok=True)
         return pid
+
+
+if __name__ == "__main__":  # `make test`: what the object store's tests need, made beforehand
+    from duality import object_store
+    from duality.config import Settings
+
+    settings = Settings.from_env()
+    build(settings.jar_cache, print)
+    object_store.s3a_jars(settings, print)
+    object_store.log_store_jar(settings)
