@@ -64,6 +64,8 @@ def build(jar_cache: Path, progress: Callable[[str], None] = lambda _: None) -> 
         fcntl.flock(lock, fcntl.LOCK_EX)
         if weed.is_file() and os.access(weed, os.X_OK):
             return weed
+        for stale in folder.parent.glob(f"{VERSION}.build-*"):  # a build that was killed
+            shutil.rmtree(stale, ignore_errors=True)
         return _build(folder, weed, jar_cache, progress)
 
 
