@@ -4,12 +4,10 @@ docs/monitoring.md): Debian's programs, each in a folder of its own under
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import shutil
 import subprocess
-import urllib.request
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -19,7 +17,7 @@ import yaml
 from duality.config import Settings
 from duality.errors import LocalStackError
 from duality.local.ports import LOCAL_HOSTS, free_port
-from duality.local.startup import wait_started
+from duality.local.startup import answers_ok, wait_started
 from duality.metrics import targets_folder
 from duality.process import live_pid, start_daemon, stop_group
 
@@ -274,7 +272,4 @@ def _free_port_but(taken: int | None) -> int:
 
 
 def _ready(port: int) -> bool:
-    url = f"http://127.0.0.1:{port}/-/ready"
-    with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1.0) as answer:
-        return bool(answer.status == 200)
-    return False
+    return answers_ok(f"http://127.0.0.1:{port}/-/ready", timeout=1.0)

@@ -13,14 +13,13 @@ import secrets
 import shutil
 import signal
 import subprocess
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 from duality.config import PREFIX, Settings
 from duality.errors import LocalStackError, UsageError
 from duality.local.ports import free_ports, port_in_use
-from duality.local.startup import wait_started
+from duality.local.startup import answers_ok, wait_started
 from duality.process import live_pid, start_daemon, stop_group
 
 MODULE = "github.com/seaweedfs/seaweedfs"
@@ -179,15 +178,7 @@ class LocalObjectStore:
         """The S3 gateway answers its health check (the bucket's creation, which needs the
         filer behind it, is retried until it answers too)."""
         ports = self._ports()
-        if ports is None:
-            return False
-        try:
-            with urllib.request.urlopen(
-                f"http://127.0.0.1:{ports['s3']}/healthz", timeout=2
-            ) as answer:
-                return bool(answer.status == 200)
-        except OSError:
-            return False
+        return ports is not None and answers_ok(f"http://127.0.0.1:{ports['s3']}/healthz")
 
     def status(self) -> ObjectStoreStatus:
         pid = self.pid()

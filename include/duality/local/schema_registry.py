@@ -11,13 +11,12 @@ import json
 import shutil
 import subprocess
 import tarfile
-import urllib.request
 from pathlib import Path
 
 from duality.config import PREFIX, Settings
 from duality.errors import LocalStackError, UsageError
 from duality.local.ports import free_port, port_in_use
-from duality.local.startup import wait_started
+from duality.local.startup import answers_ok, wait_started
 from duality.process import live_pid, start_daemon, stop_group
 
 VERSION = "3.0.9"
@@ -118,15 +117,7 @@ class LocalSchemaRegistry:
 
     def _ready(self) -> bool:
         port = self._port()
-        if port is None:
-            return False
-        try:
-            with urllib.request.urlopen(
-                f"http://127.0.0.1:{port}/health/ready", timeout=2
-            ) as answer:
-                return bool(answer.status == 200)
-        except OSError:
-            return False
+        return port is not None and answers_ok(f"http://127.0.0.1:{port}/health/ready")
 
     def status(self) -> RegistryStatus:
         pid = self.pid()

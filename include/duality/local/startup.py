@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from subprocess import Popen
 
 from duality.errors import LocalStackError
+
+
+def answers_ok(url: str, timeout: float = 2.0) -> bool:
+    """Whether a daemon's health check at `url` answers 200 within `timeout` seconds."""
+    with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=timeout) as answer:
+        return bool(answer.status == 200)
+    return False
 
 
 def wait_started(
