@@ -15,9 +15,7 @@ group does (bench/joins.py, `cold_throughput`), so that the ratio is of one run.
 
 from __future__ import annotations
 
-import io
 import json
-import struct
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,6 +23,7 @@ import fastavro
 
 from baselines import Figure, order_events, preload
 from duality.avro.registry import Registry
+from duality.avro.writer import confluent_frame
 from duality.kafka import topics
 from duality.local.schema_registry import LocalSchemaRegistry
 from duality.stream.options import MAX_OFFSETS_PER_TRIGGER
@@ -64,12 +63,8 @@ ORDER_SCHEMA: dict[str, Any] = {
 def avro_events(events: list[tuple[bytes, bytes]], schema_id: int) -> Iterator[tuple[bytes, bytes]]:
     """The JSON events as Confluent frames of the same records, generated lazily."""
     parsed = fastavro.parse_schema(ORDER_SCHEMA)
-    header = b"\x00" + struct.pack(">I", schema_id)
     for key, value in events:
-        out = io.BytesIO()
-        out.write(header)
-        fastavro.schemaless_writer(out, parsed, json.loads(value))
-        yield key, out.getvalue()
+        yield key, confluent_frame(schema_id, parsed, json.loads(value))
 
 
 def set_avro_ratio(avro: StreamFigure, cold: Figure) -> None:

@@ -55,10 +55,16 @@ class AvroWriter:
     def frame(self, record: dict[str, Any]) -> bytes:
         """The record (ISO-8601 text for a timestamp, as the JSON workload has it) in the
         Confluent wire format: magic byte 0, the schema id (4 bytes, big-endian), the record."""
-        out = io.BytesIO()
-        out.write(MAGIC + struct.pack(">I", self.schema_id))
-        fastavro.schemaless_writer(out, self._parsed, _avro_values(self.schema, record))
-        return out.getvalue()
+        return confluent_frame(self.schema_id, self._parsed, _avro_values(self.schema, record))
+
+
+def confluent_frame(schema_id: int, parsed: Any, record: dict[str, Any]) -> bytes:
+    """`record` written with the parsed schema `parsed` (fastavro's) as a Confluent frame:
+    magic byte 0, the schema id (4 bytes, big-endian), the Avro binary record."""
+    out = io.BytesIO()
+    out.write(MAGIC + struct.pack(">I", schema_id))
+    fastavro.schemaless_writer(out, parsed, record)
+    return out.getvalue()
 
 
 def _avro_values(writer: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
