@@ -10,8 +10,10 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
+from duality import storage
 from duality.errors import UsageError
 from duality.kafka import failover
+from duality.storage import Location
 
 PREFIX = "DUALITY_"
 
@@ -116,13 +118,14 @@ class Settings:
     s3_access_key: str | None = None
     s3_secret_key: str | None = dataclasses.field(default=None, repr=False)
     s3_secret_key_file: Path | None = None
-    warehouse: Path = Path(".local/warehouse")
-    checkpoint_root: Path = Path(".local/checkpoints")
+    # Local folders or object storage locations (`s3a://bucket/prefix`, decision 41).
+    warehouse: Location = Path(".local/warehouse")
+    checkpoint_root: Location = Path(".local/checkpoints")
     jar_cache: Path = Path(".cache/jars")
     pipelines: Path = SHIPPED_PIPELINES
     repartition_config: Path = Path("include/repartition.yaml")
     local_dir: Path = Path(".local")
-    reports: Path = Path(".local/reports")
+    reports: Location = Path(".local/reports")
     airflow_url: str = "http://localhost:8080"
     # The local stack's Airflow: `sqlite` (standalone) or `postgres` (components on PostgreSQL).
     airflow_db: str = "sqlite"
@@ -233,7 +236,12 @@ class Settings:
             "batch_server_tls_key",
         ):
             value = getattr(self, field)
-            if value is not None and not value.is_absolute():
+            if isinstance(value, str):  # given as text (tests, Airflow connections)
+                value = storage.parse(value)
+            if isinstance(value, storage.ObjectPath):
+                # Bound to this object store's endpoint and credentials.
+                object.__setattr__(self, field, value.on(self.store()))
+            elif value is not None and not value.is_absolute():
                 object.__setattr__(self, field, (self.home / value).resolve())
 
     def _check_serving(self) -> None:
@@ -342,6 +350,20 @@ class Settings:
                 f"the object store's credentials need both {PREFIX}S3_ACCESS_KEY and "
                 f"{PREFIX}S3_SECRET_KEY (or {PREFIX}S3_SECRET_KEY_FILE), or neither"
             )
+
+    def location(self, text: str | Path) -> Location:
+        """A folder named by a setting or a spec: on object storage (`s3a://…`, reached with
+        these settings' endpoint and credentials) or local (relative to `home`)."""
+        value = storage.parse(str(text))
+        if isinstance(value, storage.ObjectPath):
+            return value.on(self.store())
+        return value if value.is_absolute() else (self.home / value).resolve()
+
+    def store(self) -> storage.Store:
+        """The object store's endpoint and credentials, as locations on it are reached with."""
+        return storage.Store(
+            self.s3_endpoint, self.s3_region, self.s3_access_key, self.read_s3_secret_key()
+        )
 
     def read_s3_secret_key(self) -> str | None:
         """The object store's secret key: the setting's, else the first line of its file; None
@@ -565,6 +587,8 @@ def stack_settings(local_dir: Path) -> dict[str, str]:
 def _convert(name: str, kind: object, raw: str) -> object:
     env_name = PREFIX + name.upper()
     kind_text = str(kind)
+    if "Location" in kind_text:
+        return storage.parse(raw)
     if "Path" in kind_text:
         return Path(raw).expanduser()
     if kind_text in ("int", "float", "int | None"):

@@ -6,141 +6,23 @@ delta-rs through its own client)."""
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
 import hashlib
-import hmac
-import http.client
 import os
 import shutil
 import subprocess
 import time
-import urllib.parse
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from duality.config import PREFIX, Settings
 from duality.errors import UsageError
-
-SCHEMES = ("s3a://", "s3://")
-# How long a check waits for the endpoint to answer each request, and a write.
-CHECK_TIMEOUT_S = 5.0
-WRITE_TIMEOUT_S = 60.0
-
-
-def is_remote(location: object) -> bool:
-    """Whether `location` (a setting's value, a spec's path) is on object storage."""
-    return str(location).startswith(SCHEMES)
-
-
-def split(location: str) -> tuple[str, str]:
-    """`s3a://bucket/some/prefix` -> (`bucket`, `some/prefix`)."""
-    rest = location.split("://", 1)[1]
-    bucket, _, key = rest.partition("/")
-    return bucket, key.strip("/")
-
-
-@dataclasses.dataclass(frozen=True)
-class Answer:
-    status: int
-    reason: str
-    body: bytes
-    headers: Mapping[str, str]
-
-
-class Unreachable(UsageError):
-    """The endpoint did not answer (refused, timed out, no such host)."""
-
-
-def _endpoint(settings: Settings) -> urllib.parse.SplitResult:
-    if not settings.s3_endpoint:
-        raise UsageError(
-            f"{PREFIX}S3_ENDPOINT is not set, and a location is on object storage: set it to the "
-            "S3 API's URL (http://host:port; `duality up --object-store` starts a local one), "
-            "or give local paths"
-        )
-    return urllib.parse.urlsplit(settings.s3_endpoint)
-
-
-def request(
-    settings: Settings,
-    method: str,
-    path: str,
-    *,
-    body: bytes = b"",
-    headers: Mapping[str, str] | None = None,
-    query: Mapping[str, str] | None = None,
-    timeout: float = CHECK_TIMEOUT_S,
-) -> Answer:
-    """One signed request to the endpoint (`path` is `/bucket[/key]`). An endpoint that does not
-    answer: Unreachable, naming the setting (never the secret)."""
-    url = _endpoint(settings)
-    secret = settings.read_s3_secret_key()
-    host = url.netloc
-    canonical_path = urllib.parse.quote(path, safe="/-_.~")
-    canonical_query = "&".join(
-        f"{urllib.parse.quote(k, safe='-_.~')}={urllib.parse.quote(v, safe='-_.~')}"
-        for k, v in sorted((query or {}).items())
-    )
-    now = datetime.datetime.now(datetime.UTC)
-    stamp, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
-    payload = hashlib.sha256(body).hexdigest()
-    sent = {"host": host, "x-amz-date": stamp, "x-amz-content-sha256": payload}
-    sent |= {k.lower(): v for k, v in (headers or {}).items()}
-    if settings.s3_access_key and secret:
-        names = sorted(sent)
-        canonical = "\n".join(
-            [
-                method,
-                canonical_path,
-                canonical_query,
-                "".join(f"{n}:{sent[n].strip()}\n" for n in names),
-                ";".join(names),
-                payload,
-            ]
-        )
-        scope = f"{day}/{settings.s3_region}/s3/aws4_request"
-        to_sign = "\n".join(
-            ["AWS4-HMAC-SHA256", stamp, scope, hashlib.sha256(canonical.encode()).hexdigest()]
-        )
-        key = f"AWS4{secret}".encode()
-        for part in (day, settings.s3_region, "s3", "aws4_request"):
-            key = hmac.new(key, part.encode(), hashlib.sha256).digest()
-        signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
-        sent["authorization"] = (
-            f"AWS4-HMAC-SHA256 Credential={settings.s3_access_key}/{scope}, "
-            f"SignedHeaders={';'.join(names)}, Signature={signature}"
-        )
-    kind = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
-    connection = kind(host, timeout=timeout)
-    target = canonical_path + (f"?{canonical_query}" if canonical_query else "")
-    try:
-        connection.request(method, target, body=body or None, headers=sent)
-        answer = connection.getresponse()
-        return Answer(answer.status, answer.reason, answer.read(), dict(answer.getheaders()))
-    except OSError as error:
-        reason = getattr(error, "strerror", None) or str(error) or type(error).__name__
-        raise Unreachable(
-            f"the object store at {PREFIX}S3_ENDPOINT={settings.s3_endpoint} does not answer "
-            f"({reason}): start it (`duality up --object-store` runs a local one) or correct "
-            f"{PREFIX}S3_ENDPOINT"
-        ) from None
-    finally:
-        connection.close()
-
-
-def _error_code(answer: Answer) -> str:
-    text = answer.body.decode(errors="replace")
-    start = text.find("<Code>")
-    if start < 0:
-        return answer.reason
-    return text[start + 6 : text.find("</Code>", start)]
+from duality.storage import is_remote, s3
 
 
 def check_bucket(settings: Settings, bucket: str, setting: str) -> None:
     """Stop, naming `setting` (the location's) and the fix, unless the endpoint answers, takes
     the credentials and holds `bucket`."""
-    answer = request(settings, "HEAD", f"/{bucket}")
+    answer = s3.request(settings.store(), "HEAD", f"/{bucket}")
     if answer.status == 200:
         return
     where = f"{PREFIX}S3_ENDPOINT={settings.s3_endpoint}"
@@ -164,7 +46,7 @@ def check_bucket(settings: Settings, bucket: str, setting: str) -> None:
         )
     raise UsageError(
         f"{setting}: the object store at {where} answered HTTP {answer.status} "
-        f"({_error_code(answer)}) for bucket {bucket!r}: check the endpoint and the bucket"
+        f"({s3.error_code(answer)}) for bucket {bucket!r}: check the endpoint and the bucket"
     )
 
 
@@ -187,7 +69,7 @@ def preflight(settings: Settings, extra: Iterable[tuple[str, str]] = ()) -> None
     wanted = [(f"{PREFIX}S3_BUCKET", f"s3a://{settings.s3_bucket}")] if settings.s3_endpoint else []
     checked: set[str] = set()
     for setting, location in [*wanted, *remote_locations(settings, extra)]:
-        bucket, _ = split(location)
+        bucket, _ = s3.split(location)
         if bucket and bucket not in checked:
             check_bucket(settings, bucket, f"{setting}={location}")
             checked.add(bucket)
@@ -204,44 +86,19 @@ def create_bucket(settings: Settings, bucket: str, timeout: float = 60.0) -> Non
     gateway answers before its filer does)."""
     deadline = time.monotonic() + timeout
     while True:
-        answer = request(settings, "HEAD", f"/{bucket}")
+        answer = s3.request(settings.store(), "HEAD", f"/{bucket}")
         if answer.status == 200:
             return
         if answer.status == 404:
-            answer = request(settings, "PUT", f"/{bucket}", timeout=WRITE_TIMEOUT_S)
+            answer = s3.request(settings.store(), "PUT", f"/{bucket}", timeout=s3.WRITE_TIMEOUT_S)
             if answer.status in (200, 409):  # 409: made meanwhile
                 return
         if time.monotonic() > deadline:
             raise UsageError(
                 f"could not create the bucket {bucket!r} at {PREFIX}S3_ENDPOINT="
-                f"{settings.s3_endpoint}: HTTP {answer.status} ({_error_code(answer)})"
+                f"{settings.s3_endpoint}: HTTP {answer.status} ({s3.error_code(answer)})"
             )
         time.sleep(0.5)
-
-
-def create_if_absent(settings: Settings, location: str, body: bytes) -> bool:
-    """Write the object at `location` (`s3a://bucket/key`) only if none is there: one PUT with
-    `If-None-Match: *`, which the server refuses (412) when another writer created it first.
-    Whether this call created it. (A server that ignored the condition would answer 200 to
-    both: the integration test checks the local one refuses the second.)"""
-    bucket, key = split(location)
-    # A first write may wait for the server to grow a volume for the bucket (9 s here).
-    answer = request(
-        settings,
-        "PUT",
-        f"/{bucket}/{key}",
-        body=body,
-        headers={"If-None-Match": "*"},
-        timeout=WRITE_TIMEOUT_S,
-    )
-    if answer.status == 200:
-        return True
-    if answer.status in (409, 412):
-        return False
-    raise UsageError(
-        f"the object store at {PREFIX}S3_ENDPOINT={settings.s3_endpoint} refused to write "
-        f"{location}: HTTP {answer.status} ({_error_code(answer)})"
-    )
 
 
 # hadoop-aws at the Hadoop version pyspark 4.1 bundles (its jars/hadoop-client-api-3.4.2.jar),

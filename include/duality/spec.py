@@ -38,6 +38,7 @@ from duality.expressions import checking, parsing
 from duality.expressions.tree import Call, Expression, ExpressionError
 from duality.join.spec import Join, JoinedTable, Table, joined_table
 from duality.schema import FIELD, KEY_TYPES, SQL_TYPES, FieldType, field_names
+from duality.storage import Location
 
 NAME = r"^[a-z][a-z0-9_]*$"
 NUMERIC: tuple[str, ...] = ("long", "int", "double")
@@ -601,9 +602,9 @@ class PipelineSpec(BaseModel):
         """The Delta snapshot's columns: key columns, aggregate columns, `_updated_at`."""
         return [*self.key_columns, *self.aggregates, "_updated_at"]
 
-    def snapshot_path(self, settings: Settings) -> Path:
+    def snapshot_path(self, settings: Settings) -> Location:
         if self.snapshot.path:
-            return Path(self.snapshot.path)
+            return settings.location(self.snapshot.path)
         return settings.warehouse / self.name
 
 

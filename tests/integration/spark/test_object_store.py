@@ -18,6 +18,7 @@ from deltalake import DeltaTable
 
 from duality import object_store
 from duality.config import Settings
+from duality.storage import s3
 from tests.harness import ROOT, run_duality, unique_name
 from tests.integration.spark.object_store_writer import ROWS
 
@@ -27,12 +28,12 @@ def test_anonymous_requests_are_refused_and_a_key_is_created_only_once(
 ):
     anonymous = object_store_settings.replace(s3_access_key=None, s3_secret_key_file=None)
     bucket = object_store_settings.s3_bucket
-    assert object_store.request(anonymous, "HEAD", f"/{bucket}").status == 403
+    assert s3.request(anonymous.store(), "HEAD", f"/{bucket}").status == 403
     key = f"s3a://{bucket}/{unique_name('create-once')}/00000.json"
-    assert object_store.create_if_absent(object_store_settings, key, b"first")
-    assert not object_store.create_if_absent(object_store_settings, key, b"second")
-    _, path = object_store.split(key)
-    got = object_store.request(object_store_settings, "GET", f"/{bucket}/{path}")
+    assert s3.create_if_absent(object_store_settings.store(), key, b"first")
+    assert not s3.create_if_absent(object_store_settings.store(), key, b"second")
+    _, path = s3.split(key)
+    got = s3.request(object_store_settings.store(), "GET", f"/{bucket}/{path}")
     assert (got.status, got.body) == (200, b"first")
 
 
