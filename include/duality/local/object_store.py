@@ -28,6 +28,8 @@ VERSION = "v0.0.0-20261109003541-7506e5f91cd6"
 # The local server's one identity; its secret is made by `duality up` and kept in a file only
 # the owner reads (`<local_dir>/object-store/s3.json`), never in the stack's record.
 ACCESS_KEY = "duality"
+# Where `duality up --object-store` keeps the stack's locations in its bucket (decision 41).
+LOCATIONS = {"warehouse": "warehouse", "checkpoint_root": "checkpoints", "reports": "reports"}
 # SeaweedFS' ports, in this order from the first of a consecutive run: master, its gRPC, volume,
 # its gRPC, filer, its gRPC, S3, its gRPC (unset, each gRPC port is its port + 10000, which can
 # fall in the kernel's ephemeral range).
@@ -165,6 +167,16 @@ class LocalObjectStore:
             f"{PREFIX}S3_ACCESS_KEY": ACCESS_KEY,
             f"{PREFIX}S3_SECRET_KEY_FILE": str(self.secret_file),
             f"{PREFIX}S3_BUCKET": self.settings.s3_bucket,
+        }
+
+    def locations(self, settings: Settings) -> dict[str, str]:
+        """The stack's tables, checkpoints and reports in its bucket (`s3a://<bucket>/warehouse`,
+        `/checkpoints`, `/reports`), each unless it is set to other than its default."""
+        default = Settings(home=settings.home)
+        return {
+            f"{PREFIX}{name.upper()}": f"s3a://{settings.s3_bucket}/{folder}"
+            for name, folder in LOCATIONS.items()
+            if getattr(settings, name) == getattr(default, name)
         }
 
     def pid(self) -> int | None:

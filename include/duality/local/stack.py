@@ -167,6 +167,7 @@ def up(
         progress("starting the S3 server (SeaweedFS)")
         bucket = local_store.start(progress=progress)
         chosen |= local_store.client_settings()
+        chosen |= local_store.locations(settings)
         preflight(Settings.from_env({**settings.as_env(), **chosen}))
     spark = None
     if topology.spark_workers:

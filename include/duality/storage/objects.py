@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from pathlib import PurePosixPath
 from typing import IO, TYPE_CHECKING, Any
 
+from duality.errors import UsageError
+
 if TYPE_CHECKING:
     import pyarrow.fs as pafs
 
@@ -39,7 +41,11 @@ def filesystem(store: Store) -> pafs.S3FileSystem:
     import pyarrow.fs as pafs
 
     if store.endpoint is None:
-        raise RuntimeError("a location on object storage needs DUALITY_S3_ENDPOINT")
+        raise UsageError(
+            "a location is on object storage (s3a://…) and DUALITY_S3_ENDPOINT is not set: set "
+            "it to the S3 API's URL (`duality up --object-store` starts a local one), or give a "
+            "local path"
+        )
     scheme, _, host = store.endpoint.rstrip("/").partition("://")
     return pafs.S3FileSystem(
         access_key=store.access_key,
