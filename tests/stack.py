@@ -46,13 +46,13 @@ def stack_env(root: Path) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def running_stack(root: Path, env: dict[str, str] | None = None) -> Iterator[Stack]:
-    """`duality up` before, `duality down` after (also when the test failed)."""
+def running_stack(root: Path, env: dict[str, str] | None = None, *options: str) -> Iterator[Stack]:
+    """`duality up [OPTIONS]` before, `duality down` after (also when the test failed)."""
     env = env or stack_env(root)
-    settings = Settings.from_env(env)
 
     try:
-        started = duality_json(env, "up", timeout=UP_TIMEOUT_S)
+        started = duality_json(env, "up", *options, timeout=UP_TIMEOUT_S)
+        settings = Settings.from_env(env)  # with what the stack recorded
         password = started["airflow"]["password"]
         client = AirflowClient(settings.airflow_url, started["airflow"]["user"], password)
         yield Stack(root, env, settings, client, password)

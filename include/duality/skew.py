@@ -6,13 +6,13 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 from duality.config import Settings
 from duality.errors import UsageError
 from duality.kafka import offsets, records, topics
 from duality.partitioning import key_partition
+from duality.storage import Location
 
 # A partition is hot when its load is this much above the mean; a recommendation aims below it.
 HOT_FACTOR = 1.3
@@ -292,8 +292,9 @@ def analyse(
     )
 
 
-def plot(report: SkewReport, path: Path) -> Path:
-    """A bar chart of records and rate per partition, hot partitions in red."""
+def plot(report: SkewReport, path: Location) -> Location:
+    """A bar chart of records and rate per partition, hot partitions in red, as a PNG file at
+    `path` (local or on object storage)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -318,6 +319,7 @@ def plot(report: SkewReport, path: Path) -> Path:
     figure.suptitle(f"{report.topic}: hot partitions {report.hot_partitions or 'none'}")
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100)
+    with path.open("wb") as file:
+        figure.savefig(file, format="png", dpi=100)
     plt.close(figure)
     return path

@@ -12,6 +12,7 @@ for: the scheduler and the DAG processor, which load plugins too, never import i
 from __future__ import annotations
 
 import dataclasses
+import mimetypes
 import re
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -22,6 +23,7 @@ from fastapi.staticfiles import StaticFiles
 
 if TYPE_CHECKING:
     from duality.overview import Overview
+    from duality.storage.objects import ObjectPath
 
 PREFIX = "/duality"
 PAGE = f"{PREFIX}/pipelines"
@@ -80,12 +82,33 @@ def pipelines_json() -> JSONResponse:
 async def data_docs(pipeline: str, path: str, request: Request) -> Response:
     """A file of the pipeline's Data Docs site (its index for the folder itself)."""
     from duality.config import Settings
+    from duality.storage.objects import ObjectPath
 
     if not _PIPELINE_NAME.fullmatch(pipeline):
         raise HTTPException(404, f"no pipeline {pipeline!r}")
     site = Settings.from_env().reports / pipeline / "data_docs"
+    if isinstance(site, ObjectPath):  # DUALITY_REPORTS on object storage
+        return _object(site, path)
     files = StaticFiles(directory=site, html=True, check_dir=False)
     return await files.get_response(path or ".", request.scope)
+
+
+def _object(site: ObjectPath, path: str) -> Response:
+    """A file of a Data Docs site on object storage (its index for a folder)."""
+    parts = [part for part in path.split("/") if part]
+    if any(part in (".", "..") for part in parts):
+        raise HTTPException(404, "no such file")
+    wanted = site
+    for part in parts:
+        wanted = wanted / part
+    if not parts or path.endswith("/"):
+        wanted = wanted / "index.html"
+    try:
+        body = wanted.read_bytes()
+    except FileNotFoundError:
+        raise HTTPException(404, "no such file") from None
+    kind = mimetypes.guess_type(wanted.name)[0] or "application/octet-stream"
+    return Response(body, media_type=kind)
 
 
 class DualityPipelinesPlugin(AirflowPlugin):

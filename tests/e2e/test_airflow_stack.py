@@ -78,7 +78,8 @@ def test_reduced_demo_tells_the_whole_story(stack: Stack, demo: dict[str, Any]):
 
     snap = ran["product_sales"]["snapshot"]
     assert snap["validation"] == "passed" and snap["checks"] >= 10
-    assert Path(snap["data_docs"]).is_file() and Path(snap["report"]).is_file()
+    assert settings.location(snap["data_docs"]).is_file()
+    assert settings.location(snap["report"]).is_file()
     read = stack.duality("read", "product_sales", "--json", "--limit", "0")
     assert read.returncode == 0, read.stderr[-3000:]
     published = json.loads(read.stdout)

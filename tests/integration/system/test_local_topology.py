@@ -79,13 +79,16 @@ def _ours(root: Path) -> list[psutil.Process]:
 
 @pytest.fixture(scope="module")
 def topology() -> Iterator[Stack]:
-    """`duality up --brokers 3 --spark-workers 2 --airflow-db postgres --sasl` in a folder of its
-    own; yields the stack with the environment of later commands, which names no address (the
-    stack record supplies them) and holds the SCRAM login."""
+    """`duality up --brokers 3 --spark-workers 2 --airflow-db postgres --sasl --object-store` in a
+    folder of its own, the tables, checkpoints and reports in the S3 server's bucket; yields the
+    stack with the environment of later commands, which names no address (the stack record
+    supplies them) and holds the SCRAM login."""
     # PostgreSQL's own user must pass through the folder (not pytest's 0700 one).
     root = Path(tempfile.mkdtemp(prefix="duality-topology-"))
     root.chmod(0o755)
     env = stack_env(root)
+    for setting in ("DUALITY_WAREHOUSE", "DUALITY_CHECKPOINT_ROOT", "DUALITY_REPORTS"):
+        del env[setting]  # `up --object-store` puts them in its bucket (issue #49)
     base = free_ports(2 * BROKERS)  # node i listens on base + 2(i-1)
     env["DUALITY_BOOTSTRAP_SERVERS"] = f"localhost:{base}"
     env["DUALITY_CONTROLLER_PORT"] = str(base + 1)
@@ -109,7 +112,7 @@ def topology() -> Iterator[Stack]:
     }
     try:
         shape = ("--brokers", str(BROKERS), "--spark-workers", str(WORKERS))
-        up = _ok(env, "up", *shape, "--airflow-db", "postgres", "--sasl")
+        up = _ok(env, "up", *shape, "--airflow-db", "postgres", "--sasl", "--object-store")
         assert [n["state"] for n in up["broker"]["nodes"]] == ["running"] * BROKERS
         assert up["spark"]["state"] == "running"
         assert up["airflow"]["db"] == "postgres"
@@ -143,6 +146,10 @@ def test_later_commands_find_the_whole_stack(topology: Stack):
     airflow = status["airflow"]
     assert airflow["db"] == "postgres" and airflow["healthy"] is True, airflow
     assert set(airflow["components"]) == set(AIRFLOW_COMPONENTS)
+    assert status["object_store"]["state"] == "running", status["object_store"]
+    settings = topology.settings
+    for location in (settings.warehouse, settings.checkpoint_root, settings.reports):
+        assert str(location).startswith(f"s3a://{settings.s3_bucket}/"), location
 
     # The same stack again: reported, not started twice; another topology is refused.
     again = _ok(topology.env, "up")
