@@ -362,30 +362,16 @@ class Settings:
     def store(self) -> storage.Store:
         """The object store's endpoint and credentials, as locations on it are reached with."""
         return storage.Store(
-            self.s3_endpoint, self.s3_region, self.s3_access_key, self.read_s3_secret_key()
+            self.s3_endpoint,
+            self.s3_region,
+            self.s3_access_key,
+            self.s3_secret_key,
+            self.s3_secret_key_file,
         )
 
     def read_s3_secret_key(self) -> str | None:
-        """The object store's secret key: the setting's, else the first line of its file; None
-        when neither is set. A file that cannot be read is a UsageError naming the setting
-        (never the secret)."""
-        if self.s3_secret_key is not None:
-            return self.s3_secret_key.strip()
-        if self.s3_secret_key_file is None:
-            return None
-        setting = f"{PREFIX}S3_SECRET_KEY_FILE={self.s3_secret_key_file}"
-        try:
-            text = self.s3_secret_key_file.read_text()
-        except (OSError, UnicodeDecodeError) as error:
-            reason = getattr(error, "strerror", None) or type(error).__name__
-            raise UsageError(
-                f"{setting} cannot be read ({reason}): point it at the file holding the object "
-                "store's secret key"
-            ) from None
-        secret = (text.strip().splitlines() or [""])[0].strip()
-        if not secret:
-            raise UsageError(f"{setting} is empty: write the object store's secret key into it")
-        return secret
+        """The object store's secret key (`Store.secret`)."""
+        return self.store().secret()
 
     def _check_sasl(self) -> None:
         sasl = self.security_protocol.startswith("SASL_")

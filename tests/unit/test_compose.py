@@ -603,7 +603,7 @@ def test_spark_and_airflow_see_the_same_settings():
         assert env == expected, f"{name} has other DUALITY_* settings than the rest: {env}"
 
 
-def test_data_paths_lie_on_the_shared_volume():
+def test_data_lies_in_the_bucket_and_local_files_on_the_shared_volume():
     assert WAREHOUSE_VOLUME in (_compose().get("volumes") or {}), "no top-level warehouse volume"
     mount_paths = set()
     for name, env in ((name, _env(name)) for name in _services()):
@@ -616,9 +616,11 @@ def test_data_paths_lie_on_the_shared_volume():
         mount = PurePosixPath(mounts[WAREHOUSE_VOLUME])
         mount_paths.add(mount)
         settings = Settings.from_env(env)
-        for field in ("warehouse", "checkpoint_root", "reports", "local_dir"):
-            path = PurePosixPath(getattr(settings, field))
-            assert path.is_relative_to(mount) and path != mount, name
+        assert settings.local_dir.is_relative_to(mount) and settings.local_dir != mount, name
+        # Tables, checkpoints and reports are in the object store's bucket, not on the volume.
+        for field in ("warehouse", "checkpoint_root", "reports"):
+            location = str(getattr(settings, field))
+            assert location.startswith(f"s3a://{settings.s3_bucket}/"), (name, location)
     assert len(mount_paths) == 1
 
 

@@ -12,7 +12,7 @@ import io
 import posixpath
 import types
 from collections.abc import Iterator
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import IO, TYPE_CHECKING, Any
 
 from duality.errors import UsageError
@@ -32,6 +32,29 @@ class Store:
     region: str
     access_key: str | None
     secret_key: str | None = dataclasses.field(default=None, repr=False)
+    secret_key_file: Path | None = None
+
+    def secret(self) -> str | None:
+        """The secret key: the setting's, else the first line of its file (read when first
+        needed); None when neither is set. A file that cannot be read is a UsageError naming
+        the setting (never the secret)."""
+        if self.secret_key is not None:
+            return self.secret_key.strip()
+        if self.secret_key_file is None:
+            return None
+        setting = f"DUALITY_S3_SECRET_KEY_FILE={self.secret_key_file}"
+        try:
+            text = self.secret_key_file.read_text()
+        except (OSError, UnicodeDecodeError) as error:
+            reason = getattr(error, "strerror", None) or type(error).__name__
+            raise UsageError(
+                f"{setting} cannot be read ({reason}): point it at the file holding the object "
+                "store's secret key"
+            ) from None
+        secret = (text.strip().splitlines() or [""])[0].strip()
+        if not secret:
+            raise UsageError(f"{setting} is empty: write the object store's secret key into it")
+        return secret
 
 
 @functools.cache
@@ -49,7 +72,7 @@ def filesystem(store: Store) -> pafs.S3FileSystem:
     scheme, _, host = store.endpoint.rstrip("/").partition("://")
     return pafs.S3FileSystem(
         access_key=store.access_key,
-        secret_key=store.secret_key,
+        secret_key=store.secret(),
         anonymous=store.access_key is None,
         region=store.region,
         scheme=scheme,

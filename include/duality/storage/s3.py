@@ -65,7 +65,7 @@ def request(
     """One signed request to the endpoint (`path` is `/bucket[/key]`). An endpoint that does not
     answer: Unreachable, naming the setting (never the secret)."""
     url = _endpoint(store)
-    secret = store.secret_key
+    secret = store.secret()
     host = url.netloc
     canonical_path = urllib.parse.quote(path, safe="/-_.~")
     canonical_query = "&".join(
