@@ -660,8 +660,8 @@ def describe() -> list[tuple[str, str, str]]:
         "connection's password); never printed or logged",
         "s3_secret_key_file": "a file holding the object store's secret key, instead of "
         "`DUALITY_S3_SECRET_KEY` (`duality up --object-store` makes one)",
-        "warehouse": "folder of Delta tables",
-        "checkpoint_root": "folder of streaming checkpoints",
+        "warehouse": "folder of Delta tables: a local path or `s3a://bucket/prefix`",
+        "checkpoint_root": "folder of streaming checkpoints: a local path or `s3a://bucket/prefix`",
         "jar_cache": "folder the Maven-fetched jars are copied into",
         "pipelines": "folder of pipeline specs (default: the shipped ones, in the package)",
         "repartition_config": "topics the scheduled repartition DAG checks and copies",
@@ -669,7 +669,10 @@ def describe() -> list[tuple[str, str, str]]:
             "data, logs and pid files of the local stack; the temporary files of Spark's JVMs "
             "(`jvm-tmp/`)"
         ),
-        "reports": "validation reports: JSON and Great Expectations Data Docs per pipeline",
+        "reports": (
+            "validation reports: JSON and Great Expectations Data Docs per pipeline; a local "
+            "path or `s3a://bucket/prefix`"
+        ),
         "airflow_url": "Airflow UI and API address",
         "airflow_db": "what `duality up` runs Airflow on: `sqlite` (Airflow standalone) or "
         "`postgres` (a PostgreSQL server of its own, and the api-server, scheduler, dag-processor "
