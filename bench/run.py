@@ -33,6 +33,7 @@ from avro_source import avro_scenarios
 from broker_loss import broker_loss_scenario
 from commands import command_scenarios
 from joins import join_scenarios
+from object_storage import object_store_scenarios
 from serving import SCENARIOS as SERVE_SCENARIOS
 from serving import serve_scenarios
 
@@ -59,7 +60,17 @@ LATENCY_RATE = 5_000.0
 LATENCY_SECONDS = 60.0
 TRIGGER_SECONDS = 0.5
 # Scenario groups beside the baselines, which always run (everything is compared with them).
-GROUPS = ("repartition", "streams", "join", "avro", "snapshots", "commands", "broker-loss", "serve")
+GROUPS = (
+    "repartition",
+    "streams",
+    "join",
+    "avro",
+    "snapshots",
+    "commands",
+    "broker-loss",
+    "serve",
+    "object-store",
+)
 # Seconds of the serve group's load, scaled down with --records (at least 10).
 SERVE_SECONDS = 30.0
 
@@ -110,6 +121,7 @@ def render(figures: list[Figure], console: Console) -> None:
     for figure in figures:
         samples = figure.as_dict().get("samples")
         runs = f"median of {', '.join(f'{x:.2f}' for x in samples)} s" if samples else ""
+        runs = "; ".join(part for part in (runs, figure.as_dict().get("notes")) if part)
         rows = figure.table_rows() if isinstance(figure, StreamFigure) else [(figure, runs)]
         for row, notes in rows:
             # The baselines are cold: a warm figure is compared with its own cold run alone;
@@ -321,6 +333,15 @@ def main(argv: list[str] | None = None) -> int:
             say = progress.console.print
             figures.extend(
                 command_scenarios(scoped, source, args.snapshot_keys, pipelines, stamp, say)
+            )
+        if "object-store" in groups:
+            # The commands group's figures, when it ran, are the local twins of the S3 ones.
+            local = [f for f in figures if f.scenario.startswith(("cmd-", "dag-"))] or None
+            bench = Bench(scoped, scratch / "pipelines", scratch / "logs", progress, stamp)
+            figures.extend(
+                object_store_scenarios(
+                    bench, source, args.snapshot_keys, args.keys, stamp, progress, local
+                )
             )
         if "broker-loss" in groups:
             # On a three-broker cluster of its own, beside the run's single broker.
