@@ -14,8 +14,9 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from duality import maven
 from duality.config import PREFIX, Settings
-from duality.errors import UsageError
+from duality.errors import DualityError, UsageError
 from duality.storage import is_remote, s3
 
 
@@ -118,35 +119,18 @@ def s3a_jars(settings: Settings, progress: Callable[[str], None] = lambda _: Non
     names = [a.split(":")[1] + "-" + a.split(":")[2] + ".jar" for a in S3A_ARTIFACTS]
     if all((folder / name).is_file() for name in names):
         return [folder / name for name in names]
-    if shutil.which("mvn") is None:
-        raise UsageError("mvn is not installed: install Maven (apt-get install maven)")
     # A folder of this process's own, renamed into place: drivers starting at once each fetch,
     # and the first rename wins.
     download = folder.with_name(f"s3.download-{os.getpid()}")
     shutil.rmtree(download, ignore_errors=True)
     download.mkdir(parents=True)
-    for artifact in S3A_ARTIFACTS:
-        progress(f"fetching {artifact} from Maven Central into {folder}")
-        done = subprocess.run(
-            [
-                "mvn",
-                "--quiet",
-                "--batch-mode",
-                "-Dstyle.color=never",
-                "dependency:copy",
-                f"-Dartifact={artifact}",
-                f"-DoutputDirectory={download}",
-            ],
-            capture_output=True,
-            text=True,
-            cwd=download,
-        )
-        if done.returncode != 0:
-            shutil.rmtree(download, ignore_errors=True)
-            raise UsageError(
-                f"could not fetch {artifact} from Maven Central:\n"
-                + (done.stdout + done.stderr)[-2000:]
-            )
+    try:
+        for artifact in S3A_ARTIFACTS:
+            progress(f"fetching {artifact} from Maven Central into {folder}")
+            maven.copy(artifact, download)
+    except DualityError:
+        shutil.rmtree(download, ignore_errors=True)
+        raise
     try:
         download.rename(folder)
     except OSError:  # another process's fetch is in place (or a partial folder is in the way)

@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import subprocess
 import tarfile
 from pathlib import Path
 
+from duality import maven
 from duality.config import PREFIX, Settings
 from duality.errors import LocalStackError, UsageError
 from duality.local.ports import free_port, port_in_use
@@ -44,32 +44,18 @@ def fetch(jar_cache: Path) -> Path:
     runner = folder / RUNNER
     if runner.is_file():
         return runner
-    if shutil.which("mvn") is None:
-        raise UsageError("mvn is not installed: install Maven (apt-get install maven)")
     download = folder.with_name(f"{VERSION}.download")
     shutil.rmtree(download, ignore_errors=True)
     download.mkdir(parents=True)
-    done = subprocess.run(
-        [
-            "mvn",
-            "--quiet",
-            "--batch-mode",
-            "-Dstyle.color=never",
-            "dependency:copy",
-            f"-Dartifact={ARTIFACT}",
-            f"-DoutputDirectory={download}",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=download,
-    )
-    archives = list(download.glob("*.tar.gz"))
-    if done.returncode != 0 or len(archives) != 1:
+    try:
+        maven.copy(ARTIFACT, download)
+    except LocalStackError:
         shutil.rmtree(download, ignore_errors=True)
-        raise LocalStackError(
-            f"could not fetch Apicurio Registry {VERSION} ({ARTIFACT}) from Maven Central:\n"
-            + (done.stdout + done.stderr)[-2000:]
-        )
+        raise
+    archives = list(download.glob("*.tar.gz"))
+    if len(archives) != 1:
+        shutil.rmtree(download, ignore_errors=True)
+        raise LocalStackError(f"{ARTIFACT} from Maven Central is not one archive: {archives}")
     with tarfile.open(archives[0]) as archive:
         archive.extractall(download, filter="data")
     archives[0].unlink()
