@@ -68,8 +68,16 @@ def preflight(settings: Settings, extra: Iterable[tuple[str, str]] = ()) -> None
     object storage), or a UsageError naming the setting and the fix. Nothing to check when no
     endpoint is set and every location is local."""
     wanted = [(f"{PREFIX}S3_BUCKET", f"s3a://{settings.s3_bucket}")] if settings.s3_endpoint else []
+    remote = remote_locations(settings, extra)
+    if remote and not settings.s3_endpoint:
+        setting, location = remote[0]
+        raise UsageError(
+            f"{setting}={location} is on object storage, and {PREFIX}S3_ENDPOINT is not set: "
+            "set it to the S3 API's URL (http://host:port; `duality up --object-store` starts "
+            f"a local one) with its credentials, or make {setting} a local folder"
+        )
     checked: set[str] = set()
-    for setting, location in [*wanted, *remote_locations(settings, extra)]:
+    for setting, location in [*wanted, *remote]:
         bucket, _ = s3.split(location)
         if bucket and bucket not in checked:
             check_bucket(settings, bucket, f"{setting}={location}")

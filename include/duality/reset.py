@@ -4,10 +4,10 @@ checkpoint and recreate the changelog empty, to reprocess the source from a chos
 from __future__ import annotations
 
 import dataclasses
-import shutil
 from datetime import UTC, datetime
 from typing import Any
 
+from duality import storage
 from duality.config import Settings
 from duality.errors import UsageError
 from duality.kafka import client, offsets, topics
@@ -122,7 +122,7 @@ def execute(settings: Settings, spec: PipelineSpec, reset: ResetPlan) -> None:
         if reset.stop_pid is not None or control.running_pid(settings, spec) is not None:
             control.stop(settings, spec, hold=False)
         offsets.commit_offsets(settings, spec.consumer_group, spec.source.topic, reset.offsets)
-        shutil.rmtree(reset.checkpoint, ignore_errors=True)
+        storage.remove_tree(settings.location(reset.checkpoint))
         if reset.changelog_partitions is not None:
             # KRaft has removed a topic when it answers the deletion: the name is free again.
             topics.delete_topic(settings, spec.changelog_topic)

@@ -11,26 +11,26 @@ first micro-batch writes it to the copy."""
 from __future__ import annotations
 
 import json
-import shutil
-from pathlib import Path
 from typing import TYPE_CHECKING
 
+from duality import storage
 from duality.config import Settings
 from duality.join.frame import SEED, TABLE, seed_schema
 from duality.kafka import offsets
 from duality.spec import PipelineSpec
+from duality.stream.seeding import make_folder
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
 
-def seed_folder(checkpoint: Path) -> Path:
+def seed_folder(checkpoint: storage.Location) -> storage.Location:
     return checkpoint / "table-seed"
 
 
-def seeds_stream(spark: SparkSession, checkpoint: Path) -> DataFrame:
+def seeds_stream(spark: SparkSession, checkpoint: storage.Location) -> DataFrame:
     folder = seed_folder(checkpoint)
-    folder.mkdir(parents=True, exist_ok=True)
+    make_folder(folder)
     return spark.readStream.schema(seed_schema()).parquet(str(folder))
 
 
@@ -38,7 +38,7 @@ def write_seed(
     spark: SparkSession,
     settings: Settings,
     spec: PipelineSpec,
-    checkpoint: Path,
+    checkpoint: storage.Location,
     committed: dict[int, int],
 ) -> tuple[int, dict[int, int]]:
     """Seed files of the table's rows, given the table topic's `committed` offsets (empty
@@ -56,9 +56,9 @@ def write_seed(
         topic, side = joined.topic, TABLE
         ends = starts = offsets.end_offsets(settings, topic, "read_committed")
     folder = seed_folder(checkpoint)
-    shutil.rmtree(folder, ignore_errors=True)
+    storage.remove_tree(folder)
     if offsets.is_empty(settings, topic, ends):
-        folder.mkdir(parents=True)
+        make_folder(folder)
         return 0, starts
     raw = (
         spark.read.format("kafka")
@@ -76,9 +76,6 @@ def write_seed(
     rows = latest.where(F.col("r.value").isNotNull()).select(
         "key", "r.value", "r.partition", "r.offset", F.lit(side).alias("_side")
     )
-    staging = folder.with_name("table-seed.staging")
-    shutil.rmtree(staging, ignore_errors=True)
-    rows.write.parquet(str(staging))
-    count = spark.read.parquet(str(staging)).count()
-    staging.rename(folder)
-    return count, starts
+    # In place, as the stream's own seed (duality.stream.seeding.write_seed says why).
+    rows.write.mode("overwrite").parquet(str(folder))
+    return spark.read.parquet(str(folder)).count(), starts

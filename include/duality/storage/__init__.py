@@ -41,9 +41,20 @@ def local_or_none(location: Location) -> Path | None:
 def remove_tree(location: Location) -> None:
     """The folder and everything below it gone (nothing to do when it is not there)."""
     if isinstance(location, ObjectPath):
+        import pyarrow.fs as pafs
+
+        fs = location.filesystem
+        below = pafs.FileSelector(location.arrow_path, allow_not_found=True, recursive=True)
+        folders = [i.path for i in fs.get_file_info(below) if i.type == pafs.FileType.Directory]
         # The keys below it, and the folder itself where the server keeps one.
         with contextlib.suppress(FileNotFoundError):
-            location.filesystem.delete_dir(location.arrow_path)
+            fs.delete_dir(location.arrow_path)
+        # A server whose folders are real (SeaweedFS's filer) keeps a folder made by a marker
+        # (S3A's mkdirs: `key/`) whose deletion came while it still held keys, and lists it
+        # again, which Spark takes for a checkpoint's state not empty: deepest first, again.
+        assert location.store is not None  # `filesystem` needs it
+        for folder in sorted([*folders, location.arrow_path], key=len, reverse=True):
+            s3.request(location.store, "DELETE", f"/{folder}/", timeout=s3.WRITE_TIMEOUT_S)
     else:
         shutil.rmtree(location, ignore_errors=True)
 

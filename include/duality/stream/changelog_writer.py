@@ -8,7 +8,6 @@ import json
 import logging
 import time
 from collections.abc import Generator, Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from duality import changelog
@@ -16,6 +15,7 @@ from duality.config import Settings
 from duality.kafka import client, offsets, records, topics
 from duality.metrics import reason_kind
 from duality.spec import PipelineSpec
+from duality.storage import Location
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -37,7 +37,7 @@ class PlannedBatch:
 
 
 def planned_batch(
-    checkpoint: Path, topic: str, batch_id: int, table_topic: str | None = None
+    checkpoint: Location, topic: str, batch_id: int, table_topic: str | None = None
 ) -> PlannedBatch:
     """Read `offsets/<batch_id>`, which Spark writes before it runs the batch: a version, the
     batch's metadata (with `batchWatermarkMs`), then one offset per source (one Kafka source
@@ -81,7 +81,7 @@ class BatchResult:
 class ChangelogWriter:
     """Writes each micro-batch's output in one Kafka transaction with the source offsets."""
 
-    def __init__(self, settings: Settings, spec: PipelineSpec, checkpoint: Path):
+    def __init__(self, settings: Settings, spec: PipelineSpec, checkpoint: Location):
         self.settings = settings
         self.spec = spec
         self.checkpoint = checkpoint

@@ -305,6 +305,9 @@ class StreamDriver:
         started = time.monotonic()
         topic = spec.source.topic
         root = seeding.checkpoint_dir(settings, spec).parent
+        if not isinstance(root, Path):
+            # Never on object storage (its files are thrown away): under the local folder.
+            root = settings.local_dir / "warm-up"
         root.mkdir(parents=True, exist_ok=True)
         # Beside the pipeline's checkpoint, on the storage its executors share.
         scratch = Path(tempfile.mkdtemp(prefix=f".{spec.name}-warm-up-", dir=root))

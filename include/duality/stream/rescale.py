@@ -5,9 +5,9 @@ its committed offsets (docs/streams.md#state-partitions)."""
 from __future__ import annotations
 
 import dataclasses
-import shutil
 from typing import Any
 
+from duality import storage
 from duality.config import Settings
 from duality.errors import UsageError
 from duality.kafka import client, offsets
@@ -105,7 +105,7 @@ def execute(settings: Settings, spec: PipelineSpec, rescale: RescalePlan) -> Non
         # The changelog and the committed offsets were written in one transaction per batch:
         # without the checkpoint the driver seeds the state from the one and resumes at the
         # other, in the new number of partitions.
-        shutil.rmtree(rescale.checkpoint, ignore_errors=True)
+        storage.remove_tree(settings.location(rescale.checkpoint))
     if rescale.stop_pid is not None:
         control.start(settings, spec, job_args=rescale.job_args)
     if rescale.standby_pid is not None:

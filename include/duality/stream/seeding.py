@@ -1,15 +1,15 @@
 """The checkpoint, and the state seeded from the changelog without one: the latest `_state` per
-key as Parquet files that a file source feeds into the aggregation (docs/streams.md)."""
+key as Parquet files that a file source feeds into the aggregation (docs/streams.md). The
+checkpoint is a local folder or a location on object storage (`s3a://…`, docs/streams.md)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
-import shutil
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from duality import storage
 from duality.config import Settings
 from duality.errors import UsageError
 from duality.kafka import offsets
@@ -27,28 +27,39 @@ _ENGINE_FILE = "duality-engine.json"
 _ENGINE = "state-store-1"
 
 
-def checkpoint_dir(settings: Settings, spec: PipelineSpec) -> Path:
+def checkpoint_dir(settings: Settings, spec: PipelineSpec) -> storage.Location:
     return settings.checkpoint_root / spec.name
 
 
-def seeds_stream(spark: SparkSession, spec: PipelineSpec, checkpoint: Path) -> DataFrame:
+def make_folder(folder: storage.Location) -> None:
+    """`folder` there for a file source, which refuses a path that does not exist: on object
+    storage, which has no folders, an empty marker object (`key/`) that S3A takes for one."""
+    if isinstance(folder, storage.ObjectPath):
+        folder.filesystem.create_dir(folder.arrow_path)
+    else:
+        folder.mkdir(parents=True, exist_ok=True)
+
+
+def seeds_stream(
+    spark: SparkSession, spec: PipelineSpec, checkpoint: storage.Location
+) -> DataFrame:
     folder = checkpoint / "seed"
-    folder.mkdir(parents=True, exist_ok=True)
+    make_folder(folder)
     return spark.readStream.schema(rows_schema(spec)).parquet(str(folder))
 
 
 def write_seed(
-    spark: SparkSession, settings: Settings, spec: PipelineSpec, checkpoint: Path
+    spark: SparkSession, settings: Settings, spec: PipelineSpec, checkpoint: storage.Location
 ) -> int:
     """The changelog's latest `_state` per key, read_committed, as Parquet seed files; returns
     the number of keys. Tombstones remove their key."""
     from pyspark.sql import functions as F
 
     folder = checkpoint / "seed"
-    shutil.rmtree(folder, ignore_errors=True)
+    storage.remove_tree(folder)
     # A first start: nothing to read, no Spark job.
     if offsets.is_empty(settings, spec.changelog_topic):
-        folder.mkdir(parents=True)
+        make_folder(folder)
         return 0
     raw = (
         spark.read.format("kafka")
@@ -61,12 +72,12 @@ def write_seed(
     )
     latest = raw.groupBy("key").agg(F.max_by("value", "offset").alias("value"))
     seeds = seed_rows(spec, latest.where(F.col("value").isNotNull()))
-    staging = folder.with_name("seed.staging")
-    shutil.rmtree(staging, ignore_errors=True)
-    seeds.write.parquet(str(staging))
-    count = spark.read.parquet(str(staging)).count()
-    staging.rename(folder)
-    return count
+    # Written in place, no rename (object storage has none): the seed is read only by a query
+    # that starts after this returns, and a start interrupted before its first offsets are
+    # logged empties the whole checkpoint again (`checkpoint_usable`, `prepare_checkpoint`).
+    # Overwritten: a standby building its query ahead may have made the folder meanwhile.
+    seeds.write.mode("overwrite").parquet(str(folder))
+    return spark.read.parquet(str(folder)).count()
 
 
 def seed_rows(spec: PipelineSpec, values: DataFrame) -> DataFrame:
@@ -148,7 +159,7 @@ def state_partitions(settings: Settings, spec: PipelineSpec) -> int:
     return default_partitions(settings)
 
 
-def checkpoint_partitions(checkpoint: Path) -> int | None:
+def checkpoint_partitions(checkpoint: storage.Location) -> int | None:
     """The state partitions `checkpoint` fixed: as duality recorded them, else as Spark's
     offset log records its `spark.sql.shuffle.partitions`; None without a checkpoint."""
     marker = checkpoint / _ENGINE_FILE
@@ -167,7 +178,7 @@ def checkpoint_partitions(checkpoint: Path) -> int | None:
     return int(value) if value is not None else None
 
 
-def checkpoint_usable(spec: PipelineSpec, checkpoint: Path, partitions: int) -> bool:
+def checkpoint_usable(spec: PipelineSpec, checkpoint: storage.Location, partitions: int) -> bool:
     """Whether the query can resume from `checkpoint` rather than seed from the changelog; a
     checkpoint of another state layout, or of another number of state partitions than
     `partitions`, is a usage error."""
@@ -202,9 +213,9 @@ def checkpoint_usable(spec: PipelineSpec, checkpoint: Path, partitions: int) -> 
     return True
 
 
-def prepare_checkpoint(spec: PipelineSpec, checkpoint: Path, partitions: int) -> None:
+def prepare_checkpoint(spec: PipelineSpec, checkpoint: storage.Location, partitions: int) -> None:
     """Empty the checkpoint folder and mark it as this engine's, with its state partitions."""
-    shutil.rmtree(checkpoint, ignore_errors=True)
+    storage.remove_tree(checkpoint)
     checkpoint.mkdir(parents=True)
     marker = {"engine": _ENGINE, "layout": state_layout(spec), "partitions": partitions}
     (checkpoint / _ENGINE_FILE).write_text(json.dumps(marker))
