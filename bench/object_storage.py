@@ -17,7 +17,7 @@ from rich.progress import Progress
 from baselines import Figure, order_events
 from duality.config import Settings
 from duality.local.object_store import LocalObjectStore
-from streaming import RESTART_EVENTS, Bench, bench_spec, state_scale_point, target
+from streaming import RESTART_EVENTS, Bench, Point, bench_spec, state_scale_point, target
 
 FAILOVER_STANDBY_SECONDS = 10.0
 
@@ -120,7 +120,7 @@ def _beside(remote: list[Figure], local: list[Figure]) -> list[Figure]:
 def _failover(bench: Bench, s3: Settings, source: str, keys: int, progress: Progress) -> Figure:
     """Failover without and with a standby (bench/streaming.py `failover`), a stream over the
     same backlog with its checkpoint on local disk, then on S3."""
-    points = {}
+    points: dict[str, Point] = {}
     for where, settings in (("local", bench.settings), ("s3", s3)):
         scoped = dataclasses.replace(bench, settings=settings, stamp=bench.stamp + len(points))
         spec = bench_spec(f"bench_failover_{where}_{scoped.stamp}", source, scoped.pipelines)

@@ -14,6 +14,11 @@ first three scenarios. One replica, `duality serve` run as users run it (tests.s
   not hold back the requests after it, and their wait counts). Targets: p99 at most 10 ms, and
   no errors (anything but a 200). The replica's resident memory (its process) before the load,
   at its peak and after.
+- `pull-query-own-core`: the same paced run once more, right after, with the replica's
+  processes and the client on the machine's last core and every other process of the run (the
+  bench, its broker, the stream's driver and JVM, every thread) on the others: a replica with
+  a core of its own, as a deployment gives it a host or a cpuset (decision 36). The same
+  targets.
 - `pull-query-max`: the most requests/s the replica answers: four client processes asking
   without pause (one connection each) for 10 s, beside the same load (on the same cores as the
   replica, the stream and the load).
@@ -37,6 +42,8 @@ first three scenarios. One replica, `duality serve` run as users run it (tests.s
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import http.client
 import json
 import os
@@ -47,9 +54,11 @@ import threading
 import time
 import urllib.parse
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from baselines import Figure, preload
 from duality import validate
@@ -79,6 +88,7 @@ PULL_CLIENT = Path(__file__).resolve().parent / "pullclient"  # its Go source
 # The scenario names whose records/s are no copy of the backlog (no ratio to the baselines).
 SCENARIOS = (
     "pull-query",
+    "pull-query-own-core",
     "pull-query-max",
     "pull-freshness",
     "replica-bootstrap",
@@ -156,7 +166,13 @@ def _client(
         *("--rate", f"{rate:g}", "--seconds", f"{seconds:g}", "--seed", str(seed)),
         *("--out", str(out)),
     ]
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    cpus = _CLIENT_CPUS[0] if _CLIENT_CPUS else None
+    return subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        preexec_fn=None if cpus is None else (lambda: os.sched_setaffinity(0, cpus)),
+    )
 
 
 def _finished(client: subprocess.Popen[bytes], out: Path, seconds: float) -> dict[str, Any]:
@@ -272,6 +288,138 @@ class _Probes:
         self.reader.close()
 
 
+@dataclasses.dataclass
+class _Paced:
+    """One paced run of the client (PULL_RATE requests/s for a while) and its surroundings."""
+
+    result: dict[str, Any]
+    events: int  # the stream's load during it
+    load_average: tuple[float, float]  # before and after
+    lag: tuple[int | None, int | None]  # the stream's, before and after
+    placement: str  # the cores
+
+    @classmethod
+    def run(
+        cls,
+        binary: Path,
+        replica: ServeProcess,
+        spec: PipelineSpec,
+        keys: int,
+        seconds: float,
+        scratch: Path,
+        load: SteadyLoad,
+        placement: str,
+    ) -> _Paced:
+        settings = replica.settings
+        produced, lag, average = load.produced, control.lag(settings, spec), os.getloadavg()[0]
+        out = scratch / f"pull-query-{placement.split()[0]}.json"
+        client = _client(
+            binary, replica, spec.name, keys, PULL_RATE, seconds, out, 1, PULL_CONNECTIONS
+        )
+        result = _finished(client, out, seconds)
+        return cls(
+            result,
+            load.produced - produced,
+            (round(average, 2), round(os.getloadavg()[0], 2)),
+            (lag, control.lag(settings, spec)),
+            placement,
+        )
+
+    def figure(self, name: str, keys: int, rss: dict[str, float], max_rate: float) -> StreamFigure:
+        paced = self.result
+        latencies = sorted(paced["latencies_ms"])
+        p50, p99, p999 = (_ms(latencies, q) for q in (50, 99, 99.9))
+        services = sorted(paced["services_ms"])
+        errors = int(paced["errors"])
+        return StreamFigure(
+            name,
+            int(paced["requests"]),
+            float(paced["seconds"]),
+            0.0,
+            details={
+                "rate_target": PULL_RATE,
+                "connections": PULL_CONNECTIONS,
+                "keys": keys,
+                "event_rate": EVENT_RATE,
+                "events_during": self.events,
+                "cores": self.placement,
+                "p50_ms": p50,
+                "p99_ms": p99,
+                "p999_ms": p999,
+                "max_ms": round(latencies[-1], 3) if latencies else None,
+                # From when each request was sent rather than due: the difference is the
+                # client's own wait (a connection or its process's turn on a core).
+                "service_p50_ms": _ms(services, 50),
+                "service_p99_ms": _ms(services, 99),
+                "errors": errors,
+                "first_error": paced["first_error"],
+                "statuses": paced["statuses"],
+                "max_requests_per_s": round(max_rate, 1),
+                # The machine's 1-minute load average before and after the paced run: other
+                # work on the same cores shows in the tail.
+                "load_average": list(self.load_average),
+                # The stream's lag on its source before and after the paced run (events).
+                "stream_lag": list(self.lag),
+                **rss,
+            },
+            targets=[
+                target(
+                    f"p99 <= {P99_TARGET_MS:g} ms", p99, p99 is not None and p99 <= P99_TARGET_MS
+                ),
+                target("no errors", errors, errors == 0 and bool(latencies)),
+            ],
+            note=(
+                f"p50 {p50} ms, p99 {p99} ms, p999 {p999} ms, {errors} errors; cores: "
+                f"{self.placement}; beside {EVENT_RATE:,} events/s; replica RSS "
+                f"{rss['replica_rss_mb_before']} MiB before, peak {rss['replica_rss_mb_peak']} "
+                f"MiB; load average {self.load_average[0]:.1f}; the stream's lag "
+                f"{self.lag[0]} -> {self.lag[1]} events"
+            ),
+        )
+
+
+@contextlib.contextmanager
+def _own_core(replica: ServeProcess) -> Iterator[str]:
+    """The replica's processes (its API and writer) and the clients started meanwhile on the
+    last core, every other process of this run (this one, its broker, the stream's driver and
+    its JVM, every thread of each) on the others; all back on every core after. A replica on
+    a host or in a cpuset of its own, as a deployment gives it, on a machine this size."""
+    cpus = sorted(os.sched_getaffinity(0))
+    assert replica.process is not None
+    if len(cpus) < 2:
+        yield "shared (one core)"
+        return
+    own, rest = {cpus[-1]}, set(cpus[:-1])
+    root = psutil.Process(replica.process.pid)
+    replica_tree = {p.pid for p in [root, *root.children(recursive=True)]}
+    me = psutil.Process()
+    tree = [me, *me.children(recursive=True)]
+    _pin(tree, lambda pid: own if pid in replica_tree else rest)
+    previous = _CLIENT_CPUS[:]
+    _CLIENT_CPUS[:] = [own]
+    try:
+        yield f"replica {cpus[-1]}, others {','.join(map(str, sorted(rest)))}"
+    finally:
+        _CLIENT_CPUS[:] = previous
+        _pin([me, *me.children(recursive=True)], lambda _: set(cpus))
+
+
+def _pin(processes: list[psutil.Process], cpus_of: Callable[[int], set[int]]) -> None:
+    """Every thread of each process onto `cpus_of(its pid)` (threads started later inherit)."""
+    for process in processes:
+        try:
+            threads = process.threads()
+        except psutil.Error:
+            continue  # ended meanwhile
+        for thread in threads:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.sched_setaffinity(thread.id, cpus_of(process.pid))
+
+
+# The cores the clients started now run on (all when empty): `_own_core` sets them.
+_CLIENT_CPUS: list[set[int]] = []
+
+
 def pull_scenarios(
     bench: Bench, scratch: Path, keys: int, seconds: float, trigger_seconds: float
 ) -> list[Figure]:
@@ -331,22 +479,17 @@ def pull_scenarios(
                 f"serve: the stream did not keep up with {EVENT_RATE:,} events/s within "
                 f"{KEEP_UP_S:g} s; measuring beside it as it is"
             )
-        produced_before = load.produced
-        lag_before = control.lag(settings, spec)
-        load_average = os.getloadavg()[0]
-
         progress.console.print(
             f"pull-query: {PULL_RATE:,.0f} requests/s for {seconds:g} s from a process of its own"
         )
-        out = scratch / "pull-query.json"
-        paced = _finished(
-            _client(binary, replica, spec.name, keys, PULL_RATE, seconds, out, 1, PULL_CONNECTIONS),
-            out,
-            seconds,
-        )
+        paced = _Paced.run(binary, replica, spec, keys, seconds, scratch, load, "shared")
         rss_after = memory.sample()
-        load_average_after = os.getloadavg()[0]
-        lag_after = control.lag(settings, spec)
+        progress.console.print(
+            "pull-query-own-core: the same with the replica and the client on a core of their "
+            "own, every other process of the run on the others"
+        )
+        with _own_core(replica) as placement:
+            own = _Paced.run(binary, replica, spec, keys, seconds, scratch, load, placement)
 
         progress.console.print(f"pull-query-max: {MAX_CLIENTS} clients without pause")
         outs = [scratch / f"pull-query-max-{n}.json" for n in range(MAX_CLIENTS)]
@@ -359,7 +502,6 @@ def pull_scenarios(
         progress.console.print(f"pull-freshness: {PROBE_RATE:g} probe events/s for {seconds:g} s")
         probes = _Probes(settings, spec, replica)
         probed = probes.run(seconds)
-        load_events = load.produced - produced_before
         stream.check()
         load.stop()
         replica.stop()
@@ -375,10 +517,6 @@ def pull_scenarios(
         stream.kill()
         heartbeats.close()
 
-    latencies = sorted(paced["latencies_ms"])
-    p50, p99, p999 = (_ms(latencies, q) for q in (50, 99, 99.9))
-    services = sorted(paced["services_ms"])
-    errors = int(paced["errors"])
     requests_max = sum(int(c["requests"]) for c in closed)
     seconds_max = max(float(c["seconds"]) for c in closed)
     errors_max = sum(int(c["errors"]) for c in closed)
@@ -388,47 +526,8 @@ def pull_scenarios(
         "replica_rss_mb_after": _mb(rss_after),
         "replica_rss_mb_peak": _mb(memory.peak),
     }
-    query = StreamFigure(
-        "pull-query",
-        int(paced["requests"]),
-        float(paced["seconds"]),
-        0.0,
-        details={
-            "rate_target": PULL_RATE,
-            "connections": PULL_CONNECTIONS,
-            "keys": keys,
-            "event_rate": EVENT_RATE,
-            "events_during": load_events,
-            "p50_ms": p50,
-            "p99_ms": p99,
-            "p999_ms": p999,
-            "max_ms": round(latencies[-1], 3) if latencies else None,
-            # From when each request was sent rather than due: the difference is the client's
-            # own wait (a connection or its process's turn on a core).
-            "service_p50_ms": _ms(services, 50),
-            "service_p99_ms": _ms(services, 99),
-            "errors": errors,
-            "first_error": paced["first_error"],
-            "statuses": paced["statuses"],
-            "max_requests_per_s": round(max_rate, 1),
-            # The machine's 1-minute load average before and after the paced run: other work
-            # on the same cores shows in the tail.
-            "load_average": [round(load_average, 2), round(load_average_after, 2)],
-            # The stream's lag on its source before and after the paced run (events).
-            "stream_lag": [lag_before, lag_after],
-            **rss,
-        },
-        targets=[
-            target(f"p99 <= {P99_TARGET_MS:g} ms", p99, p99 is not None and p99 <= P99_TARGET_MS),
-            target("no errors", errors, errors == 0 and bool(latencies)),
-        ],
-        note=(
-            f"p50 {p50} ms, p99 {p99} ms, p999 {p999} ms, {errors} errors; beside "
-            f"{EVENT_RATE:,} events/s; replica RSS {rss['replica_rss_mb_before']} MiB before, "
-            f"peak {rss['replica_rss_mb_peak']} MiB; load average {load_average:.1f}; the "
-            f"stream's lag {lag_before} -> {lag_after} events"
-        ),
-    )
+    query = paced.figure("pull-query", keys, rss, max_rate)
+    alone = own.figure("pull-query-own-core", keys, rss, max_rate)
     most = StreamFigure(
         "pull-query-max",
         requests_max,
@@ -482,7 +581,7 @@ def pull_scenarios(
             + (f"; {unseen} events never visible" if unseen else "")
         ),
     )
-    return [query, most, freshness]
+    return [query, alone, most, freshness]
 
 
 def _new_replica(
