@@ -3,25 +3,31 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
 import json
 import logging
+import tempfile
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from duality import storage
 from duality.config import Settings
 from duality.errors import CheckFailed, UsageError
 from duality.kafka import offsets
 from duality.snapshot import delta_log
 from duality.snapshot.build import Progress, column_types, quiet, read_changelog
 from duality.snapshot.coverage import Coverage
+from duality.snapshot.outage import reported
 from duality.snapshot.publish import Verdict, published, record_validation
 from duality.spark import session
 from duality.spec import PipelineSpec
+from duality.storage import Location
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
@@ -321,6 +327,7 @@ class Report:
     validation_commit: int  # the table's commit that records this verdict
 
 
+@reported("validate")
 def run(
     settings: Settings,
     spec: PipelineSpec,
@@ -431,8 +438,6 @@ def _run_ge(
     import great_expectations as gx
     from great_expectations.data_context.types.base import ProgressBarsConfig
 
-    from duality.snapshot import data_docs
-
     # GE logs its own start-up at INFO; jobs log at INFO, so keep GE to warnings (one of its
     # modules sets its own logger to INFO).
     for name in ("great_expectations", "great_expectations.data_context.types.base"):
@@ -440,6 +445,46 @@ def _run_ge(
     context = gx.get_context(mode="ephemeral")
     context.variables.progress_bars = ProgressBarsConfig(globally=False)
     site = settings.reports / spec.name / "data_docs"
+    with _site_folder(site) as folder:
+        return _validate_all(context, spec, version, table, diff, expectations, folder)
+
+
+@contextlib.contextmanager
+def _site_folder(site: Location) -> Iterator[Path]:
+    """The folder GE renders the Data Docs `site` into: the site itself when it is local; on
+    object storage a temporary folder, whose tree then replaces the site's (GE's S3 backend
+    would need boto3; GE itself removes the pages of earlier runs from a site it builds)."""
+    if isinstance(site, Path):
+        yield site
+        return
+    with tempfile.TemporaryDirectory(prefix="duality-data-docs-") as rendered:
+        yield Path(rendered)
+        import pyarrow.fs as pafs
+
+        storage.remove_tree(site)
+        filesystem, target = storage.arrow(site)
+        pafs.copy_files(
+            rendered,
+            target,
+            source_filesystem=pafs.LocalFileSystem(),
+            destination_filesystem=filesystem,
+        )
+
+
+def _validate_all(
+    context: Any,
+    spec: PipelineSpec,
+    version: int,
+    table: DataFrame,
+    diff: DataFrame | None,
+    expectations: list[Any],
+    site: Path,
+) -> list[dict[str, Any]]:
+    """The suite's validations run in GE's `context`, rendered into the Data Docs at `site`."""
+    import great_expectations as gx
+
+    from duality.snapshot import data_docs
+
     views = data_docs.views()  # its templates compiled once
     # GE's type of a site's configuration lacks `site_section_builders`, which SiteBuilder takes.
     context.add_data_docs_site(
@@ -568,7 +613,7 @@ def _failures(
     return failed
 
 
-def _write_json(path: Path, report: Report, results: list[dict[str, Any]], stamp: str) -> None:
+def _write_json(path: Location, report: Report, results: list[dict[str, Any]], stamp: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     document = {**dataclasses.asdict(report), "validated_at": stamp, "results": results}
     text = json.dumps(document, indent=2, default=str)

@@ -222,15 +222,15 @@ def test_a_version_another_writer_takes_first_is_never_overwritten(
     theirs = json.dumps({"commitInfo": {"operation": "OPTIMIZE"}}) + "\n"
     before, log_before = set(tmp_path.iterdir()), set(log.iterdir())
     attempt: set[Path] = set()  # the files this attempt wrote before it lost
-    create = dv_commit._create
+    create = dv_commit.storage.create_if_absent
 
-    def racing(final: Path, text: str) -> bool:
+    def racing(final: Path, data: bytes) -> bool:
         if final.name == f"{1:020d}.json" and not attempt:
             attempt.update(set(tmp_path.iterdir()) - before)
             final.write_text(theirs)  # the other writer's commit
-        return create(final, text)
+        return create(final, data)
 
-    monkeypatch.setattr(dv_commit, "_create", racing)
+    monkeypatch.setattr(dv_commit.storage, "create_if_absent", racing)
     rows = _rows(["b", "e"], [20, 5], [False, False])
     assert dv_commit.write(tmp_path, state, rows, ["k"], {"kind": "snapshot"}) is None
     # It had written a deletion vector (b's old row) and a data file (the new rows).

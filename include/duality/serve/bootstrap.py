@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
@@ -21,6 +20,7 @@ from duality.serve.store import SnapshotRow
 from duality.snapshot import delta_log, dv_commit, publish
 from duality.snapshot.coverage import Coverage
 from duality.spec import PipelineSpec
+from duality.storage import Location, arrow
 
 log = logging.getLogger("duality.serve")
 
@@ -46,7 +46,7 @@ def published(
     return found.coverage, _rows(spec, path, state)
 
 
-def _rows(spec: PipelineSpec, path: Path, state: delta_log.TableState) -> Iterator[SnapshotRow]:
+def _rows(spec: PipelineSpec, path: Location, state: delta_log.TableState) -> Iterator[SnapshotRow]:
     """Each live row of the version, as the changelog wrote its record: key fields (the window
     start as ISO text), aggregates, `_updated_at` in epoch milliseconds. A column at a time
     where it can (timestamps to milliseconds by pyarrow): a million rows is a new replica's
@@ -66,7 +66,8 @@ def _rows(spec: PipelineSpec, path: Path, state: delta_log.TableState) -> Iterat
     for name, add in state.files.items():
         deleted = set(dv_commit.read_vector(path, add.get("deletionVector")))
         index = 0
-        data = pq.ParquetFile(path / unquote(name))
+        filesystem, where = arrow(path / unquote(name))
+        data = pq.ParquetFile(where, filesystem=filesystem)
         for batch in data.iter_batches(batch_size=65_536, columns=spec.snapshot_columns):
             updated = _millis(batch.column("_updated_at"))
             windows = (

@@ -7,7 +7,6 @@ import json
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from duality.config import Settings
@@ -16,8 +15,10 @@ from duality.kafka import offsets, records, topics
 from duality.schema import SQL_TYPES
 from duality.snapshot import delta_log, dv_commit
 from duality.snapshot.coverage import Coverage, capture_coverage
+from duality.snapshot.outage import reported
 from duality.spark import session
 from duality.spec import PipelineSpec
+from duality.storage import Location, s3
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -174,6 +175,7 @@ class SnapshotResult:
     seconds: float
 
 
+@reported("snapshot")
 def build(
     settings: Settings,
     spec: PipelineSpec,
@@ -277,10 +279,15 @@ def build(
         typed = _changelog_rows(spec, spark.createDataFrame(changes)).toArrow()
         why = dv_commit.blocker(state) if state is not None else "its log cannot be replayed"
         if state is not None and why is None:
-            if dv_commit.write(path, state, typed, list(spec.key_columns), metadata) is None:
-                why = f"version {state.version + 1} was committed by another writer meanwhile"
-            else:
-                merged_by = "duality"
+            try:
+                done = dv_commit.write(path, state, typed, list(spec.key_columns), metadata)
+                if done is None:
+                    why = f"version {state.version + 1} was committed by another writer meanwhile"
+                else:
+                    merged_by = "duality"
+            except s3.ConditionRefused as refused:
+                # No safe commit of duality's own on this store (issue #49): Delta's MERGE.
+                why = str(refused)
         if why is not None:
             progress(f"duality cannot write this commit itself ({why}): Delta's MERGE writes it")
             # A local relation: the MERGE reads it in each of its passes without recomputing it.
@@ -357,7 +364,11 @@ def _incremental_blocker(
 
 
 def _overwrite(
-    spark: SparkSession, spec: PipelineSpec, path: Path, rows: DataFrame, metadata: dict[str, Any]
+    spark: SparkSession,
+    spec: PipelineSpec,
+    path: Location,
+    rows: DataFrame,
+    metadata: dict[str, Any],
 ) -> None:
     """The whole table replaced by the live rows, in one commit."""
     again = f"run `duality snapshot {spec.name}` again"
@@ -381,7 +392,7 @@ def _overwrite(
 def _merge(
     spark: SparkSession,
     spec: PipelineSpec,
-    path: Path,
+    path: Location,
     rows: DataFrame,
     metadata: dict[str, Any],
     *,

@@ -9,12 +9,13 @@ import json
 import re
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from duality import storage
 from duality.errors import ConcurrentWrite, UsageError
 from duality.snapshot.coverage import Coverage
 from duality.spec import PipelineSpec
+from duality.storage import Location
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -33,7 +34,7 @@ class Version:
     metrics: dict[str, int] = dataclasses.field(default_factory=dict)  # operationMetrics
 
 
-def history(path: Path) -> list[Version]:
+def history(path: Location) -> list[Version]:
     """The table's commits, newest first: the `commitInfo` of each JSON commit in its log (what
     Delta's own history reads), without a Spark job."""
     versions = []
@@ -110,7 +111,7 @@ _COMMANDS = {
 _CHECKPOINT = re.compile(r"^(\d{20})\.checkpoint(?:\.(\d{10})\.(\d{10}))?\.parquet$")
 
 
-def table_state(path: Path, version: int) -> TableState | None:
+def table_state(path: Location, version: int) -> TableState | None:
     """`version` replayed from the newest classic checkpoint at or before it and the JSON
     commits after that, without Spark; None when the log cannot be read that way (a commit
     missing, a V2 checkpoint only): the callers then ask Spark."""
@@ -171,7 +172,7 @@ def deletion_vector_id(action: dict[str, Any]) -> str | None:
 
 
 def _checkpoint_state(
-    log: Path, names: list[str], version: int
+    log: Location, names: list[str], version: int
 ) -> tuple[int, dict[str, Any] | None, dict[str, Any] | None, dict[str, dict[str, Any]]]:
     """The newest complete classic (single or multi-part) checkpoint at or before `version`:
     the first commit after it, its protocol, metadata and live files; else from commit 0."""
@@ -188,10 +189,12 @@ def _checkpoint_state(
     at = max(complete)
     import pyarrow.parquet as pq
 
-    files = [str(log / name) for name in sorted(parts[at])]
-    present = pq.read_schema(files[0]).names
+    filesystem, _ = storage.arrow(log)
+    files = [storage.arrow(log / name)[1] for name in sorted(parts[at])]
+    present = pq.read_schema(files[0], filesystem=filesystem).names
     wanted = [c for c in ("protocol", "metaData", "add") if c in present]
-    rows = pq.read_table(files, columns=wanted).to_pylist(maps_as_pydicts="strict")
+    table = pq.read_table(files, columns=wanted, filesystem=filesystem)
+    rows = table.to_pylist(maps_as_pydicts="strict")
     protocol = next((row["protocol"] for row in rows if row.get("protocol")), None)
     metadata = next((row["metaData"] for row in rows if row.get("metaData")), None)
     live = {row["add"]["path"]: _present(row["add"]) for row in rows if row.get("add")}
@@ -199,7 +202,7 @@ def _checkpoint_state(
 
 
 def checkpoint_if_due(
-    spark: SparkSession, path: Path, version: int, properties: dict[str, str]
+    spark: SparkSession, path: Location, version: int, properties: dict[str, str]
 ) -> bool:
     """Delta checkpoints a table's log, and removes the log files past their retention, when one
     of its own commits lands on a multiple of `delta.checkpointInterval` (the table's
@@ -231,7 +234,7 @@ def _present(value: Any) -> Any:
 
 
 @contextmanager
-def lost_race(path: Path, statement: str, again: str) -> Iterator[None]:
+def lost_race(path: Location, statement: str, again: str) -> Iterator[None]:
     """The Delta statement inside, said in one line when it loses the race for its version to
     another writer's conflicting commit (one of Delta's concurrent modification exceptions,
     whose message and Java stack trace run to dozens of lines): a ConcurrentWrite naming the
@@ -249,7 +252,7 @@ def lost_race(path: Path, statement: str, again: str) -> Iterator[None]:
         ) from None
 
 
-def _winner(path: Path, message: str) -> str:
+def _winner(path: Location, message: str) -> str:
     """The commit that won a race, from the commitInfo Delta's exception quotes (else the
     table's newest commit): its version, operation and writer."""
     found = _CONFLICTING.search(message)
@@ -267,11 +270,11 @@ def _winner(path: Path, message: str) -> str:
     return f"version {info['version']} ({info.get('operation', 'a commit')} by {writer})"
 
 
-def is_table(path: Path) -> bool:
+def is_table(path: Location) -> bool:
     return (path / "_delta_log").is_dir()
 
 
-def require_table(spec: PipelineSpec, path: Path) -> Path:
+def require_table(spec: PipelineSpec, path: Location) -> Location:
     if not is_table(path):
         raise UsageError(
             f"pipeline {spec.name} has no snapshot at {path}: build one with "
@@ -329,12 +332,12 @@ def user_metadata(metadata: dict[str, Any]) -> str:
     return json.dumps({METADATA_KEY: metadata}, separators=(",", ":"))
 
 
-def sql_name(path: Path) -> str:
+def sql_name(path: Location) -> str:
     """The table at `path` as SQL names it (`delta.`/a/path``)."""
     return "delta.`" + str(path).replace("`", "``") + "`"
 
 
-def load(spark: SparkSession, path: Path, version: int | None = None) -> DataFrame:
+def load(spark: SparkSession, path: Location, version: int | None = None) -> DataFrame:
     """The table at `version` (time travel; default: the newest)."""
     reader = spark.read.format("delta")
     if version is not None:

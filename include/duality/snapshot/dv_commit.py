@@ -12,9 +12,9 @@ mapping, ...) is left to Delta's MERGE: `blocker()` says why.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import json
-import os
 import struct
 import time
 import uuid
@@ -23,8 +23,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlparse
 
+from duality import storage
+from duality.errors import DualityError
 from duality.snapshot import delta_log
 from duality.snapshot.delta_log import TableState, user_metadata
+from duality.storage import Location, ObjectPath
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -93,7 +96,7 @@ def blocker(state: TableState) -> str | None:
 
 
 def write(
-    root: Path,
+    root: Location,
     state: TableState,
     rows: pa.Table,
     key_columns: list[str],
@@ -107,7 +110,7 @@ def write(
     from pyroaring import BitMap64
 
     changed = rows.select([*key_columns, "_deleted"])
-    written: list[Path] = []
+    written: list[Location] = []
     actions: list[dict[str, Any]] = []
     now = int(time.time() * 1000)
     vectors: dict[str, BitMap64] = {}
@@ -167,7 +170,7 @@ def write(
 
 
 def set_properties(
-    root: Path, state: TableState, properties: dict[str, str], metadata: dict[str, Any]
+    root: Location, state: TableState, properties: dict[str, str], metadata: dict[str, Any]
 ) -> int | None:
     """Version `state.version + 1`: a commit that only sets table properties (what Delta's SET
     TBLPROPERTIES commits: the whole `metaData` again, its configuration updated), with
@@ -189,7 +192,7 @@ def set_properties(
     return version if _commit(root, state, info, [{"metaData": meta}]) else None
 
 
-def _rows_of(file: Path, changed: pa.Table, key_columns: list[str]) -> tuple[pa.Table, int]:
+def _rows_of(file: Location, changed: pa.Table, key_columns: list[str]) -> tuple[pa.Table, int]:
     """The rows of a data file whose key is one of `changed`'s: their positions in the file
     (`_row`, as deletion vectors count them) and whether the key was deleted (`_deleted`); and
     how many rows the file has."""
@@ -197,7 +200,8 @@ def _rows_of(file: Path, changed: pa.Table, key_columns: list[str]) -> tuple[pa.
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    keys = pq.read_table(file, columns=key_columns)
+    filesystem, where = storage.arrow(file)
+    keys = pq.read_table(where, columns=key_columns, filesystem=filesystem)
     keys = keys.append_column("_row", pa.array(np.arange(keys.num_rows, dtype=np.int64)))
     wanted = changed.cast(
         pa.schema([*(keys.schema.field(c) for c in key_columns), changed.schema.field("_deleted")])
@@ -206,7 +210,7 @@ def _rows_of(file: Path, changed: pa.Table, key_columns: list[str]) -> tuple[pa.
     return joined, keys.num_rows
 
 
-def read_vector(root: Path, descriptor: dict[str, Any] | None) -> BitMap64:
+def read_vector(root: Location, descriptor: dict[str, Any] | None) -> BitMap64:
     """A file's deletion vector (empty when it has none)."""
     from pyroaring import BitMap64
 
@@ -220,7 +224,9 @@ def read_vector(root: Path, descriptor: dict[str, Any] | None) -> BitMap64:
         if kind == "u":
             prefix, encoded = where[:-20], where[-20:]
             name = f"deletion_vector_{uuid.UUID(bytes=z85_decode(encoded))}.bin"
-            file = root / prefix / name
+            file: Location = root / prefix / name
+        elif kind == "p" and isinstance(root, ObjectPath) and root.store is not None:
+            file = ObjectPath.parse(where).on(root.store)
         elif kind == "p":
             file = Path(unquote(urlparse(where).path))
         else:
@@ -238,7 +244,7 @@ def read_vector(root: Path, descriptor: dict[str, Any] | None) -> BitMap64:
 
 
 def _write_vectors(
-    root: Path, vectors: dict[str, BitMap64], written: list[Path]
+    root: Location, vectors: dict[str, BitMap64], written: list[Location]
 ) -> dict[str, dict[str, Any]]:
     """One new deletion vector file holding `vectors`; each data file's descriptor."""
     if not vectors:
@@ -258,12 +264,12 @@ def _write_vectors(
         content += struct.pack(">I", len(data)) + data + struct.pack(">I", zlib.crc32(data))
     file = root / f"deletion_vector_{name}.bin"
     written.append(file)
-    file.write_bytes(content)
+    file.write_bytes(bytes(content))
     return descriptors
 
 
 def _append(
-    root: Path, state: TableState, rows: pa.Table, now: int, written: list[Path]
+    root: Location, state: TableState, rows: pa.Table, now: int, written: list[Location]
 ) -> dict[str, Any]:
     """The new rows in a Parquet file of the table's schema; its `add` action."""
     import pyarrow as pa
@@ -275,12 +281,16 @@ def _append(
     name = f"part-00000-{uuid.uuid4()}-c000.snappy.parquet"
     file = root / name
     written.append(file)
-    pq.write_table(rows.select(schema.names).cast(schema), file, compression="snappy")
+    # Written whole in one request (a PUT on object storage), its size known without asking.
+    sink = pa.BufferOutputStream()
+    pq.write_table(rows.select(schema.names).cast(schema), sink, compression="snappy")
+    data = sink.getvalue().to_pybytes()
+    file.write_bytes(data)
     stats = {"numRecords": rows.num_rows}
     return {
         "path": name,
         "partitionValues": {},
-        "size": file.stat().st_size,
+        "size": len(data),
         "modificationTime": now,
         "dataChange": True,
         "stats": json.dumps(stats),
@@ -305,20 +315,32 @@ def _removal(add: dict[str, Any], now: int) -> dict[str, Any]:
 
 
 def _commit(
-    root: Path, state: TableState, info: dict[str, Any], actions: list[dict[str, Any]]
+    root: Location, state: TableState, info: dict[str, Any], actions: list[dict[str, Any]]
 ) -> bool:
     """Version `state.version + 1` holding `info` and `actions`, then its checksum file; False
-    (and nothing written) when that version exists."""
+    (and nothing written) when another writer's commit holds that version.
+
+    The commit file is created whole or not at all (`storage.create_if_absent`: locally a hard
+    link of a complete file, on object storage one PUT with `If-None-Match: *`). A request
+    whose answer was lost may have created it: a refusal is then checked against the commit
+    that holds the version, which is this one when it carries this commit's `txnId`."""
     log = root / "_delta_log"
+    commit = log / f"{state.version + 1:020d}.json"
     lines = [{"commitInfo": info}, *actions]
-    if not _create(log / f"{state.version + 1:020d}.json", _json_lines(lines)):
-        return False
+    if not storage.create_if_absent(commit, _json_lines(lines).encode()):
+        first = commit.read_text().split("\n", 1)[0]
+        if json.loads(first).get("commitInfo", {}).get("txnId") != info["txnId"]:
+            return False
     after = delta_log.advanced(state, actions)
-    _create(log / f"{after.version:020d}.crc", _json_lines([_checksum(log, after, info["txnId"])]))
+    checksum = _json_lines([_checksum(log, after, info["txnId"])]).encode()
+    # The version is committed: a checksum file the store failed to take is only left out
+    # (readers then compute the state from the log).
+    with contextlib.suppress(OSError, DualityError):
+        storage.create_if_absent(log / f"{after.version:020d}.crc", checksum)
     return True
 
 
-def _checksum(log: Path, state: TableState, txn_id: str) -> dict[str, Any]:
+def _checksum(log: Location, state: TableState, txn_id: str) -> dict[str, Any]:
     """The version's checksum (PROTOCOL.md, "Version Checksum File"): Delta reads the protocol,
     the metadata and the sizes of a version from it instead of running Spark jobs over the log,
     and checks it against the log when it writes a checkpoint. Set transactions, domain metadata
@@ -361,20 +383,6 @@ def _checksum(log: Path, state: TableState, txn_id: str) -> dict[str, Any]:
 
 def _json_lines(items: list[dict[str, Any]]) -> str:
     return "".join(json.dumps(item, separators=(",", ":")) + "\n" for item in items)
-
-
-def _create(final: Path, text: str) -> bool:
-    """`final` holding `text`, created only if absent (a hard link of a complete file, so no
-    reader ever sees a partial one); False when it exists."""
-    temporary = final.with_name(f".{final.name}.{uuid.uuid4().hex}.tmp")
-    temporary.write_text(text)
-    try:
-        os.link(temporary, final)
-    except FileExistsError:
-        return False
-    finally:
-        temporary.unlink()
-    return True
 
 
 def z85_encode(data: bytes) -> str:

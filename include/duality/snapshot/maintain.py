@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import tenacity
@@ -14,9 +13,11 @@ from duality.config import Settings
 from duality.errors import ConcurrentWrite, UsageError
 from duality.snapshot import delta_log
 from duality.snapshot.build import Progress, quiet
+from duality.snapshot.outage import reported
 from duality.snapshot.publish import published
 from duality.spark import session
 from duality.spec import PipelineSpec
+from duality.storage import Location
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -38,6 +39,7 @@ class Maintenance:
     seconds: float
 
 
+@reported("snapshot --maintain")
 def maintain(
     settings: Settings,
     spec: PipelineSpec,
@@ -111,7 +113,7 @@ def maintain(
     )
 
 
-def _metadata(path: Path) -> dict[str, Any]:
+def _metadata(path: Location) -> dict[str, Any]:
     """The userMetadata of a maintenance commit: what the table's newest version covers."""
     versions = delta_log.history(path)
     coverage, _ = delta_log.version_coverage(versions, versions[0].version)
@@ -121,5 +123,6 @@ def _metadata(path: Path) -> dict[str, Any]:
     return metadata
 
 
-def _data_files(path: Path) -> set[str]:
-    return {str(p.relative_to(path)) for p in path.rglob("*.parquet")}
+def _data_files(path: Location) -> set[str]:
+    prefix = len(str(path)) + 1  # each file's path below the table's
+    return {str(p)[prefix:] for p in path.rglob("*.parquet")}

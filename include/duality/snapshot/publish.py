@@ -6,15 +6,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from duality.config import Settings
 from duality.errors import CheckFailed
 from duality.snapshot import delta_log, dv_commit
 from duality.snapshot.coverage import Coverage
+from duality.snapshot.outage import reported
 from duality.spark import session
 from duality.spec import PipelineSpec
+from duality.storage import Location, s3
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -59,7 +60,7 @@ class Publication:
     commit: int | None  # the commit that published it; None when it already was
 
 
-def published(spark: SparkSession, path: Path) -> Published | None:
+def published(spark: SparkSession, path: Location) -> Published | None:
     """The published version and what it covers, from the table's properties (read from the
     latest version's log; from Spark when it cannot be replayed)."""
     state = delta_log.table_state(path, delta_log.history(path)[0].version)
@@ -70,14 +71,14 @@ def published(spark: SparkSession, path: Path) -> Published | None:
     return _published_in((row["properties"] if row else None) or {})
 
 
-def published_in_log(path: Path) -> Published | None:
+def published_in_log(path: Location) -> Published | None:
     """The published version from the latest version's log alone, without Spark; None when
     none is published or the log cannot be replayed."""
     latest = delta_log.table_state(path, delta_log.history(path)[0].version)
     return _published_in(latest.properties) if latest is not None else None
 
 
-def published_size(spec: PipelineSpec, path: Path) -> tuple[Published, int] | None:
+def published_size(spec: PipelineSpec, path: Location) -> tuple[Published, int] | None:
     """The published version and its row count from the table's log alone, without Spark;
     None when it does not say (none published, no statistics: `read` then asks)."""
     delta_log.require_table(spec, path)
@@ -93,6 +94,7 @@ def _published_in(properties: dict[str, str]) -> Published | None:
     return Published(int(properties[PUBLISHED_VERSION]), coverage)
 
 
+@reported("read")
 def read(
     settings: Settings, spec: PipelineSpec, *, spark: SparkSession | None = None
 ) -> tuple[DataFrame, Published]:
@@ -110,7 +112,7 @@ def read(
 
 def record_validation(
     spark: SparkSession,
-    path: Path,
+    path: Location,
     verdict: Verdict,
     publish: Coverage | None = None,
     *,
@@ -142,6 +144,7 @@ def validation(
     return None
 
 
+@reported("publish")
 def publish(
     settings: Settings, spec: PipelineSpec, version: int, *, spark: SparkSession | None = None
 ) -> Publication:
@@ -193,7 +196,7 @@ def _json(value: Any) -> str:
 
 def _metadata_commit(
     spark: SparkSession,
-    path: Path,
+    path: Location,
     properties: dict[str, str],
     metadata: dict[str, Any],
     again: str,
@@ -207,7 +210,12 @@ def _metadata_commit(
         state = delta_log.table_state(path, delta_log.history(path)[0].version)
         if state is None or dv_commit.blocker(state) is not None:
             break
-        version = dv_commit.set_properties(path, state, properties, metadata)
+        try:
+            version = dv_commit.set_properties(path, state, properties, metadata)
+        except s3.ConditionRefused as refused:
+            # No safe commit of duality's own on this store (issue #49): Delta's ALTER TABLE.
+            log.warning("%s; Delta's ALTER TABLE commits the properties instead", refused)
+            break
         if version is None:
             continue
         # A publication's commit is also when the log is checkpointed, as Delta's own commits

@@ -42,6 +42,11 @@ class Unreachable(UsageError):
     """The endpoint did not answer (refused, timed out, no such host)."""
 
 
+class ConditionRefused(UsageError):
+    """The server does not take a conditional write (`If-None-Match: *`): it cannot create an
+    object only if absent."""
+
+
 def _endpoint(store: Store) -> urllib.parse.SplitResult:
     if not store.endpoint:
         raise UsageError(
@@ -146,6 +151,12 @@ def create_if_absent(store: Store, location: str, body: bytes) -> bool:
         return True
     if answer.status in (409, 412):
         return False
+    if answer.status == 501 or error_code(answer) == "NotImplemented":
+        raise ConditionRefused(
+            f"the object store at {ENDPOINT}={store.endpoint} does not take a conditional "
+            f"write (If-None-Match: *) of {location}: HTTP {answer.status} "
+            f"({error_code(answer)})"
+        )
     raise UsageError(
         f"the object store at {ENDPOINT}={store.endpoint} refused to write "
         f"{location}: HTTP {answer.status} ({error_code(answer)})"

@@ -441,22 +441,22 @@ def _around_duality_s_commit(
     after it read the version before and wrote its files, and left when the create returned:
     what another writer of the table does at that moment. Yields the version raced for and
     the files duality's attempt had written by then."""
-    create = dv_commit._create
+    create = dv_commit.storage.create_if_absent
     before = set(path.iterdir())
     raced: dict[str, Any] = {}
 
-    def racing(final: Path, text: str) -> bool:
+    def racing(final: Path, data: bytes) -> bool:
         if final.suffix != ".json" or raced:
-            return create(final, text)
+            return create(final, data)
         raced.update(version=int(final.stem), files=set(path.iterdir()) - before)
         with racer(int(final.stem)):
-            return create(final, text)
+            return create(final, data)
 
-    monkeypatch.setattr(dv_commit, "_create", racing)
+    monkeypatch.setattr(dv_commit.storage, "create_if_absent", racing)
     try:
         yield raced
     finally:
-        monkeypatch.setattr(dv_commit, "_create", create)
+        monkeypatch.setattr(dv_commit.storage, "create_if_absent", create)
     assert raced, "duality made no commit of its own"
 
 
