@@ -14,16 +14,18 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from deltalake import DeltaTable
 
-from duality import object_store
+from duality import object_store, overview
 from duality.config import Settings
 from duality.kafka import topics
 from duality.local.object_store import LocalObjectStore
+from duality.serve import bootstrap
 from duality.snapshot import delta_log, dv_commit, publish
 from duality.spec import PipelineSpec
 from duality.storage import ObjectPath
@@ -164,9 +166,23 @@ def test_snapshots_validation_and_publication_on_object_storage(table) -> None: 
             ]["engineInfo"]
             == "duality"
         )
+    truth = _truth(settings, spec)
     read = duality_json(settings, "read", spec.name, "--limit", "0")
-    assert (read["version"], read["rows"]) == (version, len(_truth(settings, spec)))
+    assert (read["version"], read["rows"]) == (version, len(truth))
     _whole_versions(path)
+    # The overview and a new replica of `duality serve` read the published version from the
+    # store, without Spark.
+    view = overview._snapshot(settings, spec, time.time())
+    assert (view.published_version, view.published_rows) == (version, len(truth))
+    assert view.verdict == "passed" and view.data_docs is not None
+    found = publish.published_in_log(path)
+    assert found is not None
+    replica = bootstrap.published(settings, spec, found.coverage.changelog_topic_id)
+    assert replica is not None
+    first = {json.loads(document)["product"]: json.loads(document) for *_, document in replica[1]}
+    assert {k: {c: v[c] for c in ("orders", "units")} for k, v in first.items()} == {
+        k: {c: v[c] for c in ("orders", "units")} for k, v in truth.items()
+    }
 
 
 def test_two_of_duality_s_writers_race_for_one_version(table) -> None:  # type: ignore[no-untyped-def]
@@ -284,6 +300,9 @@ def test_the_store_stopped_in_the_middle_of_a_snapshot(table, store) -> None:  #
     truth = _truth(settings, spec)
     found = publish.published_in_log(path)
     assert found is not None and found.version == newest + 1
+    # Delta's OPTIMIZE and VACUUM on the store keep every file the published version reads.
+    kept = duality_json(settings, "snapshot", spec.name, "--maintain", timeout=300)
+    assert kept["published_version"] == newest + 1 and kept["files_removed_by_optimize"] > 0
 
     # Every version whole, and read alike by Delta in Spark and by delta-rs.
     spark_read = run_python(
