@@ -45,6 +45,7 @@ import tenacity
 from duality.config import PREFIX, Settings
 from duality.errors import CheckFailed, DualityError, UsageError
 from duality.spark import scratch_folder, session, set_step_session
+from duality.storage import Location, ObjectPath
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -89,6 +90,19 @@ _FAIR_POOL = """<?xml version="1.0"?>
   </pool>
 </allocations>
 """
+
+
+def _within(value: Location, root: Location) -> bool:
+    """Whether `value` is `root` or below it: local folders with links and `..` resolved; an
+    object storage location in the same bucket, under the same prefix."""
+    if isinstance(root, ObjectPath) or isinstance(value, ObjectPath):
+        return (
+            isinstance(root, ObjectPath)
+            and isinstance(value, ObjectPath)
+            and value.bucket == root.bucket
+            and (not root.key or value.key == root.key or value.key.startswith(root.key + "/"))
+        )
+    return value.resolve().is_relative_to(root.resolve())
 
 
 class Refused(UsageError):
@@ -480,10 +494,16 @@ class BatchServer(socketserver.ThreadingTCPServer):
             step = Settings.from_env(env)
         except DualityError as error:
             raise _Refusal(f"the step's settings are wrong: {error}") from None
+        if step.s3_endpoint != self.settings.s3_endpoint:
+            raise _Refusal(
+                f"{PREFIX}S3_ENDPOINT={step.s3_endpoint} is not the batch server's object store "
+                f"{self.settings.s3_endpoint}: set it to the server's, or unset "
+                f"{PREFIX}BATCH_SERVER to run the step in a Spark of its own"
+            )
         for name, what in CONFINED.items():
-            root = Path(getattr(self.settings, name)).resolve()
-            value = Path(getattr(step, name))
-            if not value.resolve().is_relative_to(root):
+            root, value = getattr(self.settings, name), getattr(step, name)
+            if not _within(value, root):
+                root = root.resolve()
                 raise _Refusal(
                     f"{PREFIX}{name.upper()}={value} is outside the batch server's {what} "
                     f"{root}: set it to {root} (or a folder in it), or unset "

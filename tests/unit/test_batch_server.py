@@ -71,7 +71,12 @@ def _own(tmp_path: Path) -> Settings:
 
 
 @contextlib.contextmanager
-def serving(step: Any, tmp_path: Path, tls: ssl.SSLContext | None = None) -> Iterator[BatchServer]:
+def serving(
+    step: Any,
+    tmp_path: Path,
+    tls: ssl.SSLContext | None = None,
+    own: Settings | None = None,
+) -> Iterator[BatchServer]:
     """A server on a free port of the loopback address, with SECRET and the folders of
     `_own(tmp_path)`; started in the test itself, since it routes sys.stdout and sys.stderr,
     which pytest sets again before each test."""
@@ -79,7 +84,7 @@ def serving(step: Any, tmp_path: Path, tls: ssl.SSLContext | None = None) -> Ite
         ("127.0.0.1", 0),
         FakeSpark(),  # type: ignore[arg-type]
         step,
-        settings=_own(tmp_path),
+        settings=own or _own(tmp_path),
         secret=SECRET,
         tls=tls,
     )
@@ -420,6 +425,32 @@ def test_settings_outside_the_servers_folders_are_refused_naming_the_setting(
         root = getattr(_own(tmp_path), setting).resolve()
         assert f"{name}={value} is outside the batch server's " in refused, refused
         assert f" {root}: set it to {root} (or a folder in it)" in refused
+    assert ran == [["read", "p"]]
+
+
+def test_locations_on_object_storage_are_confined_to_the_servers_bucket_and_prefix(
+    tmp_path: Path, capsys, caplog
+):
+    """A server whose tables are in `s3a://duality/wh` takes steps under that prefix, on its
+    object store; another bucket, a prefix that only starts alike, a local folder or another
+    endpoint are refused, naming the setting."""
+    ran: list[list[str]] = []
+
+    def step(argv: list[str], environ: dict[str, str], *, forward: bool) -> int:
+        ran.append(argv)
+        return 0
+
+    endpoint = {"s3_endpoint": "http://127.0.0.1:1", "s3_access_key": "k", "s3_secret_key": "s"}
+    own = _own(tmp_path).replace(warehouse="s3a://duality/wh", **endpoint)
+    with serving(step, tmp_path, own=own) as server:
+        settings = _settings(tmp_path, server).replace(warehouse="s3a://duality/wh", **endpoint)
+        assert run_remote(settings.replace(warehouse="s3a://duality/wh/a"), ["read", "p"], "") == 0
+        for value in ("s3a://other/wh", "s3a://duality/whx", str(tmp_path / "warehouse")):
+            refused = _refused(settings.replace(warehouse=value), capsys, caplog)
+            assert f"DUALITY_WAREHOUSE={value} is outside the batch server's warehouse" in refused
+        elsewhere = settings.replace(s3_endpoint="http://127.0.0.1:2")
+        refused = _refused(elsewhere, capsys, caplog)
+        assert "DUALITY_S3_ENDPOINT=http://127.0.0.1:2 is not the batch server's" in refused
     assert ran == [["read", "p"]]
 
 
