@@ -28,6 +28,7 @@ from duality_airflow.sensors import StreamRunningSensor
 
 from duality.config import Settings
 from duality.spec import PipelineSpec, load_spec, spec_files
+from duality.storage import ObjectPath
 
 START = datetime(2026, 1, 1)
 DEFAULT_ARGS = {
@@ -90,9 +91,11 @@ def stream_dag(spec: PipelineSpec) -> DAG:
 
 
 def snapshot_dag(spec: PipelineSpec, settings: Settings) -> DAG:
+    table = spec.snapshot_path(settings)
     asset = Asset(
         name=f"duality_{spec.name}_snapshot",
-        uri=f"file://{spec.snapshot_path(settings)}",
+        # s3://bucket/key for a table on object storage (Airflow's name for the scheme).
+        uri=f"s3://{table.bucket}/{table.key}" if isinstance(table, ObjectPath) else table.as_uri(),
         group="duality",
     )
     version = "{{ ti.xcom_pull(task_ids='snapshot')['version'] }}"
