@@ -256,7 +256,7 @@ def test_two_of_duality_s_writers_race_for_one_version(table) -> None:  # type: 
 def test_the_store_stopped_in_the_middle_of_a_snapshot(table, store) -> None:  # type: ignore[no-untyped-def]
     """The S3 server killed once the snapshot job has read the table and is merging: the job
     fails saying the store does not answer; the table has no partial version; started again,
-    the job's retry commits and validation publishes it; every version reads alike in Spark
+    the snapshot run again commits and validation publishes it; every version reads alike in Spark
     and delta-rs."""
     settings, spec = table
     path = spec.snapshot_path(settings)
