@@ -14,6 +14,7 @@ import json
 import logging
 import sys
 
+from duality import object_store
 from duality.arguments import snapshot_arguments
 from duality.config import Settings
 from duality.errors import DualityError
@@ -32,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         settings = Settings.from_env()
+        # As `duality snapshot`: a store that is unreachable, refuses the key or lacks the
+        # bucket stops the job before any work, naming the setting.
+        object_store.preflight(settings)
         spec = find_spec(settings, args.pipeline)
         if args.maintain:
             result: build.SnapshotResult | maintain.Maintenance = maintain.maintain(
