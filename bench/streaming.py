@@ -56,7 +56,6 @@ import json
 import math
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -74,6 +73,7 @@ from rich.progress import Progress, TaskID
 from spark_aggregation import spec_table
 
 from baselines import Figure, order_events, preload, unique_events
+from duality import storage
 from duality.config import SHIPPED_PIPELINES, Settings
 from duality.kafka import client, offsets, records, topics
 from duality.process import kill_group
@@ -884,7 +884,7 @@ def restore_versus_recompute(bench: Bench, keys: int) -> list[Figure]:
     checkpoint = settings.checkpoint_root / spec.name
     if not checkpoint.is_dir():
         raise RuntimeError(f"{label}: the stream left no checkpoint folder {checkpoint}")
-    shutil.rmtree(checkpoint)
+    storage.remove_tree(checkpoint)  # local, or on object storage
 
     ends = offsets.end_offsets(settings, topic)
     total = sum(ends.values())

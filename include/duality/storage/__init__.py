@@ -44,14 +44,22 @@ def remove_tree(location: Location) -> None:
         import pyarrow.fs as pafs
 
         fs = location.filesystem
-        below = pafs.FileSelector(location.arrow_path, allow_not_found=True, recursive=True)
-        folders = [i.path for i in fs.get_file_info(below) if i.type == pafs.FileType.Directory]
+        # Folder by folder (a listing with a delimiter): a server whose folders are real
+        # (SeaweedFS's filer) lists an emptied folder made by a marker (S3A's mkdirs: `key/`)
+        # there, never in a recursive listing.
+        folders, pending = [], [location.arrow_path]
+        while pending:
+            below = pafs.FileSelector(pending.pop(), allow_not_found=True)
+            for info in fs.get_file_info(below):
+                if info.type == pafs.FileType.Directory:
+                    folders.append(info.path)
+                    pending.append(info.path)
         # The keys below it, and the folder itself where the server keeps one.
         with contextlib.suppress(FileNotFoundError):
             fs.delete_dir(location.arrow_path)
-        # A server whose folders are real (SeaweedFS's filer) keeps a folder made by a marker
-        # (S3A's mkdirs: `key/`) whose deletion came while it still held keys, and lists it
-        # again, which Spark takes for a checkpoint's state not empty: deepest first, again.
+        # Such a server also keeps a marked folder whose deletion came while it still held keys
+        # (pyarrow deletes parents first), and Spark takes it for a checkpoint's state not
+        # empty: each folder deleted again, deepest first (on S3, requests that change nothing).
         assert location.store is not None  # `filesystem` needs it
         for folder in sorted([*folders, location.arrow_path], key=len, reverse=True):
             s3.request(location.store, "DELETE", f"/{folder}/", timeout=s3.WRITE_TIMEOUT_S)

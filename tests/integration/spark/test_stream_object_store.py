@@ -3,8 +3,9 @@ DUALITY_CHECKPOINT_ROOT an `s3a://` location on the real S3 server `duality up -
 runs (SeaweedFS), the stream's driver SIGKILLed and restarted resumes from Spark's offsets and
 state on S3; its checkpoint deleted from S3 while it is stopped, the restart rebuilds the state
 from the changelog; a warm standby takes over from the S3 checkpoint when the active driver is
-killed. Each time the changelog is exact against tests/truth.py's oracle. A checkpoint root on S3
-without an endpoint stops `stream start` before any work, naming the setting."""
+killed. Each time the changelog is exact against tests/truth.py's oracle; `stream rescale`
+deletes a checkpoint on S3. A checkpoint root on S3 without an endpoint stops `stream start`
+before any work, naming the setting."""
 
 from __future__ import annotations
 
@@ -109,6 +110,14 @@ def test_a_checkpoint_deleted_from_s3_is_rebuilt_from_the_changelog(
     assert any((checkpoint / "seed").rglob("*.parquet"))
     _on_s3(s3_settings, spec)
     _verify(s3_settings, spec, EVENTS + 1_000)
+    # `stream rescale` of the stopped stream deletes its checkpoint on S3, whose marker gave the
+    # number it had; the next start seeds the state in the new number, as above.
+    before = seeding.checkpoint_partitions(checkpoint)
+    assert before is not None
+    wanted = s3_settings.replace(pipelines=pipelines, stream_partitions=before + 1)
+    plan = duality_json(wanted, "stream", "rescale", spec.name)
+    assert plan["checkpoint"] == str(checkpoint) and plan["partitions"] == before + 1, plan
+    assert not checkpoint.exists()
 
 
 def test_a_warm_standby_takes_over_from_the_checkpoint_on_s3(s3_settings: Settings, tmp_path: Path):
