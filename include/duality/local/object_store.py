@@ -171,12 +171,16 @@ class LocalObjectStore:
 
     def locations(self, settings: Settings) -> dict[str, str]:
         """The stack's tables, checkpoints and reports in its bucket (`s3a://<bucket>/warehouse`,
-        `/checkpoints`, `/reports`), each unless it is set to other than its default."""
+        `/checkpoints`, `/reports`), each unless it is set to other than its default; `up`
+        again keeps them."""
         default = Settings(home=settings.home)
+        bucket = f"s3a://{settings.s3_bucket}"
+        wanted = {name: f"{bucket}/{folder}" for name, folder in LOCATIONS.items()}
         return {
-            f"{PREFIX}{name.upper()}": f"s3a://{settings.s3_bucket}/{folder}"
-            for name, folder in LOCATIONS.items()
-            if getattr(settings, name) == getattr(default, name)
+            f"{PREFIX}{name.upper()}": location
+            for name, location in wanted.items()
+            # At its default, or in the bucket already (as `up` recorded it before).
+            if str(getattr(settings, name)) in (str(getattr(default, name)), location)
         }
 
     def pid(self) -> int | None:

@@ -80,6 +80,11 @@ def test_up_twice_status_down(tmp_path: Path):
         assert second["serving"]["pid"] == serving["pid"]
         assert second["object_store"]["already_running"] is True
         assert second["object_store"]["pid"] == store["pid"]
+        # The tables, checkpoints and reports are in its bucket, and stay there when `up` runs
+        # again (its environment does not name them).
+        recorded = json.loads((tmp_path / "local" / "stack.json").read_text())["settings"]
+        for name, folder in (("WAREHOUSE", "warehouse"), ("CHECKPOINT_ROOT", "checkpoints")):
+            assert recorded[f"DUALITY_{name}"] == f"s3a://duality/{folder}", recorded
         assert len(_monitoring_processes(str(tmp_path))) == 2
         assert len(_kafka_processes(str(tmp_path))) == 1
         # The broker's JVM unpacks its native libraries into its own folder, not /tmp.
