@@ -7,7 +7,6 @@ import json
 import os
 import time
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import psutil
@@ -102,7 +101,7 @@ def test_reduced_demo_tells_the_whole_story(stack: Stack, demo: dict[str, Any]):
     assert len(copied) == DEMO_EVENTS == moved["target_records"]
     assert topics.partition_count(settings, moved["target"]) == 12
     assert moved["skew_before"] > moved["skew_after"]
-    assert Path(moved["plot"]).is_file()
+    assert settings.location(moved["plot"]).is_file()
 
 
 def _assert_tiers(settings: Settings, ran: dict[str, Any], source: list[Any]) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from rich.console import Console
 
-from duality import spec
+from duality import spec, storage
 from duality.arguments import not_negative, repartition_arguments, snapshot_arguments
 from duality.cli.output import cell, table
 from duality.cli.parsing import Commands
@@ -55,7 +55,9 @@ def add_commands(commands: Commands) -> None:
     skewed.add_argument("topic", help="the topic to inspect")
     skewed.add_argument("--group", help="also show this consumer group's lag")
     skewed.add_argument("--window", default="60s", help="rate window (60s, 5m, 1h)")
-    skewed.add_argument("--plot", type=Path, help="draw the load per partition to FILE.png")
+    skewed.add_argument(
+        "--plot", help="draw the load per partition to FILE.png (a path or s3a://bucket/key)"
+    )
 
     repartition_arguments(
         commands.add(
@@ -175,13 +177,17 @@ def _cmd_skew(settings: Settings, args: Namespace, console: Console) -> dict[str
     from duality import skew
 
     window = skew.parse_window(args.window)
-    if args.plot is not None and args.plot.suffix.lower() != ".png":
-        raise UsageError(f"--plot {str(args.plot)!r} must name a .png file")
+    plot = None
+    if args.plot is not None:  # a local path is the working folder's
+        local = not storage.is_remote(args.plot)
+        plot = settings.location(Path(args.plot).absolute() if local else args.plot)
+    if plot is not None and plot.suffix.lower() != ".png":
+        raise UsageError(f"--plot {args.plot!r} must name a .png file")
     with console.status(f"sampling {args.topic}"):
         report = skew.analyse(settings, args.topic, group=args.group, window_s=window)
     result = report.as_dict()
-    if args.plot is not None:
-        result["plot"] = str(skew.plot(report, args.plot))
+    if plot is not None:
+        result["plot"] = str(skew.plot(report, plot))
     if not args.json:
         columns = ("partition", "records", "bytes (est.)", "records/s", "lag", "top keys")
         rows = [
