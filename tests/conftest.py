@@ -81,6 +81,8 @@ _LONGEST_FIRST = (
     "tests/integration/system/test_spark_cluster.py",
     "tests/integration/system/test_local_topology.py",
     "tests/integration/snapshot/test_snapshot.py",
+    "tests/integration/snapshot/test_snapshot_object_store.py",
+    "tests/integration/spark/test_stream_object_store.py",
     "tests/integration/spark/test_rich_pipeline.py",
     "tests/integration/spark/test_standby.py",
     "tests/integration/airflow/test_batch_server.py",
