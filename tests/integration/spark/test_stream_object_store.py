@@ -82,8 +82,12 @@ def test_a_killed_driver_resumes_from_its_checkpoint_on_s3(s3_settings: Settings
     # Seeded once, from an empty changelog; the restart resumed from the state on S3.
     assert re.findall(r"restored (\d+) keys", log) == ["0"], log[-3000:]
     assert "resuming from the checkpoint s3a://" in log, log[-3000:]
-    _on_s3(s3_settings, spec)
+    checkpoint = _on_s3(s3_settings, spec)
     _verify(s3_settings, spec, EVENTS + 1_000)
+    # `duality reset` of the stopped stream deletes its checkpoint on S3, as it does locally.
+    done = duality_json(s3_settings.replace(pipelines=pipelines), "reset", spec.name)
+    assert f"delete the checkpoint {checkpoint}" in done["steps"], done
+    assert not checkpoint.exists() and not any(checkpoint.rglob("*"))
 
 
 def test_a_checkpoint_deleted_from_s3_is_rebuilt_from_the_changelog(
