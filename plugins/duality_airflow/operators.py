@@ -50,10 +50,19 @@ class SnapshotOperator(DualityTask):
         if result.get("fallback_reason"):
             self.log.warning("full rebuild instead of incremental: %s", result["fallback_reason"])
         if result.get("version") is None:
-            raise AirflowSkipException(
-                f"the changelog has not moved since version {result.get('previous_version')}: "
-                "nothing new to validate or publish"
+            pending = result.get("unvalidated_version")
+            if pending is None:
+                raise AirflowSkipException(
+                    f"the changelog has not moved since version {result.get('previous_version')}:"
+                    " nothing new to validate or publish"
+                )
+            # An earlier try or run built it and ended before its validation: finish its work.
+            self.log.warning(
+                "the changelog has not moved since version %s, which was never validated: "
+                "passing it on to validation and publication",
+                pending,
             )
+            return {**result, "version": pending}
         self.log.info(
             "version %s (%s): %s rows; %s inserted, %s updated, %s deleted",
             result["version"],

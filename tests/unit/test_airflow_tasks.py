@@ -70,6 +70,29 @@ def test_a_task_whose_child_exits_0_without_a_json_result_fails(plugins, monkeyp
         task.execute({})
 
 
+@pytest.mark.parametrize(
+    ("unvalidated", "passed_on"), [(None, None), (4, 4)], ids=["skips", "passes-on"]
+)
+def test_a_snapshot_with_nothing_new_skips_unless_its_version_was_never_validated(  # type: ignore[no-untyped-def]
+    plugins, monkeypatch, unvalidated, passed_on
+):
+    """Nothing new since version 5: the task skips what follows, unless the newest version
+    built (4) has no verdict yet, an earlier try having ended before validation: then it is
+    passed on for validation and publication."""
+    hooks, operators, _ = plugins
+    from airflow.sdk.exceptions import AirflowSkipException
+
+    result = {"version": None, "previous_version": 5, "unvalidated_version": unvalidated}
+    script = f"import json; print(json.dumps({result!r}))"
+    monkeypatch.setattr(hooks, "duality_command", lambda _: [sys.executable, "-c", script])
+    task = operators.SnapshotOperator(task_id="snapshot", pipeline="product_sales")
+    if passed_on is None:
+        with pytest.raises(AirflowSkipException, match="has not moved since version 5"):
+            task.execute({})
+    else:
+        assert task.execute({})["version"] == passed_on
+
+
 def test_killing_a_task_ends_its_childs_whole_group_sigkill_after_the_grace(plugins, monkeypatch):  # type: ignore[no-untyped-def]
     hooks, operators, _ = plugins
     monkeypatch.setenv("DUALITY_KILL_GRACE_S", "1")

@@ -13,7 +13,7 @@ from duality.config import Settings
 from duality.errors import UsageError
 from duality.kafka import offsets, records, topics
 from duality.schema import SQL_TYPES
-from duality.snapshot import delta_log, dv_commit
+from duality.snapshot import delta_log, dv_commit, publish
 from duality.snapshot.coverage import Coverage, capture_coverage
 from duality.snapshot.outage import reported
 from duality.spark import session
@@ -173,6 +173,10 @@ class SnapshotResult:
     updated: int
     deleted: int
     seconds: float
+    # When nothing changed: the newest version written from the changelog if no validation
+    # names it yet (an earlier run built it and was interrupted before its validation), which
+    # the snapshot DAG then validates and publishes rather than skip.
+    unvalidated_version: int | None = None
 
 
 @reported("snapshot")
@@ -232,6 +236,8 @@ def build(
         known = state.rows if state is not None else None
         count = known if known is not None else delta_log.load(spark_session(), path).count()
         now = round(time.monotonic() - started, 2)
+        built = delta_log.latest_data_version(versions)
+        verdict = publish.validation(versions, built)
         return SnapshotResult(
             spec.name,
             str(path),
@@ -250,6 +256,7 @@ def build(
             0,
             0,
             now,
+            None if verdict is not None else built,
         )
 
     spark = spark_session()

@@ -244,6 +244,8 @@ def test_scheduler_killed_mid_snapshot_publishes_once_and_nothing_shows_the_pass
     path = spec.snapshot_path(settings)
     history = delta_log.history(path)
     publications = [v.metadata["published"] for v in history if "published" in (v.metadata or {})]
+    states = {t["task_id"]: t["state"] for t in client.task_instances(snapshot_dag, run_id)}
+    assert states["snapshot"] == "success", _what_happened(topology, snapshot_dag, run_id)
     version = client.xcom(snapshot_dag, run_id, "snapshot")["version"]
     assert [p["version"] for p in publications] == [version], publications
     newest = delta_log.table_state(path, history[0].version)
