@@ -13,6 +13,7 @@ from pathlib import Path
 from duality import storage
 from duality.errors import UsageError
 from duality.kafka import failover
+from duality.secret_files import first_line
 from duality.storage import Location
 
 PREFIX = "DUALITY_"
@@ -310,15 +311,7 @@ class Settings:
         if self.batch_server_secret_file is None:
             return None
         setting = f"{PREFIX}BATCH_SERVER_SECRET_FILE={self.batch_server_secret_file}"
-        try:
-            text = self.batch_server_secret_file.read_text()
-        except (OSError, UnicodeDecodeError) as error:
-            reason = getattr(error, "strerror", None) or type(error).__name__
-            raise UsageError(
-                f"{setting} cannot be read ({reason}): point it at the file holding the batch "
-                "server's secret"
-            ) from None
-        secret = (text.strip().splitlines() or [""])[0].strip()
+        secret = first_line(self.batch_server_secret_file, setting, "the batch server's secret")
         if len(secret) < MIN_SECRET_LENGTH:
             raise UsageError(
                 f"{setting} holds no secret of at least {MIN_SECRET_LENGTH} characters: write a "

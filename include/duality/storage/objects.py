@@ -16,6 +16,7 @@ from pathlib import Path, PurePosixPath
 from typing import IO, TYPE_CHECKING, Any
 
 from duality.errors import UsageError
+from duality.secret_files import first_line
 
 if TYPE_CHECKING:
     import pyarrow.fs as pafs
@@ -47,15 +48,7 @@ class Store:
         if self.secret_key_file is None:
             return None
         setting = f"DUALITY_S3_SECRET_KEY_FILE={self.secret_key_file}"
-        try:
-            text = self.secret_key_file.read_text()
-        except (OSError, UnicodeDecodeError) as error:
-            reason = getattr(error, "strerror", None) or type(error).__name__
-            raise UsageError(
-                f"{setting} cannot be read ({reason}): point it at the file holding the object "
-                "store's secret key"
-            ) from None
-        secret = (text.strip().splitlines() or [""])[0].strip()
+        secret = first_line(self.secret_key_file, setting, "the object store's secret key")
         if not secret:
             raise UsageError(f"{setting} is empty: write the object store's secret key into it")
         return secret
