@@ -34,10 +34,6 @@ def parse(text: str) -> Location:
     return ObjectPath.parse(text) if is_remote(text) else Path(text).expanduser()
 
 
-def local_or_none(location: Location) -> Path | None:
-    return location if isinstance(location, Path) else None
-
-
 def remove_tree(location: Location) -> None:
     """The folder and everything below it gone (nothing to do when it is not there)."""
     if isinstance(location, ObjectPath):

@@ -237,8 +237,10 @@ class ObjectPath:
         raise ValueError(f"open({self}): mode {mode!r} is not supported on object storage")
 
     def stat(self) -> types.SimpleNamespace:
+        import pyarrow.fs as pafs
+
         info = self._info()
-        if info.type == 0:  # NotFound
+        if info.type == pafs.FileType.NotFound:
             raise FileNotFoundError(str(self))
         mtime = info.mtime.timestamp() if info.mtime is not None else 0.0
         return types.SimpleNamespace(st_size=info.size or 0, st_mtime=mtime)
@@ -252,19 +254,6 @@ class ObjectPath:
         except FileNotFoundError:
             if not missing_ok:
                 raise
-
-    def rename(self, target: ObjectPath) -> ObjectPath:
-        """Object storage has no rename: each key copied below `target`, then deleted. Not
-        atomic: used for folders that readers find by a marker written last."""
-        fs = self.filesystem
-        if self.is_file():
-            fs.copy_file(self.arrow_path, target.arrow_path)
-            fs.delete_file(self.arrow_path)
-            return target
-        for child in self.rglob("*"):
-            fs.copy_file(child.arrow_path, (target / str(child.relative_to(self))).arrow_path)
-        fs.delete_dir(self.arrow_path)
-        return target
 
 
 class _Upload(io.BytesIO):
