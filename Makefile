@@ -103,9 +103,9 @@ postgres:
 # Prometheus, promtool and the Pushgateway from Debian, for `duality up --monitoring` and the
 # alert rules' tests (tests/unit/test_alert_rules.py). duality runs them under .local/monitoring/
 # on ports of its own; the system's services are not used.
-# The local S3 server (SeaweedFS, built from its Go module: about 4 minutes of two cores the
-# first time) and Spark's S3A jars, made once before the tests rather than by the first two
-# tests that need them, at once and beside the others.
+# Spark's S3A jars (640 MB from Maven Central) and duality's log store for them, made once before
+# the tests rather than by the first two tests that need them, at once and beside the others. The
+# S3 server itself (SeaweedFS) is a package of the lock.
 object-store: setup
 	@DUALITY_JAR_CACHE=$(JAR_CACHE) $(PY) -m duality.local.object_store
 

@@ -76,7 +76,7 @@ def object_store_scenarios(
     settings, say = bench.settings, progress.console.print
     store = LocalObjectStore(settings)
     say("starting the S3 server (SeaweedFS)")
-    store.start(progress=say)
+    store.start()
     try:
         s3 = on_object_store(settings, store, stamp)
         figures: list[Figure] = []

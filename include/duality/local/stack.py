@@ -165,7 +165,7 @@ def up(
         # Before Spark's batch server and Airflow: their steps read and write its locations.
         local_store = LocalObjectStore(settings)
         progress("starting the S3 server (SeaweedFS)")
-        bucket = local_store.start(progress=progress)
+        bucket = local_store.start()
         chosen |= local_store.client_settings()
         chosen |= local_store.locations(settings)
         preflight(Settings.from_env({**settings.as_env(), **chosen}))
