@@ -34,7 +34,7 @@ from streaming import (
     bench_spec,
     cold_throughput,
     consume_backlog,
-    target,
+    set_throughput_ratio,
 )
 
 AVRO_TARGET = 1.0  # stream-avro records/s over stream-throughput's
@@ -65,20 +65,6 @@ def avro_events(events: list[tuple[bytes, bytes]], schema_id: int) -> Iterator[t
     parsed = fastavro.parse_schema(ORDER_SCHEMA)
     for key, value in events:
         yield key, confluent_frame(schema_id, parsed, json.loads(value))
-
-
-def set_avro_ratio(avro: StreamFigure, cold: Figure) -> None:
-    """The Avro pipeline, cold too, against `stream-throughput` (the target)."""
-    ratio = avro.records_per_s / cold.records_per_s if cold.records_per_s else 0.0
-    avro.details["vs_stream_throughput"] = round(ratio, 3)
-    avro.targets = [
-        target(f"records/s >= {AVRO_TARGET}x stream-throughput", ratio, ratio >= AVRO_TARGET)
-    ]
-    avro.note = (
-        f"{ratio:.2f}x stream-throughput (target {AVRO_TARGET}x): the same events as Avro "
-        f"({avro.details.get('avro_megabytes', 0):.1f} MB against JSON's "
-        f"{avro.details.get('json_megabytes', 0):.1f} MB), schema from the registry"
-    )
 
 
 def avro_scenarios(
@@ -132,7 +118,13 @@ def avro_scenarios(
             "max_offsets_per_trigger": MAX_OFFSETS_PER_TRIGGER,
         },
     )
-    set_avro_ratio(avro, throughput)
+    set_throughput_ratio(
+        avro,
+        throughput,
+        AVRO_TARGET,
+        f"the same events as Avro ({avro_megabytes:.1f} MB against JSON's {megabytes:.1f} MB), "
+        "schema from the registry",
+    )
     figures.append(avro)
     progress.console.print(
         f"stream-avro: {avro.records:,} records in {avro.seconds:.2f} s "

@@ -34,7 +34,7 @@ from streaming import (
     bench_spec,
     cold_throughput,
     consume_backlog,
-    target,
+    set_throughput_ratio,
 )
 
 JOIN_TARGET = 0.6  # stream-join records/s over stream-throughput's
@@ -85,20 +85,6 @@ def _joined_backlog(
     return point, megabytes, table_megabytes
 
 
-def set_join_ratio(join: StreamFigure, cold: Figure) -> None:
-    """The joined pipeline, cold too, against `stream-throughput` (the target)."""
-    ratio = join.records_per_s / cold.records_per_s if cold.records_per_s else 0.0
-    join.details["vs_stream_throughput"] = round(ratio, 3)
-    join.targets = [
-        target(f"records/s >= {JOIN_TARGET}x stream-throughput", ratio, ratio >= JOIN_TARGET)
-    ]
-    rows = join.details.get("table_rows", 0)
-    join.note = (
-        f"{ratio:.2f}x stream-throughput (target {JOIN_TARGET}x): a left join on a table of "
-        f"{rows:,} rows, its list_price in an aggregate"
-    )
-
-
 def join_scenarios(
     bench: Bench,
     source: str,
@@ -137,7 +123,13 @@ def join_scenarios(
             "max_offsets_per_trigger": MAX_OFFSETS_PER_TRIGGER,
         },
     )
-    set_join_ratio(join, throughput)
+    set_throughput_ratio(
+        join,
+        throughput,
+        JOIN_TARGET,
+        f"a left join on a table of {join.details.get('table_rows', 0):,} rows, its list_price "
+        "in an aggregate",
+    )
     figures.append(join)
     progress.console.print(
         f"stream-join: {join.records:,} records in {join.seconds:.2f} s "
