@@ -19,6 +19,11 @@ first three scenarios. One replica, `duality serve` run as users run it (tests.s
   bench, its broker, the stream's driver and JVM, every thread) on the others: a replica with
   a core of its own, as a deployment gives it a host or a cpuset (decision 36). The same
   targets.
+- `pull-query-priority`: the same paced run a third time, on every core again, with the
+  replica and the client at a higher CPU priority than the rest of the run (nice -10 on their
+  threads and on their sessions' autogroups, through which the kernel shares the CPU between
+  sessions): a replica given priority on a shared host rather than a core of its own (run as
+  root; otherwise the figure says the priority was refused). The same targets.
 - `pull-query-max`: the most requests/s the replica answers: four client processes asking
   without pause (one connection each) for 10 s, beside the same load (on the same cores as the
   replica, the stream and the load).
@@ -89,6 +94,7 @@ PULL_CLIENT = Path(__file__).resolve().parent / "pullclient"  # its Go source
 SCENARIOS = (
     "pull-query",
     "pull-query-own-core",
+    "pull-query-priority",
     "pull-query-max",
     "pull-freshness",
     "replica-bootstrap",
@@ -166,12 +172,15 @@ def _client(
         *("--rate", f"{rate:g}", "--seconds", f"{seconds:g}", "--seed", str(seed)),
         *("--out", str(out)),
     ]
-    cpus = _CLIENT_CPUS[0] if _CLIENT_CPUS else None
+    placed = _CLIENT_PLACEMENT[0] if _CLIENT_PLACEMENT else None
     return subprocess.Popen(
         command,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
-        preexec_fn=None if cpus is None else (lambda: os.sched_setaffinity(0, cpus)),
+        # A session of its own, as the replica has: an autogroup the kernel schedules apart
+        # from the bench's (whose thread produces the load).
+        start_new_session=True,
+        preexec_fn=placed,
     )
 
 
@@ -292,6 +301,7 @@ class _Probes:
 class _Paced:
     """One paced run of the client (PULL_RATE requests/s for a while) and its surroundings."""
 
+    name: str  # the scenario's
     result: dict[str, Any]
     events: int  # the stream's load during it
     load_average: tuple[float, float]  # before and after
@@ -301,6 +311,7 @@ class _Paced:
     @classmethod
     def run(
         cls,
+        name: str,
         binary: Path,
         replica: ServeProcess,
         spec: PipelineSpec,
@@ -312,12 +323,13 @@ class _Paced:
     ) -> _Paced:
         settings = replica.settings
         produced, lag, average = load.produced, control.lag(settings, spec), os.getloadavg()[0]
-        out = scratch / f"pull-query-{placement.split()[0]}.json"
+        out = scratch / f"{name}.json"
         client = _client(
             binary, replica, spec.name, keys, PULL_RATE, seconds, out, 1, PULL_CONNECTIONS
         )
         result = _finished(client, out, seconds)
         return cls(
+            name,
             result,
             load.produced - produced,
             (round(average, 2), round(os.getloadavg()[0], 2)),
@@ -325,14 +337,14 @@ class _Paced:
             placement,
         )
 
-    def figure(self, name: str, keys: int, rss: dict[str, float], max_rate: float) -> StreamFigure:
+    def figure(self, keys: int, rss: dict[str, float], max_rate: float) -> StreamFigure:
         paced = self.result
         latencies = sorted(paced["latencies_ms"])
         p50, p99, p999 = (_ms(latencies, q) for q in (50, 99, 99.9))
         services = sorted(paced["services_ms"])
         errors = int(paced["errors"])
         return StreamFigure(
-            name,
+            self.name,
             int(paced["requests"]),
             float(paced["seconds"]),
             0.0,
@@ -395,13 +407,51 @@ def _own_core(replica: ServeProcess) -> Iterator[str]:
     me = psutil.Process()
     tree = [me, *me.children(recursive=True)]
     _pin(tree, lambda pid: own if pid in replica_tree else rest)
-    previous = _CLIENT_CPUS[:]
-    _CLIENT_CPUS[:] = [own]
+    _CLIENT_PLACEMENT[:] = [lambda: os.sched_setaffinity(0, own)]
     try:
         yield f"replica {cpus[-1]}, others {','.join(map(str, sorted(rest)))}"
     finally:
-        _CLIENT_CPUS[:] = previous
+        _CLIENT_PLACEMENT.clear()
         _pin([me, *me.children(recursive=True)], lambda _: set(cpus))
+
+
+PRIORITY_NICE = -10  # the replica's and the client's in `pull-query-priority`
+
+
+@contextlib.contextmanager
+def _priority(replica: ServeProcess) -> Iterator[str]:
+    """The replica's processes and the clients started meanwhile at nice PRIORITY_NICE (every
+    thread, and the session's autogroup: with autogroups on, the kernel shares the CPU between
+    sessions first, so a thread's nice weighs only within its session), the run's other
+    processes at 0; all back at 0 after. Raising a priority needs root (CAP_SYS_NICE)."""
+    assert replica.process is not None
+    root = psutil.Process(replica.process.pid)
+    replica_tree = [root, *root.children(recursive=True)]
+    try:
+        _renice(replica_tree, PRIORITY_NICE)
+    except PermissionError as refused:
+        yield f"shared (the priority refused: {refused})"
+        return
+    _CLIENT_PLACEMENT[:] = [lambda: _renice([psutil.Process()], PRIORITY_NICE)]
+    try:
+        yield f"replica and client at nice {PRIORITY_NICE}, the others at 0"
+    finally:
+        _CLIENT_PLACEMENT.clear()
+        _renice(replica_tree, 0)
+
+
+def _renice(processes: list[psutil.Process], nice: int) -> None:
+    """Every thread of each process, and its session's autogroup, at `nice`."""
+    for process in processes:
+        try:
+            threads = process.threads()
+        except psutil.Error:
+            continue  # ended meanwhile
+        for thread in threads:
+            with contextlib.suppress(ProcessLookupError):
+                os.setpriority(os.PRIO_PROCESS, thread.id, nice)
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            Path(f"/proc/{process.pid}/autogroup").write_text(str(nice))
 
 
 def _pin(processes: list[psutil.Process], cpus_of: Callable[[int], set[int]]) -> None:
@@ -416,8 +466,9 @@ def _pin(processes: list[psutil.Process], cpus_of: Callable[[int], set[int]]) ->
                 os.sched_setaffinity(thread.id, cpus_of(process.pid))
 
 
-# The cores the clients started now run on (all when empty): `_own_core` sets them.
-_CLIENT_CPUS: list[set[int]] = []
+# What a client started now does first, in its process (nothing when empty): `_own_core` and
+# `_priority` set it.
+_CLIENT_PLACEMENT: list[Callable[[], None]] = []
 
 
 def pull_scenarios(
@@ -482,14 +533,24 @@ def pull_scenarios(
         progress.console.print(
             f"pull-query: {PULL_RATE:,.0f} requests/s for {seconds:g} s from a process of its own"
         )
-        paced = _Paced.run(binary, replica, spec, keys, seconds, scratch, load, "shared")
+
+        def paced_run(name: str, placement: str) -> _Paced:
+            return _Paced.run(name, binary, replica, spec, keys, seconds, scratch, load, placement)
+
+        paced = paced_run("pull-query", "shared")
         rss_after = memory.sample()
         progress.console.print(
             "pull-query-own-core: the same with the replica and the client on a core of their "
             "own, every other process of the run on the others"
         )
         with _own_core(replica) as placement:
-            own = _Paced.run(binary, replica, spec, keys, seconds, scratch, load, placement)
+            own = paced_run("pull-query-own-core", placement)
+        progress.console.print(
+            "pull-query-priority: the same on every core, the replica and the client at a "
+            "higher CPU priority than the rest of the run"
+        )
+        with _priority(replica) as placement:
+            first = paced_run("pull-query-priority", placement)
 
         progress.console.print(f"pull-query-max: {MAX_CLIENTS} clients without pause")
         outs = [scratch / f"pull-query-max-{n}.json" for n in range(MAX_CLIENTS)]
@@ -526,8 +587,7 @@ def pull_scenarios(
         "replica_rss_mb_after": _mb(rss_after),
         "replica_rss_mb_peak": _mb(memory.peak),
     }
-    query = paced.figure("pull-query", keys, rss, max_rate)
-    alone = own.figure("pull-query-own-core", keys, rss, max_rate)
+    paced_figures = [run.figure(keys, rss, max_rate) for run in (paced, own, first)]
     most = StreamFigure(
         "pull-query-max",
         requests_max,
@@ -581,7 +641,7 @@ def pull_scenarios(
             + (f"; {unseen} events never visible" if unseen else "")
         ),
     )
-    return [query, alone, most, freshness]
+    return [*paced_figures, most, freshness]
 
 
 def _new_replica(
