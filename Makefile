@@ -12,6 +12,9 @@ PY_STAMP := $(VENV)/.duality-installed
 JAR_STAMP := $(JAR_CACHE)/.duality-fetched
 # Class-data sharing for Spark drivers (`duality.spark.CLASS_ARCHIVE`, decision 31).
 CLASS_ARCHIVE := $(VENV)/share/duality/spark-driver.jsa
+# The same for drivers with S3A's jars on their class path (an object store configured), beside
+# those jars (`duality.spark.S3A_CLASS_ARCHIVE`, decision 44).
+S3A_CLASS_ARCHIVE := $(JAR_CACHE)/s3/spark-driver.jsa
 # duality's stream-table join operator (decision 35) and Avro decoder (decision 38), compiled
 # against pyspark's own jars.
 JOIN_JAR := $(VENV)/share/duality/duality-join.jar
@@ -103,11 +106,15 @@ postgres:
 # Prometheus, promtool and the Pushgateway from Debian, for `duality up --monitoring` and the
 # alert rules' tests (tests/unit/test_alert_rules.py). duality runs them under .local/monitoring/
 # on ports of its own; the system's services are not used.
-# Spark's S3A jars (640 MB from Maven Central) and duality's log store for them, made once before
-# the tests rather than by the first two tests that need them, at once and beside the others. The
-# S3 server itself (SeaweedFS) is a package of the lock.
-object-store: setup
-	@DUALITY_JAR_CACHE=$(JAR_CACHE) $(PY) -m duality.local.object_store
+# Spark's S3A jars (640 MB from Maven Central), duality's log store for them and the class archive
+# of drivers that load them, made once before the tests rather than by the first tests that need
+# them, at once and beside the others. The S3 server itself (SeaweedFS) is a package of the lock.
+object-store: $(S3A_CLASS_ARCHIVE)
+
+$(S3A_CLASS_ARCHIVE): $(CLASS_ARCHIVE)
+	@echo "fetching Spark's S3A jars and archiving the classes of a driver with them ($@)"
+	@DUALITY_JAR_CACHE=$(JAR_CACHE) $(PY) -m duality.spark --s3a 2>$(VENV)/class-archive-s3a.log || \
+	  { tail -n 40 $(VENV)/class-archive-s3a.log; exit 1; }
 
 monitoring:
 	@command -v prometheus >/dev/null && command -v promtool >/dev/null && \

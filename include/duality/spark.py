@@ -41,6 +41,10 @@ _PACKAGE_ZIP_KEEP_S = 7 * 24 * 3600.0
 # linking each from its jar, about half of a session start's CPU. A JVM that cannot use the
 # archive (another JDK, jars changed since) starts as it would without it.
 CLASS_ARCHIVE = Path(sys.prefix) / "share" / "duality" / "spark-driver.jsa"
+# An archive serves only the class path it was written with (or one that extends it): a driver
+# with S3A's jars before Spark's on its class path (an object store configured) maps its own, in
+# the jar cache beside those jars, which `make object-store` writes (decision 44).
+S3A_CLASS_ARCHIVE = "s3/spark-driver.jsa"
 # duality's stream-table join operator (duality.join, decision 35), compiled by `make setup`.
 JOIN_JAR = Path(sys.prefix) / "share" / "duality" / "duality-join.jar"
 _QUIET_CDS = "-Xlog:cds=off -Xlog:cds+dynamic=off"
@@ -227,7 +231,9 @@ def session(
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     config = session_config(settings, app_name)
-    config |= scratch_config(scratch_folder(settings))  # this process's own folder
+    archive = class_archive(settings)
+    sharing = f"-XX:SharedArchiveFile={archive}" if archive.is_file() else None
+    config |= scratch_config(scratch_folder(settings), sharing)  # this process's own folder
     config.update(extra or {})
     builder = SparkSession.builder
     for key, value in config.items():
@@ -247,13 +253,18 @@ def hadoop_secret(spark: SparkSession, settings: Settings) -> None:
         spark.sparkContext._jsc.hadoopConfiguration().set("fs.s3a.secret.key", secret)
 
 
-def scratch_config(folder: Path, sharing: str | None = None) -> dict[str, str]:
+def class_archive(settings: Settings) -> Path:
+    """The class archive for a driver of these settings (which may not have been written)."""
+    if settings.s3_endpoint:
+        return settings.jar_cache / S3A_CLASS_ARCHIVE
+    return CLASS_ARCHIVE
+
+
+def scratch_config(folder: Path, sharing: str | None) -> dict[str, str]:
     """The driver JVM's temporary files (the native libraries it unpacks at start) and Spark's
     shuffle and spill files (`spark.local.dir` defaults to `java.io.tmpdir`) in `folder`; its
-    class-data sharing option: `sharing`, or the class archive when setup wrote one."""
+    class-data sharing option `sharing` (none if None)."""
     folder.mkdir(parents=True, exist_ok=True)
-    if sharing is None and CLASS_ARCHIVE.is_file():
-        sharing = f"-XX:SharedArchiveFile={CLASS_ARCHIVE}"
     options = f"-Djava.io.tmpdir={folder}"
     if sharing is not None:
         options += f" {sharing} {_QUIET_CDS}"
@@ -325,21 +336,35 @@ def _with_stdout_to_stderr(start: Callable[[], T]) -> T:
         os.close(saved)
 
 
-def write_class_archive(archive: Path = CLASS_ARCHIVE) -> None:
+def write_class_archive(s3a: bool = False) -> Path:
     """Run a driver through what duality's drivers do (SQL, a shuffle, Delta writes, a MERGE and
     reads, a stateful streaming query on RocksDB) and archive the classes it loaded when its JVM
-    exits. In a process of its own: the JVM writes the archive as it ends."""
+    exits; with `s3a`, a driver with S3A on its class path, which also makes an S3A client (no
+    request is sent). In a process of its own: the JVM writes the archive as it ends."""
     from pyspark.sql import functions as F
 
-    archive.parent.mkdir(parents=True, exist_ok=True)
-    partial = archive.with_name(f".{archive.name}.{os.getpid()}")
     root = Path(tempfile.mkdtemp(prefix="duality-class-archive-"))
     settings = Settings.from_env().replace(
         local_dir=root / "local", warehouse=root / "warehouse", spark_master="local[2]"
     )
+    # With S3A, an endpoint that is never asked: the archive needs only the class path.
+    settings = settings.replace(
+        s3_endpoint="http://127.0.0.1:9" if s3a else None,
+        s3_access_key="class-archive",
+        s3_secret_key="-",
+        s3_secret_key_file=None,
+    )
+    archive = class_archive(settings)
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    partial = archive.with_name(f".{archive.name}.{os.getpid()}")
     dumping = scratch_config(scratch_folder(settings), f"-XX:ArchiveClassesAtExit={partial}")
     spark = session(settings, "duality-class-archive", dumping)
     try:
+        if s3a:
+            jvm = spark.sparkContext._jvm
+            assert jvm is not None
+            hadoop = spark.sparkContext._jsc.hadoopConfiguration()
+            jvm.org.apache.hadoop.fs.Path("s3a://class-archive/").getFileSystem(hadoop)
         table = str(root / "table")
         rows = spark.range(1000).select((F.col("id") % 10).alias("k"), F.col("id").alias("v"))
         rows.groupBy("k").agg(F.sum("v").alias("v")).write.format("delta").save(table)
@@ -372,12 +397,12 @@ def write_class_archive(archive: Path = CLASS_ARCHIVE) -> None:
     if not partial.is_file():
         raise UsageError(f"the JVM wrote no class archive at {partial}")
     partial.replace(archive)
+    return archive
 
 
 def _collect(frame: DataFrame, _batch: int) -> None:
     frame.collect()
 
 
-if __name__ == "__main__":
-    write_class_archive()
-    print(f"wrote {CLASS_ARCHIVE}")
+if __name__ == "__main__":  # `make setup`; `make object-store` with --s3a
+    print(f"wrote {write_class_archive(s3a='--s3a' in sys.argv[1:])}")

@@ -24,7 +24,7 @@ from duality.config import PREFIX, Settings
 from duality.local.airflow import AIRFLOW_COMPONENTS, AIRFLOW_MIGRATE
 from duality.local.broker import _DEV_BROKER_CONFIG
 from duality.local.postgres import AIRFLOW_DB_DRIVER, AIRFLOW_DB_NAME, AIRFLOW_DB_USER
-from duality.spark import CLASS_ARCHIVE, JOIN_JAR
+from duality.spark import CLASS_ARCHIVE, JOIN_JAR, S3A_CLASS_ARCHIVE
 from duality.stream import election
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -507,6 +507,14 @@ def test_image_archives_the_driver_classes_like_the_makefile():
     archive, jars = shell.find("python -m duality.spark"), shell.find("copy-dependencies")
     assert 0 <= jars < archive, "the image archives no driver classes after fetching its jars"
     assert "test -f /usr/local/share/duality/spark-driver.jsa" in shell  # python:3.11's prefix
+    # And the archive of drivers with S3A, after the S3A jars, where `class_archive` finds it.
+    prerequisites, recipe = _makefile_rule("$(S3A_CLASS_ARCHIVE)")
+    assert prerequisites.split() == ["$(CLASS_ARCHIVE)"] and "-m duality.spark --s3a" in recipe
+    assert "$(S3A_CLASS_ARCHIVE)" in _makefile_rule("object-store")[0]
+    assert _makefile_variable("S3A_CLASS_ARCHIVE") == f"$(JAR_CACHE)/{S3A_CLASS_ARCHIVE}"
+    s3a = shell.find("python -m duality.spark --s3a")
+    assert shell.find("s3a_jars(") < s3a and archive < s3a
+    assert f"test -f /opt/duality/.cache/jars/{S3A_CLASS_ARCHIVE}" in shell
 
 
 def test_image_compiles_the_join_like_the_makefile():

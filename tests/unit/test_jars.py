@@ -63,18 +63,24 @@ def test_session_config_uses_local_jars_delta_and_rocksdb():
     assert int(config["spark.sql.codegen.cache.maxEntries"]) >= 1_000
 
 
-def test_a_driver_maps_the_class_archive_when_setup_wrote_one(
+def test_a_driver_maps_the_class_archive_of_its_class_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
     from duality import spark
 
     archive = tmp_path / "spark-driver.jsa"
     monkeypatch.setattr(spark, "CLASS_ARCHIVE", archive)
-    options = scratch_config(tmp_path / "jvm")["spark.driver.extraJavaOptions"].split()
-    assert options == [f"-Djava.io.tmpdir={tmp_path / 'jvm'}"]  # none yet: a plain start
-    archive.write_bytes(b"")
-    options = scratch_config(tmp_path / "jvm")["spark.driver.extraJavaOptions"].split()
-    assert f"-XX:SharedArchiveFile={archive}" in options
+    settings = Settings.from_env({"DUALITY_JAR_CACHE": str(tmp_path / "jars")})
+    assert spark.class_archive(settings) == archive
+    # With an object store, S3A's jars come first on the class path: the archive written with
+    # them, beside them in the jar cache.
+    s3 = settings.replace(s3_endpoint="http://127.0.0.1:9000")
+    assert spark.class_archive(s3) == tmp_path / "jars" / "s3" / "spark-driver.jsa"
+    options = scratch_config(tmp_path / "jvm", None)["spark.driver.extraJavaOptions"].split()
+    assert options == [f"-Djava.io.tmpdir={tmp_path / 'jvm'}"]  # none: a plain start
+    sharing = f"-XX:SharedArchiveFile={archive}"
+    options = scratch_config(tmp_path / "jvm", sharing)["spark.driver.extraJavaOptions"].split()
+    assert sharing in options
     # An archive this JVM cannot use (another JDK, changed jars) is passed over in silence.
     assert {"-Xlog:cds=off", "-Xlog:cds+dynamic=off"} <= set(options)
 

@@ -247,12 +247,3 @@ class LocalObjectStore:
         # look, to the same key.
         self.pid_file.unlink(missing_ok=True)
         return pid
-
-
-if __name__ == "__main__":  # `make test`: what the object store's tests need, made beforehand
-    from duality import object_store
-    from duality.config import Settings
-
-    settings = Settings.from_env()
-    object_store.s3a_jars(settings, print)
-    object_store.log_store_jar(settings)

@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 import psutil
 from py4j.protocol import Py4JJavaError
 
 from duality.config import Settings
-from duality.spark import session
+from duality.spark import class_archive, session
 
 ROWS = 50
 
@@ -71,6 +72,9 @@ def main(table: str, writer: str, commits: int, first: bool) -> None:
     conf = json.dumps(spark.sparkContext.getConf().getAll())
     jvms = [p for p in psutil.Process().children(recursive=True) if p.name() == "java"]
     cmdlines = " ".join(" ".join(p.cmdline()) for p in jvms)
+    # The JVM maps the class archive written with S3A's jars on its class path (decision 44).
+    archive = str(class_archive(settings))
+    maps = "".join(Path(f"/proc/{p.pid}/maps").read_text() for p in jvms)
     print(
         json.dumps(
             {
@@ -79,6 +83,7 @@ def main(table: str, writer: str, commits: int, first: bool) -> None:
                 "secret_in_conf": bool(secret) and secret in conf,
                 "secret_in_cmdline": bool(secret) and secret in cmdlines,
                 "jvms": len(jvms),
+                "class_archive_mapped": archive.endswith("s3/spark-driver.jsa") and archive in maps,
             }
         )
     )

@@ -113,7 +113,7 @@ def test_two_drivers_racing_for_versions_lose_none_and_delta_rs_reads_each(
         assert result["kept"] == "first" and result["refused"], result
         assert "FileAlreadyExists" in result["refused"] or "412" in result["refused"], result
         assert not result["secret_in_conf"] and not result["secret_in_cmdline"], result
-        assert result["jvms"] >= 1
+        assert result["jvms"] >= 1 and result["class_archive_mapped"], result
     options = object_store.delta_rs_options(object_store_settings)
     latest = DeltaTable(table, storage_options=options)
     assert latest.version() == 2 * commits - 1
