@@ -3,8 +3,8 @@
 A pipeline's stream runs as users run it (tests.harness.StreamProcess) over a source of its own,
 first given one event for each of `keys` keys (100,000 by default, `product-000000` onwards),
 then a steady 5,000 events/s over the same keys (tests.harness.SteadyLoad) for the whole of the
-first three scenarios. One replica, `duality serve` run as users run it (tests.serving
-.ServeProcess, a process of its own), keeps its table.
+pull scenarios (all but the bootstraps). One replica, `duality serve` run as users run it
+(tests.serving.ServeProcess, a process of its own), keeps its table.
 
 - `pull-query`: once the stream keeps up with the load (less than a second's events behind;
   after 120 s regardless, its lag in the figures), a client process of its own
@@ -24,6 +24,9 @@ first three scenarios. One replica, `duality serve` run as users run it (tests.s
   threads and on their sessions' autogroups, through which the kernel shares the CPU between
   sessions): a replica given priority on a shared host rather than a core of its own (run as
   root; otherwise the figure says the priority was refused). The same targets.
+- `pull-query-realtime`: the same once more with the replica and the client under SCHED_RR
+  (real-time round robin, priority 1): their threads run as soon as they wake, ahead of every
+  other process, which still has the cores whenever they wait. The same targets.
 - `pull-query-max`: the most requests/s the replica answers: four client processes asking
   without pause (one connection each) for 10 s, beside the same load (on the same cores as the
   replica, the stream and the load).
@@ -95,6 +98,7 @@ SCENARIOS = (
     "pull-query",
     "pull-query-own-core",
     "pull-query-priority",
+    "pull-query-realtime",
     "pull-query-max",
     "pull-freshness",
     "replica-bootstrap",
@@ -416,58 +420,77 @@ def _own_core(replica: ServeProcess) -> Iterator[str]:
 
 
 PRIORITY_NICE = -10  # the replica's and the client's in `pull-query-priority`
+REALTIME_PRIORITY = 1  # their SCHED_RR priority in `pull-query-realtime` (1-99)
 
 
 @contextlib.contextmanager
-def _priority(replica: ServeProcess) -> Iterator[str]:
-    """The replica's processes and the clients started meanwhile at nice PRIORITY_NICE (every
-    thread, and the session's autogroup: with autogroups on, the kernel shares the CPU between
-    sessions first, so a thread's nice weighs only within its session), the run's other
-    processes at 0; all back at 0 after. Raising a priority needs root (CAP_SYS_NICE)."""
+def _ahead(replica: ServeProcess, realtime: bool) -> Iterator[str]:
+    """The replica's processes and the clients started meanwhile ahead of the run's other
+    processes, all back as they were after. Either at nice PRIORITY_NICE (every thread, and the
+    session's autogroup: with autogroups on, the kernel shares the CPU between sessions first,
+    so a thread's nice weighs only within its session), or `realtime`: under SCHED_RR, whose
+    threads run as soon as they wake, before any of the others (the kernel still leaves those
+    5 % of each second, sched_rt_runtime_us). Either needs root (CAP_SYS_NICE)."""
     assert replica.process is not None
     root = psutil.Process(replica.process.pid)
     replica_tree = [root, *root.children(recursive=True)]
+    placed = _realtime if realtime else _renice
     try:
-        _renice(replica_tree, PRIORITY_NICE)
+        placed(replica_tree, True)
     except PermissionError as refused:
         yield f"shared (the priority refused: {refused})"
         return
-    _CLIENT_PLACEMENT[:] = [lambda: _renice([psutil.Process()], PRIORITY_NICE)]
+    _CLIENT_PLACEMENT[:] = [lambda: placed([psutil.Process()], True)]
     try:
-        yield f"replica and client at nice {PRIORITY_NICE}, the others at 0"
+        yield (
+            f"replica and client under SCHED_RR {REALTIME_PRIORITY}"
+            if realtime
+            else f"replica and client at nice {PRIORITY_NICE}"
+        ) + ", the others as they were"
     finally:
         _CLIENT_PLACEMENT.clear()
-        _renice(replica_tree, 0)
+        placed(replica_tree, False)
 
 
-def _renice(processes: list[psutil.Process], nice: int) -> None:
-    """Every thread of each process, and its session's autogroup, at `nice`."""
+def _renice(processes: list[psutil.Process], ahead: bool) -> None:
+    """Every thread of each process, and its session's autogroup, at nice PRIORITY_NICE, or
+    back at 0."""
+    nice = PRIORITY_NICE if ahead else 0
     for process in processes:
-        try:
-            threads = process.threads()
-        except psutil.Error:
-            continue  # ended meanwhile
-        for thread in threads:
+        for thread in _threads(process):
             with contextlib.suppress(ProcessLookupError):
-                os.setpriority(os.PRIO_PROCESS, thread.id, nice)
+                os.setpriority(os.PRIO_PROCESS, thread, nice)
         with contextlib.suppress(FileNotFoundError, ProcessLookupError):
             Path(f"/proc/{process.pid}/autogroup").write_text(str(nice))
+
+
+def _realtime(processes: list[psutil.Process], ahead: bool) -> None:
+    """Every thread of each process under SCHED_RR at REALTIME_PRIORITY (threads started later
+    inherit it), or back under SCHED_OTHER."""
+    policy, priority = (os.SCHED_RR, REALTIME_PRIORITY) if ahead else (os.SCHED_OTHER, 0)
+    for process in processes:
+        for thread in _threads(process):
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setscheduler(thread, policy, os.sched_param(priority))
+
+
+def _threads(process: psutil.Process) -> list[int]:
+    try:
+        return [thread.id for thread in process.threads()]
+    except psutil.Error:
+        return []  # ended meanwhile
 
 
 def _pin(processes: list[psutil.Process], cpus_of: Callable[[int], set[int]]) -> None:
     """Every thread of each process onto `cpus_of(its pid)` (threads started later inherit)."""
     for process in processes:
-        try:
-            threads = process.threads()
-        except psutil.Error:
-            continue  # ended meanwhile
-        for thread in threads:
+        for thread in _threads(process):
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.sched_setaffinity(thread.id, cpus_of(process.pid))
+                os.sched_setaffinity(thread, cpus_of(process.pid))
 
 
 # What a client started now does first, in its process (nothing when empty): `_own_core` and
-# `_priority` set it.
+# `_ahead` set it.
 _CLIENT_PLACEMENT: list[Callable[[], None]] = []
 
 
@@ -549,8 +572,13 @@ def pull_scenarios(
             "pull-query-priority: the same on every core, the replica and the client at a "
             "higher CPU priority than the rest of the run"
         )
-        with _priority(replica) as placement:
-            first = paced_run("pull-query-priority", placement)
+        with _ahead(replica, realtime=False) as placement:
+            niced = paced_run("pull-query-priority", placement)
+        progress.console.print(
+            "pull-query-realtime: the same with the replica and the client under SCHED_RR"
+        )
+        with _ahead(replica, realtime=True) as placement:
+            realtime = paced_run("pull-query-realtime", placement)
 
         progress.console.print(f"pull-query-max: {MAX_CLIENTS} clients without pause")
         outs = [scratch / f"pull-query-max-{n}.json" for n in range(MAX_CLIENTS)]
@@ -587,7 +615,7 @@ def pull_scenarios(
         "replica_rss_mb_after": _mb(rss_after),
         "replica_rss_mb_peak": _mb(memory.peak),
     }
-    paced_figures = [run.figure(keys, rss, max_rate) for run in (paced, own, first)]
+    paced_figures = [run.figure(keys, rss, max_rate) for run in (paced, own, niced, realtime)]
     most = StreamFigure(
         "pull-query-max",
         requests_max,
