@@ -602,7 +602,8 @@ def describe() -> list[tuple[str, str, str]]:
         "stream_driver_memory": "memory of a stream's Spark driver (its state is in RocksDB, off "
         "this heap)",
         "stream_nice": "scheduling priority (nice, 0-19) of a stream's driver and its Spark in "
-        "local mode: raise it where a serving replica or a broker shares the stream's cores",
+        "local mode, and of its session's autogroup: raise it where a serving replica or a "
+        "broker shares the stream's cores",
         "spark_cores_max": "cores each application may take on a Spark cluster (unset: all free "
         "ones; `duality up --spark-workers N` sets N, so streams and batch jobs fit side by side)",
         "batch_server": "batch server (`host:port`) that batch steps run on, in its warm Spark "

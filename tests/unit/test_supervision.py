@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -290,3 +291,39 @@ def test_the_supervisor_keeps_the_replicas_and_never_fails_for_them(hooks, monke
 
     monkeypatch.setattr(control, "ensure", broken)
     assert task.execute({"params": {}, "ti": None})["replicas"] == []  # type: ignore[arg-type]
+
+
+_SUPERVISOR = """
+import subprocess, sys
+from duality.stream.supervisor import _driver_setup
+probe = (
+    "import os, pathlib; group = pathlib.Path('/proc/self/autogroup'); "
+    "print(os.nice(0), group.read_text().split()[-1] if group.exists() else 'none')"
+)
+if sys.argv[1] == "nested":  # the supervisor is not its session's leader
+    command = [sys.executable, "-c", sys.argv[2], "leads", sys.argv[2]]
+    print(subprocess.run(command, capture_output=True, text=True).stdout, end="")
+else:
+    done = subprocess.run(
+        [sys.executable, "-c", probe], preexec_fn=_driver_setup(7), capture_output=True, text=True
+    )
+    print(done.stdout, end="")
+"""
+
+
+def test_a_nice_stream_lowers_its_own_session_not_a_terminal_s():
+    """DUALITY_STREAM_NICE: the driver is nice, and so is its session's autogroup when the
+    supervisor leads the session (as `duality stream start` runs it), which it shares with no
+    one else; a supervisor in another's session (a terminal's) leaves the session as it is. Each
+    case in a session of its own, so the test's session is never touched."""
+    import subprocess
+
+    def run(how: str) -> list[str]:
+        command = [sys.executable, "-c", _SUPERVISOR, how, _SUPERVISOR]
+        done = subprocess.run(command, capture_output=True, text=True, start_new_session=True)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()
+
+    grouped = Path("/proc/self/autogroup").exists()  # a kernel with autogroups
+    assert run("leads") == ["7", "7" if grouped else "none"]
+    assert run("nested") == ["7", "0" if grouped else "none"]

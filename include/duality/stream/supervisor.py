@@ -82,12 +82,21 @@ def owned_pid_file(path: Path) -> Iterator[None]:
 
 def _driver_setup(nice: int) -> Callable[[], None]:
     """What the driver's process does before it runs (between fork and exec): die with the
-    supervisor, and take the stream's priority (DUALITY_STREAM_NICE), which its JVM inherits."""
+    supervisor, and take the stream's priority (DUALITY_STREAM_NICE), which its JVM inherits.
+
+    Where the kernel groups processes by session (autogroups, on by default in most Linux
+    kernels), it shares the CPU between sessions before it weighs a process's nice, so a nice
+    process in a session of its own gets as much as any other session. The priority is then set
+    on the session too, when it is the stream's own: its supervisor leads it (`duality stream
+    start` starts it so), not when the supervisor runs in a terminal's session."""
 
     def setup() -> None:
         die_with_parent()
         if nice:
             os.nice(nice)
+            if os.getsid(0) == os.getppid():
+                with contextlib.suppress(OSError):  # a kernel without autogroups
+                    Path("/proc/self/autogroup").write_text(str(nice))
 
     return setup
 
