@@ -168,8 +168,8 @@ class LocalObjectStore:
             json.dump(identities, out)
 
     def start(self, timeout: float = 120.0) -> ObjectStoreStatus:
-        """Start it unless it runs, wait until its S3 API
-        answers, then create the bucket if it is missing."""
+        """Start it unless it runs, wait until its S3 API answers, then create the bucket if it
+        is missing."""
         if self.pid() is not None:
             self.ensure_bucket()
             return dataclasses.replace(self.status(), already_running=True)
