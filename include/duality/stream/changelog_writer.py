@@ -6,10 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import sys
-import threading
 import time
-import traceback
 from collections.abc import Generator, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
@@ -27,10 +24,6 @@ log = logging.getLogger("duality.stream")
 
 # A dead letter's headers and key get this much room when its value has to be cut to fit.
 _DEAD_LETTER_MARGIN = 16_384
-# A micro-batch's write still running this long logs every thread's stack once: where a write
-# that hangs waits (decision 33, "Not solved yet": one hung after a broker's loss, no error said
-# where).
-SLOW_WRITE_S = 90.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,29 +128,6 @@ class ChangelogWriter:
         return json.dumps(starts)
 
     def write(self, batch: DataFrame, batch_id: int) -> BatchResult:
-        watch = threading.Timer(SLOW_WRITE_S, self._slow, args=(batch_id,))
-        watch.daemon = True
-        watch.start()
-        try:
-            return self._write(batch, batch_id)
-        finally:
-            watch.cancel()
-
-    def _slow(self, batch_id: int) -> None:
-        names = {thread.ident: thread.name for thread in threading.enumerate()}
-        stacks = "".join(
-            f"\n--- thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame))
-            for ident, frame in sys._current_frames().items()
-        )
-        log.warning(
-            "%s: batch %d has been writing for %.0fs; the driver's threads now:%s",
-            self.spec.name,
-            batch_id,
-            SLOW_WRITE_S,
-            stacks,
-        )
-
-    def _write(self, batch: DataFrame, batch_id: int) -> BatchResult:
         from pyspark.sql import functions as F
 
         started = time.perf_counter()
