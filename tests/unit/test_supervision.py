@@ -327,3 +327,28 @@ def test_a_nice_stream_lowers_its_own_session_not_a_terminal_s():
     grouped = Path("/proc/self/autogroup").exists()  # a kernel with autogroups
     assert run("leads") == ["7", "7" if grouped else "none"]
     assert run("nested") == ["7", "0" if grouped else "none"]
+
+
+def test_a_stalled_driver_logs_where_each_thread_waits():
+    """What a driver logs as it exits stalled (decision 33): every thread by name, each with
+    the stack of where it is, down to the call it waits in."""
+    import threading
+
+    from duality.stream.driver import thread_stacks
+
+    waiting, release = threading.Event(), threading.Event()
+
+    def commit_transaction() -> None:  # a thread that waits, as a hung commit would
+        waiting.set()
+        release.wait(30)
+
+    waiter = threading.Thread(target=commit_transaction, name="waiting-commit")
+    waiter.start()
+    try:
+        assert waiting.wait(30)
+        stacks = thread_stacks()
+    finally:
+        release.set()
+        waiter.join(30)
+    assert "--- thread MainThread:" in stacks and "in test_a_stalled_driver_logs" in stacks
+    assert "--- thread waiting-commit:" in stacks and "in commit_transaction" in stacks

@@ -13,6 +13,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
@@ -502,6 +503,12 @@ class StreamDriver:
                         # It hangs in a call that cannot be interrupted (a Kafka client waiting
                         # on a broker that went away): a new driver aborts its transaction.
                         message = f"a micro-batch ran for more than {stall_timeout_s:g}s: stalled"
+                        # Where it waits, for the log (decision 33, "Not solved yet").
+                        log.warning(
+                            "%s: the driver's threads as it stalled:%s",
+                            self.spec.name,
+                            thread_stacks(),
+                        )
                         self._exit_for_new_driver(heartbeat, "stalled", message, STALLED_EXIT)
                 else:
                     busy_since = None
@@ -552,6 +559,15 @@ class StreamDriver:
         heartbeat.close()
         logging.shutdown()
         os._exit(code)
+
+
+def thread_stacks() -> str:
+    """Every thread of this process with its Python stack, one after the other."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    return "".join(
+        f"\n--- thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame))
+        for ident, frame in sys._current_frames().items()
+    )
 
 
 def _read_output(batch: Any, batch_id: int) -> None:
