@@ -345,10 +345,10 @@ def write_class_archive(s3a: bool = False) -> Path:
 
     root = Path(tempfile.mkdtemp(prefix="duality-class-archive-"))
     settings = Settings.from_env().replace(
-        local_dir=root / "local", warehouse=root / "warehouse", spark_master="local[2]"
-    )
-    # With S3A, an endpoint that is never asked: the archive needs only the class path.
-    settings = settings.replace(
+        local_dir=root / "local",
+        warehouse=root / "warehouse",
+        spark_master="local[2]",
+        # With S3A, an endpoint that is never asked: the archive needs only the class path.
         s3_endpoint="http://127.0.0.1:9" if s3a else None,
         s3_access_key="class-archive",
         s3_secret_key="-",
