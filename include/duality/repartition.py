@@ -293,7 +293,7 @@ def copy_slice(
     def commit() -> None:
         nonlocal in_transaction
         consumed = [offsets.TopicPartition(plan.source, source_partition, next_offset, metadata)]
-        producer.send_offsets_to_transaction(consumed, group_metadata, timeout * 3)
+        client.send_offsets(producer, consumed, group_metadata, timeout * 3)
         producer.commit_transaction(timeout * 6)
         result.transactions += 1
         in_transaction = 0

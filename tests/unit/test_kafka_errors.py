@@ -4,6 +4,8 @@ the same against a broker that refuses logins and operations."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -269,3 +271,39 @@ def test_committed_metadata_is_bytes_never_decoded(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(topics, "partition_count", lambda *_: 1)
     monkeypatch.setattr(offsets, "_committed", lambda *_: [Committed()])
     assert offsets.committed_offsets(None, "g", "t") == {0: (5, b"MTIz\xa5")}  # type: ignore[arg-type]
+
+
+class _OffsetsCall:
+    """A producer whose send_offsets_to_transaction blocks until released, or fails."""
+
+    def __init__(self, error: BaseException | None = None, block: bool = False):
+        self.error, self.block = error, block
+        self.released = threading.Event()
+        self.asked: list[float] = []
+
+    def send_offsets_to_transaction(self, consumed: Any, metadata: Any, timeout: float) -> None:
+        self.asked.append(timeout)
+        if self.block:
+            self.released.wait(30)
+        if self.error is not None:
+            raise self.error
+
+
+def test_send_offsets_holds_the_timeout_librdkafka_does_not(monkeypatch: pytest.MonkeyPatch):
+    """librdkafka may keep send_offsets_to_transaction waiting past its timeout on a group
+    coordinator that went away (decision 33): duality's call ends with TransactionStuck."""
+    monkeypatch.setattr(client, "_STUCK_GRACE_S", 0.2)
+    stuck = _OffsetsCall(block=True)
+    started = time.monotonic()
+    with pytest.raises(client.TransactionStuck, match=r"did not return within 0\.3s"):
+        client.send_offsets(stuck, [], None, 0.3)  # type: ignore[arg-type]
+    assert 0.45 <= time.monotonic() - started < 5
+    assert stuck.asked == [0.3]  # librdkafka was given the same timeout
+    stuck.released.set()
+
+    client.send_offsets(_OffsetsCall(), [], None, 0.3)  # type: ignore[arg-type]
+    error = KafkaError(KafkaError._TIMED_OUT, "timed out", txn_requires_abort=True)
+    abortable = KafkaException(error)
+    with pytest.raises(KafkaException) as raised:
+        client.send_offsets(_OffsetsCall(abortable), [], None, 0.3)  # type: ignore[arg-type]
+    assert raised.value is abortable

@@ -8,6 +8,7 @@ import concurrent.futures
 import functools
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
@@ -136,6 +137,46 @@ def transactional_producer(settings: Settings, transactional_id: str, **override
         doing = f"initialise the transactions of {transactional_id!r}"
         raise failure(settings, doing, exc, timeout) from None
     return made
+
+
+# How long past its timeout a transactional call's own thread is waited for (send_offsets).
+_STUCK_GRACE_S = 2.0
+
+
+class TransactionStuck(Exception):
+    """A transactional producer's call did not return within its timeout: the producer cannot be
+    used again (its call is still in progress). A new producer with the same transactional id
+    fences it and aborts its open transaction."""
+
+
+def send_offsets(
+    producer: Producer, consumed: list[Any], group_metadata: Any, timeout: float
+) -> None:
+    """`producer.send_offsets_to_transaction`, held to `timeout` by duality. librdkafka (2.16)
+    does not hold that call's timeout (its issue 5456), and after the group's coordinator dies
+    it may wait on that broker until another one's connection changes state (5511): the call is
+    left to a thread of its own, and a call still running `_STUCK_GRACE_S` after its timeout
+    raises TransactionStuck (decision 33)."""
+    finished = threading.Event()
+    failed: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            producer.send_offsets_to_transaction(consumed, group_metadata, timeout)
+        except BaseException as exc:  # handed to the caller's thread
+            failed.append(exc)
+        finally:
+            finished.set()
+
+    # A daemon: the call may never return, and must not keep the process from exiting.
+    threading.Thread(target=call, name="duality-send-offsets", daemon=True).start()
+    if not finished.wait(timeout + _STUCK_GRACE_S):
+        raise TransactionStuck(
+            f"sending the consumed offsets to the transaction did not return within {timeout:g}s "
+            "(librdkafka waits on a group coordinator that went away)"
+        )
+    if failed:
+        raise failed[0]
 
 
 def consumer(

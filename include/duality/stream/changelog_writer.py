@@ -78,6 +78,12 @@ class BatchResult:
     reasons: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
+# Seconds a micro-batch's transaction waits to add its source offsets: two requests, which took
+# at most 5.2 s while a coordinator moved in the broker-loss test; one that waits longer is
+# restarted with a new producer (about 4 s) rather than left to librdkafka (decision 33).
+OFFSETS_TIMEOUT_S = 5.0
+
+
 class ChangelogWriter:
     """Writes each micro-batch's output in one Kafka transaction with the source offsets."""
 
@@ -107,6 +113,8 @@ class ChangelogWriter:
         if self.table_topic is not None:
             table = offsets.committed_offsets(settings, spec.consumer_group, self.table_topic)
             self.table_committed = {p: offset for p, (offset, _) in table.items()}
+        # A transactional call of the producer never returned (client.send_offsets): unusable.
+        self.stuck = False
         # Since this driver started, for the heartbeat.
         self.filtered = self.late_windows = self.dead_lettered = self.unmatched = 0
         # The group the offsets are committed to; it never subscribes, so it never rebalances.
@@ -217,11 +225,16 @@ class ChangelogWriter:
                     offsets.TopicPartition(self.table_topic, p, end)
                     for p, end in sorted(planned.table_offsets.items())
                 ]
-            producer.send_offsets_to_transaction(
-                consumed, self._group_metadata, self.settings.connect_timeout_s * 3
-            )
+            # A call that librdkafka keeps waiting (decision 33) fails the batch, and the query's
+            # restart fences this producer with a new one, far sooner than the driver's stall.
+            client.send_offsets(producer, consumed, self._group_metadata, OFFSETS_TIMEOUT_S)
             producer.commit_transaction(self.settings.connect_timeout_s * 6)
             result.commit_seconds = round(time.perf_counter() - committing, 3)
+        except client.TransactionStuck:
+            # Its call still runs: no abort or flush can be asked of it. The next writer's
+            # producer fences it and aborts its transaction.
+            self.stuck = True
+            raise
         except BaseException:
             try:
                 producer.abort_transaction(self.settings.connect_timeout_s)
@@ -263,7 +276,8 @@ class ChangelogWriter:
         records.send(self.producer, self.spec.dlq_topic, key, value, headers)
 
     def close(self) -> None:
-        self.producer.flush(10)
+        if not self.stuck:
+            self.producer.flush(10)
 
 
 def output_rows(output: DataFrame) -> Iterator[dict[str, Any]]:
