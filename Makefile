@@ -133,17 +133,9 @@ demo: setup
 # for the others' work.
 TEST_WORKERS ?= 3
 PARALLEL := -n $(TEST_WORKERS) --dist loadscope
-# Bounds a recovery's time on a quiet machine (issue 46's 30 s), so it runs before the others
-# start, alone on the two cores.
-ALONE := tests/integration/system/three_nodes/test_broker_loss.py
 
 test: setup browser postgres monitoring object-store
-ifeq ($(strip $(PYTEST_ARGS)),)
-	$(PY) -m pytest $(ALONE)
-	$(PY) -m pytest $(PARALLEL) --deselect $(ALONE)
-else
 	$(PY) -m pytest $(PARALLEL) $(PYTEST_ARGS)
-endif
 
 test-unit: setup monitoring
 	$(PY) -m pytest -m unit $(PYTEST_ARGS)

@@ -75,6 +75,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 # `--durations=0` of a CI run (docs/testing.md). They start first, so that the workers end
 # together instead of one running the last long unit alone; the rest follow in their order.
 _LONGEST_FIRST = (
+    "tests/integration/system/three_nodes",
     "tests/e2e",
     "tests/integration/spark/test_stream.py",
     "tests/integration/snapshot/test_snapshot.py",
@@ -82,7 +83,6 @@ _LONGEST_FIRST = (
     "tests/integration/snapshot/test_snapshot_object_store.py",
     "tests/integration/airflow/test_batch_server.py",
     "tests/integration/system/test_local_topology.py",
-    "tests/integration/system/three_nodes",
     "tests/integration/spark/test_standby.py",
     "tests/integration/spark/test_stream_object_store.py",
     "tests/integration/spark/test_rich_pipeline.py",
