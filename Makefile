@@ -13,7 +13,7 @@ JAR_STAMP := $(JAR_CACHE)/.duality-fetched
 # Class-data sharing for Spark drivers (`duality.spark.CLASS_ARCHIVE`, decision 31).
 CLASS_ARCHIVE := $(VENV)/share/duality/spark-driver.jsa
 # The same for drivers with S3A's jars on their class path (an object store configured), beside
-# those jars (`duality.spark.S3A_CLASS_ARCHIVE`, decision 44).
+# those jars (`duality.spark.class_archive`, decision 44).
 S3A_CLASS_ARCHIVE := $(JAR_CACHE)/s3/spark-driver.jsa
 # duality's stream-table join operator (decision 35) and Avro decoder (decision 38), compiled
 # against pyspark's own jars.

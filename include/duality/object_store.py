@@ -119,11 +119,17 @@ S3A_ARTIFACTS = (
 )
 
 
+def s3a_folder(settings: Settings) -> Path:
+    """`<jar_cache>/s3`: S3A's jars, duality's log store for them, and the class archive of a
+    driver that loads them (`duality.spark.class_archive`)."""
+    return settings.jar_cache / "s3"
+
+
 def s3a_jars(settings: Settings, progress: Callable[[str], None] = lambda _: None) -> list[Path]:
-    """The S3A jars in `<jar_cache>/s3`, fetched from Maven Central the first time (the SDK
+    """The S3A jars in `s3a_folder`, fetched from Maven Central the first time (the SDK
     bundle is 640 MB: only sessions that reach an object store load them, from this folder on
     the class path rather than through `spark.jars`, which would copy them to every executor)."""
-    folder = settings.jar_cache / "s3"
+    folder = s3a_folder(settings)
     names = [a.split(":")[1] + "-" + a.split(":")[2] + ".jar" for a in S3A_ARTIFACTS]
     if all((folder / name).is_file() for name in names):
         return [folder / name for name in names]
@@ -162,7 +168,7 @@ def log_store_jar(settings: Settings) -> Path:
     import pyspark
 
     digest = hashlib.sha256(LOG_STORE_SOURCE.read_bytes()).hexdigest()[:16]
-    jar = settings.jar_cache / "s3" / f"duality-log-store-{digest}.jar"
+    jar = s3a_folder(settings) / f"duality-log-store-{digest}.jar"
     if jar.is_file():
         return jar
     javac, jar_tool = shutil.which("javac"), shutil.which("jar")

@@ -41,10 +41,6 @@ _PACKAGE_ZIP_KEEP_S = 7 * 24 * 3600.0
 # linking each from its jar, about half of a session start's CPU. A JVM that cannot use the
 # archive (another JDK, jars changed since) starts as it would without it.
 CLASS_ARCHIVE = Path(sys.prefix) / "share" / "duality" / "spark-driver.jsa"
-# An archive serves only the class path it was written with (or one that extends it): a driver
-# with S3A's jars before Spark's on its class path (an object store configured) maps its own, in
-# the jar cache beside those jars, which `make object-store` writes (decision 44).
-S3A_CLASS_ARCHIVE = "s3/spark-driver.jsa"
 # duality's stream-table join operator (duality.join, decision 35), compiled by `make setup`.
 JOIN_JAR = Path(sys.prefix) / "share" / "duality" / "duality-join.jar"
 _QUIET_CDS = "-Xlog:cds=off -Xlog:cds+dynamic=off"
@@ -256,7 +252,10 @@ def hadoop_secret(spark: SparkSession, settings: Settings) -> None:
 def class_archive(settings: Settings) -> Path:
     """The class archive for a driver of these settings (which may not have been written)."""
     if settings.s3_endpoint:
-        return settings.jar_cache / S3A_CLASS_ARCHIVE
+        # An archive serves only the class path it was written with (or one that extends it):
+        # a driver with S3A's jars before Spark's on its class path maps its own, beside those
+        # jars, which `make object-store` writes (decision 44).
+        return object_store.s3a_folder(settings) / CLASS_ARCHIVE.name
     return CLASS_ARCHIVE
 
 

@@ -24,7 +24,7 @@ from duality.config import PREFIX, Settings
 from duality.local.airflow import AIRFLOW_COMPONENTS, AIRFLOW_MIGRATE
 from duality.local.broker import _DEV_BROKER_CONFIG
 from duality.local.postgres import AIRFLOW_DB_DRIVER, AIRFLOW_DB_NAME, AIRFLOW_DB_USER
-from duality.spark import CLASS_ARCHIVE, JOIN_JAR, S3A_CLASS_ARCHIVE
+from duality.spark import CLASS_ARCHIVE, JOIN_JAR, class_archive
 from duality.stream import election
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -511,10 +511,14 @@ def test_image_archives_the_driver_classes_like_the_makefile():
     prerequisites, recipe = _makefile_rule("$(S3A_CLASS_ARCHIVE)")
     assert prerequisites.split() == ["$(CLASS_ARCHIVE)"] and "-m duality.spark --s3a" in recipe
     assert "$(S3A_CLASS_ARCHIVE)" in _makefile_rule("object-store")[0]
-    assert _makefile_variable("S3A_CLASS_ARCHIVE") == f"$(JAR_CACHE)/{S3A_CLASS_ARCHIVE}"
+    cache = Path("/jar-cache")
+    s3a_archive = class_archive(
+        Settings(home=cache, jar_cache=cache, s3_endpoint="http://127.0.0.1:9")
+    ).relative_to(cache)
+    assert _makefile_variable("S3A_CLASS_ARCHIVE") == f"$(JAR_CACHE)/{s3a_archive}"
     s3a = shell.find("python -m duality.spark --s3a")
     assert shell.find("s3a_jars(") < s3a and archive < s3a
-    assert f"test -f /opt/duality/.cache/jars/{S3A_CLASS_ARCHIVE}" in shell
+    assert f"test -f /opt/duality/.cache/jars/{s3a_archive}" in shell
 
 
 def test_image_compiles_the_join_like_the_makefile():
