@@ -293,3 +293,82 @@ def test_a_snapshot_loads_with_its_coverage_and_expires_with_it(tmp_path: Path):
     store.clear()
     assert store.snapshot_coverage() == {} and store.rows() == {}
     store.close()
+
+
+def _exchange(sock: socket.socket, data: bytes, answers: int) -> list[tuple[str, bytes]]:
+    """Send `data`; read `answers` responses (status line, body) off the connection."""
+    sock.sendall(data)
+    reader = sock.makefile("rb")
+    got = []
+    for _ in range(answers):
+        status = reader.readline().decode().strip()
+        length = 0
+        while (line := reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode().partition(":")
+            if name.lower() == "content-length":
+                length = int(value)
+        got.append((status, reader.read(length)))
+    return got
+
+
+def test_the_http_layer_keeps_connections_answers_in_order_and_refuses_what_it_cannot_read():
+    """duality.serve.http without the API: keep-alive, pipelined requests answered in order (a
+    waiting one on a thread, the connection's later ones after it, other connections at once),
+    HEAD, Connection: close, a body skipped, and 400/405/431/505 for what it does not read."""
+    from duality.serve.http import HttpServer, Request, Response
+
+    release = threading.Event()
+
+    def handler(request: Request) -> Response:
+        if request.target == "/boom":
+            raise RuntimeError("a handler's bug")
+        if request.target == "/wait":
+            assert release.wait(10)
+        return Response(200, request.target.encode(), "text/plain")
+
+    server = HttpServer(("127.0.0.1", 0), handler, lambda request: request.target == "/wait")
+    thread = threading.Thread(target=server.serve_forever)
+    thread.start()
+    try:
+        address = server.server_address
+        with socket.create_connection(address, timeout=10) as one:
+            pipelined = b"GET /a HTTP/1.1\r\nHost: x\r\n\r\nGET /b HTTP/1.1\r\n\r\n"
+            assert _exchange(one, pipelined, 2) == [
+                ("HTTP/1.1 200 OK", b"/a"),
+                ("HTTP/1.1 200 OK", b"/b"),
+            ]
+            # A body (which a GET does not need) is read past, and the next request answered.
+            body = b"GET /c HTTP/1.1\r\nContent-Length: 3\r\n\r\nxyzGET /d HTTP/1.1\r\n\r\n"
+            assert [b for _, b in _exchange(one, body, 2)] == [b"/c", b"/d"]
+            # A request that waits holds its connection's next one, not another connection.
+            one.sendall(b"GET /wait HTTP/1.1\r\n\r\nGET /after HTTP/1.1\r\n\r\n")
+            with socket.create_connection(address, timeout=10) as two:
+                assert _exchange(two, b"GET /other HTTP/1.1\r\n\r\n", 1)[0][1] == b"/other"
+            release.set()
+            assert [b for _, b in _exchange(one, b"", 2)] == [b"/wait", b"/after"]
+            status, body = _exchange(one, b"GET /boom HTTP/1.1\r\n\r\n", 1)[0]
+            assert status == "HTTP/1.1 500 Internal Server Error" and b"log says why" in body
+        with socket.create_connection(address, timeout=10) as head:
+            head.sendall(b"HEAD /h HTTP/1.1\r\nConnection: close\r\n\r\n")
+            answer = head.makefile("rb").read()
+            assert answer.startswith(b"HTTP/1.1 200 OK") and answer.endswith(b"\r\n\r\n")
+            assert b"Content-Length: 2" in answer and b"Connection: close" in answer
+        refused = {
+            b"POST /p HTTP/1.1\r\n\r\n": 405,
+            b"GARBAGE\r\n\r\n": 400,
+            b"GET / HTTP/2.0\r\n\r\n": 505,
+            b"GET / HTTP/1.1\r\nno colon here\r\n\r\n": 400,
+            b"GET / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n": 400,
+            b"GET / HTTP/1.1\r\nX: " + b"y" * 20_000 + b"\r\n\r\n": 431,
+        }
+        for request, status in refused.items():
+            with socket.create_connection(address, timeout=10) as bad:
+                bad.sendall(request)
+                first = bad.makefile("rb").readline().decode()
+                assert first.startswith(f"HTTP/1.1 {status} "), (request[:40], first)
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+    assert not thread.is_alive()

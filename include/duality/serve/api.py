@@ -22,13 +22,13 @@ import logging
 import time
 import urllib.parse
 from collections.abc import Mapping
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from duality.errors import UsageError
 from duality.metrics import ServingMetrics
+from duality.serve.http import HttpServer, Request, Response
 from duality.serve.keys import parse_token, reached, token
 from duality.serve.replica import Replica
 
@@ -48,11 +48,8 @@ class _Answer(Exception):
         self.status, self.body, self.retry_after = status, dict(body), retry_after
 
 
-class ApiServer(ThreadingHTTPServer):
-    """The API of `replicas` (by pipeline) on (host, port), a thread per request."""
-
-    daemon_threads = True
-    allow_reuse_address = True
+class ApiServer(HttpServer):
+    """The API of `replicas` (by pipeline) on (host, port)."""
 
     def __init__(
         self,
@@ -61,13 +58,91 @@ class ApiServer(ThreadingHTTPServer):
         metrics: ServingMetrics,
         bearer: str | None = None,
     ) -> None:
-        super().__init__(address, _Handler)
+        super().__init__(address, self._handle, _may_wait)
         self.replicas, self.metrics, self.bearer = dict(replicas), metrics, bearer
 
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
         return f"http://{host!s}:{port}"
+
+    def _handle(self, request: Request) -> Response:
+        started = time.perf_counter()
+        parsed = urllib.parse.urlsplit(request.target)
+        # The path only, at debug: never a header (the bearer token).
+        log.debug("%s %s", request.method, parsed.path)
+        parts = [urllib.parse.unquote(p) for p in parsed.path.split("/")[1:]]
+        query = urllib.parse.parse_qs(parsed.query)
+        pipeline = None
+        try:
+            if parts == ["healthz"]:
+                return self._health()
+            if parts == ["metrics"]:
+                return Response(200, generate_latest(self.metrics.registry), CONTENT_TYPE_LATEST)
+            if parts[:2] != ["v1", "pipelines"] or len(parts) not in (3, 5):
+                raise _Answer(404, {"error": f"no such resource: {parsed.path}"})
+            self._authorize(request)
+            replica = self.replicas.get(parts[2])
+            if replica is None:
+                served = sorted(self.replicas)
+                raise _Answer(
+                    404,
+                    {"error": f"this server has no replica of {parts[2]!r}; it serves {served}"},
+                )
+            pipeline = replica.pipeline
+            if len(parts) == 3:
+                return _json(
+                    200, {"pipeline": pipeline, **replica.describe(), **_position_of(replica)}
+                )
+            if parts[3] != "rows":
+                raise _Answer(404, {"error": f"no such resource: {parsed.path}"})
+            answer = _json(200, rows(replica, parts[4], query))
+            self._count(pipeline, 200, started)
+            return answer
+        except _Answer as refused:
+            headers = (
+                {} if refused.retry_after is None else {"Retry-After": str(refused.retry_after)}
+            )
+            if pipeline is not None and len(parts) == 5:
+                self._count(pipeline, refused.status, started)
+            return _json(refused.status, refused.body, headers)
+
+    def _count(self, pipeline: str, status: int, started: float) -> None:
+        self.metrics.requests.labels(pipeline, str(status)).inc()
+        self.metrics.seconds.labels(pipeline).observe(time.perf_counter() - started)
+
+    def _authorize(self, request: Request) -> None:
+        expected = self.bearer
+        if expected is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, credential = given.partition(" ")
+        if not (
+            scheme.lower() == "bearer"
+            and hmac.compare_digest(credential.strip().encode(), expected.encode())
+        ):
+            raise _Answer(
+                401, {"error": "this replica needs the bearer token (DUALITY_SERVE_TOKEN)"}
+            )
+
+    def _health(self) -> Response:
+        replicas = {name: r.describe() | {"alive": r.alive()} for name, r in self.replicas.items()}
+        healthy = all(r["alive"] for r in replicas.values())
+        return _json(
+            200 if healthy else 503,
+            {"status": "ok" if healthy else "failing", "replicas": replicas},
+        )
+
+
+def _may_wait(request: Request) -> bool:
+    """A request that may wait for its replica (`wait`) runs on a thread of its own."""
+    return "wait=" in request.target
+
+
+def _json(
+    status: int, body: Mapping[str, Any], headers: Mapping[str, str] | None = None
+) -> Response:
+    return Response(status, json.dumps(body).encode(), "application/json", headers or {})
 
 
 def _position_of(replica: Replica) -> dict[str, Any]:
@@ -147,98 +222,3 @@ def rows(replica: Replica, key: str, query: Mapping[str, list[str]]) -> dict[str
         (row,) = found.rows
         answer.update(row=row.value, partition=row.partition, offset=row.offset)
     return answer
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: ApiServer
-    protocol_version = "HTTP/1.1"  # keep-alive: a client's next request skips the handshake
-    # The answer leaves in one write, flushed after each request, with Nagle off: headers and
-    # body written apart made each keep-alive answer wait for a delayed ACK (40 ms).
-    wbufsize = -1
-    disable_nagle_algorithm = True
-
-    def log_message(self, format: str, *args: Any) -> None:
-        # The path only, at debug: never a header (the bearer token).
-        log.debug("%s %s", self.command, self.path.split("?", 1)[0])
-
-    def do_GET(self) -> None:
-        started = time.perf_counter()
-        parsed = urllib.parse.urlsplit(self.path)
-        parts = [urllib.parse.unquote(p) for p in parsed.path.split("/")[1:]]
-        query = urllib.parse.parse_qs(parsed.query)
-        pipeline = None
-        try:
-            if parts == ["healthz"]:
-                return self._health()
-            if parts == ["metrics"]:
-                data = generate_latest(self.server.metrics.registry)
-                return self._send(200, data, CONTENT_TYPE_LATEST)
-            if parts[:2] != ["v1", "pipelines"] or len(parts) not in (3, 5):
-                raise _Answer(404, {"error": f"no such resource: {parsed.path}"})
-            self._authorize()
-            replica = self.server.replicas.get(parts[2])
-            if replica is None:
-                served = sorted(self.server.replicas)
-                raise _Answer(
-                    404,
-                    {"error": f"this server has no replica of {parts[2]!r}; it serves {served}"},
-                )
-            pipeline = replica.pipeline
-            if len(parts) == 3:
-                self._json(
-                    200, {"pipeline": pipeline, **replica.describe(), **_position_of(replica)}
-                )
-            elif parts[3] != "rows":
-                raise _Answer(404, {"error": f"no such resource: {parsed.path}"})
-            else:
-                self._json(200, rows(replica, parts[4], query))
-                self._count(pipeline, 200, started)
-        except _Answer as answer:
-            headers = {} if answer.retry_after is None else {"Retry-After": str(answer.retry_after)}
-            self._json(answer.status, answer.body, headers)
-            if pipeline is not None and len(parts) == 5:
-                self._count(pipeline, answer.status, started)
-
-    def _count(self, pipeline: str, status: int, started: float) -> None:
-        self.server.metrics.requests.labels(pipeline, str(status)).inc()
-        self.server.metrics.seconds.labels(pipeline).observe(time.perf_counter() - started)
-
-    def _authorize(self) -> None:
-        expected = self.server.bearer
-        if expected is None:
-            return
-        given = self.headers.get("Authorization", "")
-        scheme, _, credential = given.partition(" ")
-        if not (
-            scheme.lower() == "bearer"
-            and hmac.compare_digest(credential.strip().encode(), expected.encode())
-        ):
-            raise _Answer(
-                401, {"error": "this replica needs the bearer token (DUALITY_SERVE_TOKEN)"}
-            )
-
-    def _health(self) -> None:
-        replicas = {
-            name: r.describe() | {"alive": r.alive()} for name, r in self.server.replicas.items()
-        }
-        healthy = all(r["alive"] for r in replicas.values())
-        self._json(
-            200 if healthy else 503,
-            {"status": "ok" if healthy else "failing", "replicas": replicas},
-        )
-
-    def _json(
-        self, status: int, body: Mapping[str, Any], headers: Mapping[str, str] | None = None
-    ) -> None:
-        self._send(status, json.dumps(body).encode(), "application/json", headers)
-
-    def _send(
-        self, status: int, data: bytes, content_type: str, headers: Mapping[str, str] | None = None
-    ) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        self.end_headers()
-        self.wfile.write(data)
