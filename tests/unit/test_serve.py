@@ -23,7 +23,7 @@ from duality.serve.keys import KeyMismatch, TableKey, TokenError, parse_token, r
 from duality.serve.replica import Replica
 from duality.serve.store import Change, Store
 from duality.spec import PipelineSpec
-from tests.harness import make_pipeline
+from tests.harness import assert_eventually, make_pipeline
 
 TOKEN = "a-bearer-token-of-some-length"
 
@@ -295,6 +295,9 @@ def test_a_snapshot_loads_with_its_coverage_and_expires_with_it(tmp_path: Path):
     store.close()
 
 
+BURST = 100_000  # pipelined requests, whose answers outgrow the sockets' buffers
+
+
 def _exchange(sock: socket.socket, data: bytes, answers: int) -> list[tuple[str, bytes]]:
     """Send `data`; read `answers` responses (status line, body) off the connection."""
     sock.sendall(data)
@@ -311,12 +314,21 @@ def _exchange(sock: socket.socket, data: bytes, answers: int) -> list[tuple[str,
     return got
 
 
-def test_the_http_layer_keeps_connections_answers_in_order_and_refuses_what_it_cannot_read():
+def test_the_http_layer_keeps_connections_answers_in_order_and_refuses_what_it_cannot_read(
+    monkeypatch: pytest.MonkeyPatch,
+):
     """duality.serve.http without the API: keep-alive, pipelined requests answered in order (a
-    waiting one on a thread, the connection's later ones after it, other connections at once),
-    HEAD, Connection: close, a body skipped, and 400/405/431/505 for what it does not read."""
+    waiting one on a thread, the connection's later ones after it, other connections at once; a
+    burst of them answered while read), HEAD, Connection: close, a body skipped, and
+    400/405/413/431/505 for what it does not read."""
+    from duality.serve import http
     from duality.serve.http import HttpServer, Request, Response
 
+    paused: list[bool] = []
+    pause = http._Connection.pause_writing
+    monkeypatch.setattr(
+        http._Connection, "pause_writing", lambda self: (paused.append(True), pause(self))[-1]
+    )
     release = threading.Event()
 
     def handler(request: Request) -> Response:
@@ -348,6 +360,19 @@ def test_the_http_layer_keeps_connections_answers_in_order_and_refuses_what_it_c
             assert [b for _, b in _exchange(one, b"", 2)] == [b"/wait", b"/after"]
             status, body = _exchange(one, b"GET /boom HTTP/1.1\r\n\r\n", 1)[0]
             assert status == "HTTP/1.1 500 Internal Server Error" and b"log says why" in body
+        # Many pipelined requests whose answers are not read for a while: the server stops
+        # reading while its answers wait (asyncio's pause_writing), then answers each, in order.
+        with socket.socket() as many:
+            many.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            many.settimeout(10)
+            many.connect(address)
+            burst = b"".join(b"GET /m%d HTTP/1.1\r\n\r\n" % n for n in range(BURST))
+            sender = threading.Thread(target=many.sendall, args=(burst,))
+            sender.start()
+            assert_eventually(lambda: paused, timeout=10, message="the answers never backed up")
+            answers = _exchange(many, b"", BURST)
+            sender.join(10)
+            assert [b for _, b in answers] == [b"/m%d" % n for n in range(BURST)]
         with socket.create_connection(address, timeout=10) as head:
             head.sendall(b"HEAD /h HTTP/1.1\r\nConnection: close\r\n\r\n")
             answer = head.makefile("rb").read()
@@ -359,6 +384,7 @@ def test_the_http_layer_keeps_connections_answers_in_order_and_refuses_what_it_c
             b"GET / HTTP/2.0\r\n\r\n": 505,
             b"GET / HTTP/1.1\r\nno colon here\r\n\r\n": 400,
             b"GET / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n": 400,
+            b"GET / HTTP/1.1\r\nContent-Length: 999999999\r\n\r\n": 413,
             b"GET / HTTP/1.1\r\nX: " + b"y" * 20_000 + b"\r\n\r\n": 431,
         }
         for request, status in refused.items():
@@ -372,3 +398,17 @@ def test_the_http_layer_keeps_connections_answers_in_order_and_refuses_what_it_c
         server.server_close()
         thread.join(10)
     assert not thread.is_alive()
+
+
+def test_a_server_asked_to_stop_before_it_serves_stops_at_once():
+    """`shutdown` before `serve_forever` (a stop that comes while `duality serve` starts): the
+    loop returns as soon as it runs, rather than serving for ever on a closed socket."""
+    from duality.serve.http import HttpServer, Response
+
+    server = HttpServer(("127.0.0.1", 0), lambda request: Response(200, b""))
+    server.shutdown()
+    thread = threading.Thread(target=server.serve_forever)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive()
+    server.server_close()

@@ -24,6 +24,8 @@ log = logging.getLogger("duality.serve")
 
 # A request's line and headers may take this many bytes; more is answered 431 and closed.
 MAX_HEAD_BYTES = 16_384
+# A request's body (which a GET does not need) may take this many bytes; more is answered 413.
+MAX_BODY_BYTES = 65_536
 # Requests that may wait (`blocks`) at once; more queue for a thread.
 WAITING_THREADS = 16
 
@@ -70,6 +72,7 @@ class _Connection(asyncio.Protocol):
         self.buffer = bytearray()
         self.transport: asyncio.Transport | None = None
         self.waiting = False  # a request on a thread: read no further until it is answered
+        self.full = False  # the client reads its answers slower than it asks: read no further
         self.closing = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -84,7 +87,7 @@ class _Connection(asyncio.Protocol):
     def _next(self) -> None:
         """Answer every whole request in the buffer, in order."""
         assert self.transport is not None
-        while not self.waiting and not self.closing:
+        while not (self.waiting or self.full or self.closing):
             end = self.buffer.find(b"\r\n\r\n")
             if end < 0:
                 if len(self.buffer) > MAX_HEAD_BYTES:
@@ -101,6 +104,9 @@ class _Connection(asyncio.Protocol):
             length = request.headers.get("content-length", "0")
             if "transfer-encoding" in request.headers or not length.isdigit():
                 self._finish(_error(400, "a request body must have a Content-Length"), False, True)
+                return
+            if int(length) > MAX_BODY_BYTES:
+                self._finish(_error(413, "a GET needs no body"), False, True)
                 return
             whole = end + 4 + int(length)
             if len(self.buffer) < whole:  # its body (which a GET ignores) is still coming
@@ -126,9 +132,23 @@ class _Connection(asyncio.Protocol):
         if done.cancelled() or self.transport is None or self.transport.is_closing():
             return
         self._finish(done.result(), head_only, close)
-        if not self.closing:
-            self.transport.resume_reading()
-            self._next()
+        self._resume()
+
+    def pause_writing(self) -> None:
+        # Answers pile up unread (pipelined requests never read): ask for no more meanwhile.
+        assert self.transport is not None
+        self.full = True
+        self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.full = False
+        self._resume()
+
+    def _resume(self) -> None:
+        if self.transport is None or self.closing or self.waiting or self.full:
+            return
+        self.transport.resume_reading()
+        self._next()
 
     def _finish(self, response: Response, head_only: bool, close: bool) -> None:
         assert self.transport is not None
@@ -177,8 +197,9 @@ class HttpServer:
         self.server_address: tuple[str, int] = self.socket.getsockname()[:2]
         self.loop = asyncio.new_event_loop()
         self.waiters = ThreadPoolExecutor(WAITING_THREADS, thread_name_prefix="serve-wait")
-        self._stopped = threading.Event()
-        self._stopped.set()
+        self._stop = asyncio.Event()  # set on the loop by `shutdown`, whenever it is called
+        self._serving = threading.Event()  # serve_forever was entered
+        self._stopped = threading.Event()  # ... and returned
 
     def answer(self, request: Request) -> Response:
         try:
@@ -188,26 +209,29 @@ class HttpServer:
             return _error(500, "the replica failed to answer; its log says why")
 
     def serve_forever(self, poll_interval: float = 0.5) -> None:
-        """Answer requests on this thread until `shutdown` (`poll_interval` is unused: the
-        loop wakes when asked to stop)."""
-        self._stopped.clear()
+        """Answer requests on this thread until `shutdown`, even one called before this
+        (`poll_interval` is unused: the loop wakes when asked to stop)."""
+        self._serving.set()
         try:
-            server = self.loop.run_until_complete(
-                self.loop.create_server(lambda: _Connection(self), sock=self.socket)
-            )
-            self.loop.run_forever()
-            server.close()
-            for transport in list(self.connections):
-                transport.close()
-            self.loop.run_until_complete(server.wait_closed())
-            self.loop.run_until_complete(asyncio.sleep(0))  # the transports' close callbacks
+            self.loop.run_until_complete(self._serve())
         finally:
             self._stopped.set()
 
+    async def _serve(self) -> None:
+        server = await self.loop.create_server(lambda: _Connection(self), sock=self.socket)
+        await self._stop.wait()
+        server.close()
+        for transport in list(self.connections):
+            transport.close()
+        await server.wait_closed()
+        await asyncio.sleep(0)  # the transports' close callbacks
+
     def shutdown(self) -> None:
-        """Stop `serve_forever` and wait until it returned."""
-        if not self._stopped.is_set():
-            self.loop.call_soon_threadsafe(self.loop.stop)
+        """Stop `serve_forever`, and wait until it returned if it was running."""
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self._stop.set)
+        if self._serving.is_set():
             self._stopped.wait()
 
     def server_close(self) -> None:

@@ -107,8 +107,10 @@ def test_a_replica_is_the_changelog_and_resumes_from_its_store(settings: Setting
     _write(producer, topic, ((k, -2) for k in KEYS[250:]), commit=False)  # aborted, last
     producer.flush(60)
 
-    # Small writes, so that many of them apply the backlog and the SIGKILL falls among them.
-    replica = ServeProcess(scoped.replace(serve_write_records=50), tmp_path / "serve", spec.name)
+    # Small writes, so that many of them apply the backlog and the SIGKILL falls among them: at 50
+    # records a write the backlog was all applied before a test worker starved by the suite's
+    # load came to kill it (2026-11-28, 21:40 UTC); at 10 the apply takes five times as long.
+    replica = ServeProcess(scoped.replace(serve_write_records=10), tmp_path / "serve", spec.name)
     store = replica.folder / f"{spec.name}.sqlite"
     total = len(read_messages(settings, topic))  # committed records, tombstones included
     try:
