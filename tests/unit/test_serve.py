@@ -120,7 +120,7 @@ def api(settings: Settings, tmp_path: Path) -> Iterator[tuple[ApiServer, Replica
     metrics = ServingMetrics()
     replica = Replica(settings, pipeline, tmp_path / "serve", metrics)
     server = ApiServer(("127.0.0.1", 0), {pipeline.name: replica}, metrics, TOKEN)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread = threading.Thread(target=server.serve_forever)
     thread.start()
     try:
         yield server, replica
@@ -198,7 +198,7 @@ def test_a_key_that_does_not_fit_is_400_naming_the_key_type(settings: Settings, 
     metrics = ServingMetrics()
     replica = Replica(settings, pipeline, tmp_path / "serve", metrics)
     server = ApiServer(("127.0.0.1", 0), {pipeline.name: replica}, metrics)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread = threading.Thread(target=server.serve_forever)
     thread.start()
     try:
         status, body, _ = _get(f"{server.url}/v1/pipelines/{pipeline.name}/rows/abc", None)
@@ -248,7 +248,7 @@ def test_a_windowed_key_answers_its_windows_in_a_range(settings: Settings, tmp_p
     metrics = ServingMetrics()
     replica = Replica(settings, pipeline, tmp_path / "serve", metrics)
     server = ApiServer(("127.0.0.1", 0), {pipeline.name: replica}, metrics)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread = threading.Thread(target=server.serve_forever)
     thread.start()
     try:
         hours = [f"2026-11-21T{h:02d}:00:00.000Z" for h in (10, 11, 12)]

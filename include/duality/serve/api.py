@@ -17,7 +17,6 @@ With a bearer token set (`DUALITY_SERVE_TOKEN`), `/v1/` answers only requests th
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import time
 import urllib.parse
@@ -28,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from duality.errors import UsageError
 from duality.metrics import ServingMetrics
-from duality.serve.http import HttpServer, Request, Response
+from duality.serve.http import HttpServer, Request, Response, json_response
 from duality.serve.keys import parse_token, reached, token
 from duality.serve.replica import Replica
 
@@ -61,11 +60,6 @@ class ApiServer(HttpServer):
         super().__init__(address, self._handle, _may_wait)
         self.replicas, self.metrics, self.bearer = dict(replicas), metrics, bearer
 
-    @property
-    def url(self) -> str:
-        host, port = self.server_address[:2]
-        return f"http://{host!s}:{port}"
-
     def _handle(self, request: Request) -> Response:
         started = time.perf_counter()
         parsed = urllib.parse.urlsplit(request.target)
@@ -91,12 +85,12 @@ class ApiServer(HttpServer):
                 )
             pipeline = replica.pipeline
             if len(parts) == 3:
-                return _json(
+                return json_response(
                     200, {"pipeline": pipeline, **replica.describe(), **_position_of(replica)}
                 )
             if parts[3] != "rows":
                 raise _Answer(404, {"error": f"no such resource: {parsed.path}"})
-            answer = _json(200, rows(replica, parts[4], query))
+            answer = json_response(200, rows(replica, parts[4], query))
             self._count(pipeline, 200, started)
             return answer
         except _Answer as refused:
@@ -105,7 +99,7 @@ class ApiServer(HttpServer):
             )
             if pipeline is not None and len(parts) == 5:
                 self._count(pipeline, refused.status, started)
-            return _json(refused.status, refused.body, headers)
+            return json_response(refused.status, refused.body, headers)
 
     def _count(self, pipeline: str, status: int, started: float) -> None:
         self.metrics.requests.labels(pipeline, str(status)).inc()
@@ -128,7 +122,7 @@ class ApiServer(HttpServer):
     def _health(self) -> Response:
         replicas = {name: r.describe() | {"alive": r.alive()} for name, r in self.replicas.items()}
         healthy = all(r["alive"] for r in replicas.values())
-        return _json(
+        return json_response(
             200 if healthy else 503,
             {"status": "ok" if healthy else "failing", "replicas": replicas},
         )
@@ -137,12 +131,6 @@ class ApiServer(HttpServer):
 def _may_wait(request: Request) -> bool:
     """A request that may wait for its replica (`wait`) runs on a thread of its own."""
     return "wait=" in request.target
-
-
-def _json(
-    status: int, body: Mapping[str, Any], headers: Mapping[str, str] | None = None
-) -> Response:
-    return Response(status, json.dumps(body).encode(), "application/json", headers or {})
 
 
 def _position_of(replica: Replica) -> dict[str, Any]:

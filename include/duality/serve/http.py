@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import json
 import logging
 import socket
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
+from typing import Any
 
 log = logging.getLogger("duality.serve")
 
@@ -62,8 +64,14 @@ def _encode(response: Response, head_only: bool, close: bool) -> bytes:
     return head if head_only else head + response.body
 
 
+def json_response(
+    status: int, body: Mapping[str, Any], headers: Mapping[str, str] | None = None
+) -> Response:
+    return Response(status, json.dumps(body).encode(), "application/json", headers or {})
+
+
 def _error(status: int, message: str) -> Response:
-    return Response(status, f'{{"error": "{message}"}}'.encode())
+    return json_response(status, {"error": message})
 
 
 class _Connection(asyncio.Protocol):
@@ -89,12 +97,10 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         while not (self.waiting or self.full or self.closing):
             end = self.buffer.find(b"\r\n\r\n")
-            if end < 0:
-                if len(self.buffer) > MAX_HEAD_BYTES:
-                    self._finish(_error(431, "the request's headers are too large"), False, True)
-                return
-            if end > MAX_HEAD_BYTES:
+            if (end if end >= 0 else len(self.buffer)) > MAX_HEAD_BYTES:
                 self._finish(_error(431, "the request's headers are too large"), False, True)
+                return
+            if end < 0:  # the rest of its headers is still coming
                 return
             parsed = _parse(bytes(self.buffer[:end]))
             if isinstance(parsed, Response):  # not HTTP/1.x as this server reads it
@@ -208,9 +214,13 @@ class HttpServer:
             log.exception("answering %s %s failed", request.method, request.target.split("?")[0])
             return _error(500, "the replica failed to answer; its log says why")
 
-    def serve_forever(self, poll_interval: float = 0.5) -> None:
-        """Answer requests on this thread until `shutdown`, even one called before this
-        (`poll_interval` is unused: the loop wakes when asked to stop)."""
+    @property
+    def url(self) -> str:
+        host, port = self.server_address
+        return f"http://{host!s}:{port}"
+
+    def serve_forever(self) -> None:
+        """Answer requests on this thread until `shutdown`, even one called before this."""
         self._serving.set()
         try:
             self.loop.run_until_complete(self._serve())

@@ -54,9 +54,7 @@ def serve(
     record = settings.replica_dir / "serve.json"
     port = int(server.server_address[1])
     target, scraped = serve_target(settings, settings.serve_host, port)
-    listener = threading.Thread(
-        target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="serve-api"
-    )
+    listener = threading.Thread(target=server.serve_forever, name="serve-api")
     try:
         for replica in replicas.values():
             replica.start()
